@@ -1,0 +1,81 @@
+"""The functional model API: parameters, the reference forward, and cache prefill/extension.
+
+`logits` (no cache) is the reference that every cached path is tested against. `extend` appends T
+tokens to every row at that row's own offset `cache.lengths[b]` and returns the logits of those T
+positions with the cache advanced by T; `prefill` is `extend` on an empty cache followed by setting
+each row's length to its prompt length.
+"""
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from spsjax import sharding
+from spsjax.models import kv_cache
+from spsjax.models.config import TransformerConfig
+from spsjax.models.transformer import Transformer
+
+
+@flax.struct.dataclass
+class Model:
+  """A frozen (config, params) pair; a pytree whose config is static."""
+  config: TransformerConfig = flax.struct.field(pytree_node=False)
+  params: dict
+
+
+def _boxed_init(config: TransformerConfig, rng: jax.Array):
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  return Transformer(config).init(rng, tokens, tokens)['params']
+
+
+def param_shardings(config: TransformerConfig, mesh: Mesh,
+                    rules: sharding.Rules = sharding.DEFAULT_RULES):
+  """NamedShardings for the parameter tree, from its logical axis names."""
+  abstract = jax.eval_shape(_boxed_init, config, jax.random.key(0))
+  return sharding.tree_shardings(abstract, mesh, rules)
+
+
+def init_params(config: TransformerConfig, rng: jax.Array, *, mesh: Mesh | None = None,
+                rules: sharding.Rules = sharding.DEFAULT_RULES) -> dict:
+  """Random parameters; with `mesh`, created already sharded (no full copy on one device)."""
+  init = lambda key: nn.unbox(_boxed_init(config, key))
+  if mesh is None:
+    return jax.jit(init)(rng)
+  return jax.jit(init, out_shardings=param_shardings(config, mesh, rules))(rng)
+
+
+def num_params(params) -> int:
+  return sum(x.size for x in jax.tree.leaves(params))
+
+
+def logits(config: TransformerConfig, params, tokens_BxT: jax.Array) -> jax.Array:
+  """Full causal forward with no cache: float32[B, T, V]. The reference for every cached path."""
+  T = tokens_BxT.shape[1]
+  positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens_BxT.shape)
+  out, _ = Transformer(config).apply({'params': params}, tokens_BxT, positions_BxT)
+  return out
+
+
+def extend(config: TransformerConfig, params, cache: kv_cache.KVCache,
+           tokens_BxT: jax.Array) -> tuple[jax.Array, kv_cache.KVCache]:
+  """Appends T tokens to each row at its own offset: (float32[B, T, V], cache with lengths + T).
+
+  The caller guarantees lengths + T <= cache capacity (a write past the end would be clamped).
+  """
+  T = tokens_BxT.shape[1]
+  positions_BxT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)
+  out, (k, v) = Transformer(config).apply({'params': params}, tokens_BxT, positions_BxT, cache)
+  return out, kv_cache.KVCache(k=k, v=v, lengths=cache.lengths + T)
+
+
+def prefill(config: TransformerConfig, params, prompts_BxP: jax.Array, prompt_lengths_B: jax.Array,
+            capacity: int) -> tuple[jax.Array, kv_cache.KVCache]:
+  """Fills a fresh cache with right-padded prompts: (float32[B, P, V], cache at prompt lengths).
+
+  Padding positions are written too but sit at or past each row's length, so nothing reads them.
+  """
+  cache = kv_cache.init_cache(config, prompts_BxP.shape[0], capacity)
+  out, cache = extend(config, params, cache, prompts_BxP)
+  return out, cache.with_lengths(prompt_lengths_B)

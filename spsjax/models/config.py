@@ -1,0 +1,69 @@
+"""The transformer's hyper-parameters as one frozen, validated dataclass.
+
+Invariant: a `TransformerConfig` that constructs is internally consistent (heads divide into kv
+groups, dtype is supported), so no model code needs to re-check it.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+
+_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+_MLP_KINDS = ('gated_silu', 'gelu')
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Decoder-only transformer: RoPE, pre-norm RMSNorm, MHA/GQA/MQA, gated-SiLU or GELU MLP."""
+
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int | None = None  # None: as many as num_heads (MHA).
+  d_ff: int = 0  # 0: 4 * d_model.
+  max_seq_len: int = 2048
+  dtype: str = 'float32'  # Parameters and activations; logits are always float32.
+  head_dim: int | None = None  # None: d_model // num_heads.
+  mlp: str = 'gated_silu'
+  tie_embeddings: bool = True
+  rope_base: float = 10_000.0
+  norm_eps: float = 1e-6
+
+  def __post_init__(self):
+    for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'max_seq_len'):
+      if getattr(self, name) < 1:
+        raise ValueError(f'TransformerConfig.{name} must be >= 1, got {getattr(self, name)}.')
+    if self.num_kv_heads is not None and not 1 <= self.num_kv_heads <= self.num_heads:
+      raise ValueError(
+          f'num_kv_heads must be in [1, num_heads={self.num_heads}], got {self.num_kv_heads}.')
+    if self.num_heads % self.kv_heads:
+      raise ValueError(
+          f'num_heads={self.num_heads} must be a multiple of num_kv_heads={self.kv_heads}.')
+    if self.head_dim is None and self.d_model % self.num_heads:
+      raise ValueError(
+          f'd_model={self.d_model} is not divisible by num_heads={self.num_heads}; set head_dim.')
+    if self.dims_per_head % 2:
+      raise ValueError(f'head_dim must be even for rotary embeddings, got {self.dims_per_head}.')
+    if self.dtype not in _DTYPES:
+      raise ValueError(f'dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}.')
+    if self.mlp not in _MLP_KINDS:
+      raise ValueError(f'mlp must be one of {_MLP_KINDS}, got {self.mlp!r}.')
+    if self.d_ff < 0:
+      raise ValueError(f'd_ff must be >= 0, got {self.d_ff}.')
+
+  @property
+  def kv_heads(self) -> int:
+    return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+  @property
+  def dims_per_head(self) -> int:
+    return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+  @property
+  def ff_dim(self) -> int:
+    return self.d_ff or 4 * self.d_model
+
+  @property
+  def jnp_dtype(self):
+    return _DTYPES[self.dtype]

@@ -1,0 +1,148 @@
+"""Decoder-only transformer in Flax, one forward for both the full causal pass and the cached pass.
+
+Shapes use single-letter einsum names throughout: B batch, T new positions, S key positions (cache
+slots, or T without a cache), D d_model, N query heads, K kv heads, G = N / K query heads per kv
+head, H head dim, F MLP hidden, V vocabulary.
+
+Parameters carry logical axis names (`spsjax.sharding`); the forward has no sharding code of its own:
+with Megatron-sharded weights, XLA's partitioner splits heads and MLP units over `model` and inserts
+one all-reduce after each attention and MLP block.
+
+Invariant: a cached call at row offsets `lengths` computes exactly what the full causal forward
+computes at those positions (up to float reassociation).
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from spsjax.models import kv_cache
+from spsjax.models.config import TransformerConfig
+
+_NEG_INF = jnp.finfo(jnp.float32).min
+
+
+def _param(module, name, shape, names, fan_in, dtype):
+  init = nn.initializers.normal(stddev=fan_in**-0.5)
+  return module.param(name, nn.with_logical_partitioning(init, names), shape, dtype)
+
+
+class RMSNorm(nn.Module):
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxD):
+    c = self.config
+    scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
+                       (c.d_model,), c.jnp_dtype)
+    x = x_BxTxD.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + c.norm_eps)
+    return (x * scale.astype(jnp.float32)).astype(c.jnp_dtype)
+
+
+def rope(x_BxTxNxH, positions_BxT, base):
+  """Rotary position embedding (half-split convention), computed in float32."""
+  half = x_BxTxNxH.shape[-1] // 2
+  freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles_BxTxH2 = positions_BxT[..., None].astype(jnp.float32) * freqs
+  sin, cos = jnp.sin(angles_BxTxH2)[:, :, None], jnp.cos(angles_BxTxH2)[:, :, None]
+  x = x_BxTxNxH.astype(jnp.float32)
+  x1, x2 = x[..., :half], x[..., half:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxNxH.dtype)
+
+
+class Attention(nn.Module):
+  """Multi-head attention with K kv heads shared by groups of G query heads (MHA, GQA, MQA)."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxD, positions_BxT, layer_cache):
+    c = self.config
+    D, N, K, H, dt = c.d_model, c.num_heads, c.kv_heads, c.dims_per_head, c.jnp_dtype
+    wq = _param(self, 'wq', (D, N, H), ('embed', 'heads', 'head_dim'), D, dt)
+    wk = _param(self, 'wk', (D, K, H), ('embed', 'kv_heads', 'head_dim'), D, dt)
+    wv = _param(self, 'wv', (D, K, H), ('embed', 'kv_heads', 'head_dim'), D, dt)
+    wo = _param(self, 'wo', (N, H, D), ('heads', 'head_dim', 'embed'), N * H, dt)
+
+    q_BxTxNxH = rope(jnp.einsum('BTD,DNH->BTNH', x_BxTxD, wq), positions_BxT, c.rope_base)
+    k_BxTxKxH = rope(jnp.einsum('BTD,DKH->BTKH', x_BxTxD, wk), positions_BxT, c.rope_base)
+    v_BxTxKxH = jnp.einsum('BTD,DKH->BTKH', x_BxTxD, wv)
+
+    if layer_cache is None:  # Full causal pass: keys are the new positions themselves.
+      keys_BxSxKxH, values_BxSxKxH, key_pos_BxS = k_BxTxKxH, v_BxTxKxH, positions_BxT
+    else:  # Write this call's positions first, then attend over the whole cache.
+      cache_k, cache_v, starts_B = layer_cache
+      keys_BxSxKxH = kv_cache.write_rows(cache_k, k_BxTxKxH, starts_B)
+      values_BxSxKxH = kv_cache.write_rows(cache_v, v_BxTxKxH, starts_B)
+      key_pos_BxS = jnp.broadcast_to(jnp.arange(keys_BxSxKxH.shape[1]),
+                                     keys_BxSxKxH.shape[:2])
+    mask_BxTxS = key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]
+
+    B, T = x_BxTxD.shape[:2]
+    q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, N // K, H)
+    scores = jnp.einsum('BTKGH,BSKH->BKGTS', q_BxTxKxGxH, keys_BxSxKxH,
+                        preferred_element_type=jnp.float32) * H**-0.5
+    scores = jnp.where(mask_BxTxS[:, None, None], scores, _NEG_INF)
+    probs_BxKxGxTxS = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out_BxTxKxGxH = jnp.einsum('BKGTS,BSKH->BTKGH', probs_BxKxGxTxS, values_BxSxKxH)
+    out_BxTxD = jnp.einsum('BTNH,NHD->BTD', out_BxTxKxGxH.reshape(B, T, N, H), wo)
+    return out_BxTxD, (keys_BxSxKxH, values_BxSxKxH)
+
+
+class Mlp(nn.Module):
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxD):
+    c = self.config
+    D, F, dt = c.d_model, c.ff_dim, c.jnp_dtype
+    w_in = _param(self, 'w_in', (D, F), ('embed', 'mlp'), D, dt)
+    w_out = _param(self, 'w_out', (F, D), ('mlp', 'embed'), F, dt)
+    h_BxTxF = jnp.einsum('BTD,DF->BTF', x_BxTxD, w_in)
+    if c.mlp == 'gated_silu':
+      w_gate = _param(self, 'w_gate', (D, F), ('embed', 'mlp'), D, dt)
+      h_BxTxF = jax.nn.silu(jnp.einsum('BTD,DF->BTF', x_BxTxD, w_gate)) * h_BxTxF
+    else:
+      h_BxTxF = jax.nn.gelu(h_BxTxF)
+    return jnp.einsum('BTF,FD->BTD', h_BxTxF, w_out)
+
+
+class Block(nn.Module):
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxD, positions_BxT, layer_cache):
+    attn_BxTxD, new_kv = Attention(self.config, name='attn')(
+        RMSNorm(self.config, name='attn_norm')(x_BxTxD), positions_BxT, layer_cache)
+    x_BxTxD = x_BxTxD + attn_BxTxD
+    x_BxTxD = x_BxTxD + Mlp(self.config, name='mlp')(RMSNorm(self.config, name='mlp_norm')(x_BxTxD))
+    return x_BxTxD, new_kv
+
+
+class Transformer(nn.Module):
+  """tokens [B, T] at `positions` [B, T] -> float32 logits [B, T, V] and each layer's (k, v)."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, tokens_BxT, positions_BxT, cache=None):
+    c = self.config
+    embedding_VxD = _param(self, 'embedding', (c.vocab_size, c.d_model), ('vocab', 'embed'),
+                           c.d_model, c.jnp_dtype)
+    x_BxTxD = jnp.take(embedding_VxD, tokens_BxT, axis=0)
+    new_k, new_v = [], []
+    for i in range(c.num_layers):
+      layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.lengths)
+      x_BxTxD, (k, v) = Block(c, name=f'layer_{i}')(x_BxTxD, positions_BxT, layer_cache)
+      new_k.append(k)
+      new_v.append(v)
+    x_BxTxD = RMSNorm(c, name='final_norm')(x_BxTxD)
+    if c.tie_embeddings:
+      logits_BxTxV = jnp.einsum('BTD,VD->BTV', x_BxTxD, embedding_VxD,
+                                preferred_element_type=jnp.float32)
+    else:
+      head_DxV = _param(self, 'head', (c.d_model, c.vocab_size), ('embed', 'vocab'), c.d_model,
+                        c.jnp_dtype)
+      logits_BxTxV = jnp.einsum('BTD,DV->BTV', x_BxTxD, head_DxV,
+                                preferred_element_type=jnp.float32)
+    return logits_BxTxV, (tuple(new_k), tuple(new_v))

@@ -1,0 +1,90 @@
+"""What every sampler shares: the output type, the pad id, input checks and per-row randomness.
+
+Conventions: prompts are `int32[B, P]`, right-padded, with `prompt_lengths: int32[B]` in [1, P]; the
+output holds generated tokens only, `PAD_ID` after each row's end.
+"""
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from spsjax import sharding
+from spsjax.models import Model, param_shardings
+
+PAD_ID = -1  # Fills `SampleOutput.tokens` after each row's last generated token.
+
+
+@flax.struct.dataclass
+class SampleOutput:
+  tokens: jax.Array  # int32[B, max_new_tokens]; PAD_ID after a row's end.
+  num_generated: jax.Array  # int32[B]; includes the eos token when a row stopped at eos.
+  # Speculative sampling only (None for ArS):
+  num_loops: jax.Array | None = None  # int32[B]: draft/score/accept loops the row took part in.
+  num_accepted: jax.Array | None = None  # int32[B]: draft tokens accepted.
+  accepted_histogram: jax.Array | None = None  # int32[k + 1]: loops that accepted exactly n drafts.
+
+
+def check_inputs(model: Model, prompts, prompt_lengths, *, max_new_tokens: int,
+                 eos_id: int | None, mesh: Mesh | None, headroom: int = 0) -> None:
+  """Raises ValueError naming the problem; `headroom` is extra cache a sampler needs past the end."""
+  config = model.config
+  prompts, prompt_lengths = np.asarray(prompts), np.asarray(prompt_lengths)
+  if prompts.ndim != 2 or not np.issubdtype(prompts.dtype, np.integer):
+    raise ValueError(f'prompts must be an integer array [B, P], got {prompts.dtype}{prompts.shape}.')
+  batch, width = prompts.shape
+  if prompt_lengths.shape != (batch,) or not np.issubdtype(prompt_lengths.dtype, np.integer):
+    raise ValueError(f'prompt_lengths must be integers of shape ({batch},), got '
+                     f'{prompt_lengths.dtype}{prompt_lengths.shape}.')
+  if batch == 0:
+    raise ValueError('The batch is empty.')
+  if prompt_lengths.min() < 1 or prompt_lengths.max() > width:
+    raise ValueError(f'Every prompt length must be in [1, P={width}]; got lengths from '
+                     f'{prompt_lengths.min()} to {prompt_lengths.max()}.')
+  if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+    raise ValueError(f'max_new_tokens must be an integer >= 1, got {max_new_tokens}.')
+  need = int(prompt_lengths.max()) + max_new_tokens + headroom
+  if need > config.max_seq_len:
+    extra = f' + {headroom} positions of headroom the sampler needs' if headroom else ''
+    raise ValueError(
+        f'Longest prompt ({prompt_lengths.max()}) + max_new_tokens ({max_new_tokens}){extra} = '
+        f'{need} exceeds the model max_seq_len ({config.max_seq_len}).')
+  valid = np.arange(width)[None, :] < prompt_lengths[:, None]
+  ids = prompts[valid]
+  if ids.min() < 0 or ids.max() >= config.vocab_size:
+    raise ValueError(f'Prompt token ids must be in [0, vocab_size={config.vocab_size}); got ids '
+                     f'from {ids.min()} to {ids.max()}.')
+  if eos_id is not None and not 0 <= eos_id < config.vocab_size:
+    raise ValueError(f'eos_id must be in [0, vocab_size={config.vocab_size}), got {eos_id}.')
+  sharding.check_batch(batch, mesh)
+
+
+def clean_padding(prompts_BxP: jax.Array, prompt_lengths_B: jax.Array) -> jax.Array:
+  """Replaces padding (which may hold any id) by 0 so the prefill never embeds an invalid id."""
+  valid_BxP = jnp.arange(prompts_BxP.shape[1])[None, :] < prompt_lengths_B[:, None]
+  return jnp.where(valid_BxP, prompts_BxP, 0).astype(jnp.int32)
+
+
+def row_keys(rng: jax.Array, batch: int) -> jax.Array:
+  """One independent key per row; a row's draws never depend on the other rows."""
+  return jax.random.split(rng, batch)
+
+
+def step_keys(row_keys_B: jax.Array, counters_B: jax.Array) -> jax.Array:
+  """Per-row keys for one step, derived from a per-row counter (e.g. tokens generated so far)."""
+  return jax.vmap(jax.random.fold_in)(row_keys_B, counters_B)
+
+
+def place(model: Model, prompts, prompt_lengths, mesh: Mesh | None,
+          rules: sharding.Rules = sharding.DEFAULT_RULES):
+  """Puts params, prompts and lengths on the mesh (params by their logical rules, rows on `data`)."""
+  prompts = jnp.asarray(prompts, jnp.int32)
+  prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
+  if mesh is None:
+    return model, prompts, prompt_lengths
+  params = jax.device_put(model.params, param_shardings(model.config, mesh, rules))
+  prompts = jax.device_put(prompts, sharding.named(('batch', 'length'), prompts.shape, mesh, rules))
+  prompt_lengths = jax.device_put(prompt_lengths,
+                                  sharding.named(('batch',), prompt_lengths.shape, mesh, rules))
+  return model.replace(params=params), prompts, prompt_lengths

@@ -1,0 +1,109 @@
+"""Meshes and the logical-axis rules that place parameters, caches and batches on them.
+
+Megatron-style tensor parallelism over mesh axis `model` (attention heads, MLP hidden units and the
+vocabulary are split; the residual stream `embed` is replicated) and data parallelism over `data`.
+Every array names its dimensions logically (`('embed', 'heads', 'head_dim')`); a rules table, kept in
+config, maps the names to mesh axes.
+
+Invariant: a dimension is sharded only if the mesh axis divides it; otherwise it is replicated (for
+example kv heads under MQA, where one kv head cannot be split over the `model` axis).
+"""
+
+from collections.abc import Sequence
+import math
+
+import flax.linen as nn
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+Rules = tuple[tuple[str, str | None], ...]
+
+# Logical name -> mesh axis. Cache names follow the weights they come from, so a row's keys and
+# values live on the devices that hold that row's heads.
+DEFAULT_RULES: Rules = (
+    ('batch', 'data'),
+    ('length', None),
+    ('embed', None),
+    ('heads', 'model'),
+    ('kv_heads', 'model'),
+    ('head_dim', None),
+    ('mlp', 'model'),
+    ('vocab', 'model'),
+    ('cache_batch', 'data'),
+    ('cache_sequence', None),
+    ('cache_heads', 'model'),
+    ('cache_head_dim', None),
+)
+
+MESH_AXES = ('data', 'model')
+
+
+def make_mesh(data: int = 1, model: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A ('data', 'model') mesh with explicit Auto axis types (JAX's default has changed before).
+
+  With several processes, `jax.make_mesh` orders devices so that the `model` axis stays inside a
+  host where it can and `data` spans hosts.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  if data < 1 or model < 1:
+    raise ValueError(f'Mesh axes must be >= 1, got data={data}, model={model}.')
+  if data * model != len(devices):
+    raise ValueError(
+        f'Mesh data={data} x model={model} needs {data * model} devices; {len(devices)} available.')
+  return jax.make_mesh((data, model), MESH_AXES, axis_types=(AxisType.Auto,) * 2, devices=devices)
+
+
+def validate_rules(rules: Rules) -> Rules:
+  rules = tuple((str(name), axis) for name, axis in rules)
+  for name, axis in rules:
+    if axis is not None and axis not in MESH_AXES:
+      raise ValueError(f'Rule {name!r} -> {axis!r}: mesh axis must be one of {MESH_AXES} or None.')
+  names = [name for name, _ in rules]
+  if len(set(names)) != len(names):
+    raise ValueError(f'Logical axis rules name an axis twice: {names}.')
+  return rules
+
+
+def spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+         rules: Rules = DEFAULT_RULES) -> PartitionSpec:
+  """PartitionSpec for logical `names`, replicating dimensions the mesh axis does not divide."""
+  table = dict(rules)
+  axes = []
+  used = set()
+  for name, size in zip(names, shape, strict=True):
+    if name is not None and name not in table:
+      raise ValueError(f'No sharding rule for logical axis {name!r}; rules cover {sorted(table)}.')
+    axis = table.get(name) if name is not None else None
+    if axis is None or axis in used or size % mesh.shape[axis]:
+      axes.append(None)
+    else:
+      axes.append(axis)
+      used.add(axis)
+  return PartitionSpec(*axes)
+
+
+def named(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+          rules: Rules = DEFAULT_RULES) -> NamedSharding:
+  return NamedSharding(mesh, spec(names, shape, mesh, rules))
+
+
+def tree_shardings(boxed_abstract, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+  """Shardings for a tree of `nn.LogicallyPartitioned` abstract values (from `jax.eval_shape`)."""
+
+  def one(leaf):
+    if isinstance(leaf, nn.LogicallyPartitioned):
+      return named(leaf.names, leaf.value.shape, mesh, rules)
+    return NamedSharding(mesh, PartitionSpec())
+
+  return jax.tree.map(one, boxed_abstract,
+                      is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+
+
+def check_batch(batch: int, mesh: Mesh | None) -> None:
+  if mesh is not None and batch % mesh.shape['data']:
+    raise ValueError(
+        f'Batch size {batch} is not divisible by the mesh data axis ({mesh.shape["data"]}).')
+
+
+def num_devices(mesh: Mesh | None) -> int:
+  return 1 if mesh is None else math.prod(mesh.shape.values())
