@@ -3,6 +3,7 @@
 from spsjax.sampling.autoregressive import autoregressive_sample
 from spsjax.sampling.common import PAD_ID, SampleOutput
 from spsjax.sampling.processors import SamplingConfig, probabilities, sample
+from spsjax.sampling.speculative import speculative_sample
 
 __all__ = ['PAD_ID', 'SampleOutput', 'SamplingConfig', 'autoregressive_sample', 'probabilities',
-           'sample']
+           'sample', 'speculative_sample']

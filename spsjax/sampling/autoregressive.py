@@ -23,7 +23,7 @@ trace_count = 0  # Incremented each time the program is traced; tests assert it 
 
 @flax.struct.dataclass
 class _State:
-  tokens_BxM: jax.Array  # Generated tokens, PAD_ID beyond each row's end.
+  tokens_BxW: jax.Array  # Generated tokens, PAD_ID beyond each row's end; W = max_new + 1.
   num_generated_B: jax.Array
   done_B: jax.Array
   cache: KVCache
@@ -34,21 +34,15 @@ def _emit(state: _State, logits_BxV, sampling, eos_id, max_new_tokens) -> _State
   """Samples one token per active row and records it; stopped rows are left as they are."""
   keys_B = common.step_keys(state.row_keys_B, state.num_generated_B)
   new_B = sample(keys_B, probabilities(logits_BxV, sampling))
-  active_B = ~state.done_B
-  column_B = jnp.minimum(state.num_generated_B, max_new_tokens - 1)
-  rows_B = jnp.arange(new_B.shape[0])
-  current_B = state.tokens_BxM[rows_B, column_B]
-  tokens_BxM = state.tokens_BxM.at[rows_B, column_B].set(jnp.where(active_B, new_B, current_B))
-  num_generated_B = state.num_generated_B + active_B
-  done_B = state.done_B | (num_generated_B >= max_new_tokens)
-  if eos_id is not None:
-    done_B = done_B | (active_B & (new_B == eos_id))
-  return state.replace(tokens_BxM=tokens_BxM, num_generated_B=num_generated_B, done_B=done_B)
+  tokens_BxW, num_generated_B, done_B, _ = common.commit(
+      state.tokens_BxW, state.num_generated_B, state.done_B, new_B[:, None],
+      jnp.ones_like(new_B), eos_id=eos_id, max_new_tokens=max_new_tokens)
+  return state.replace(tokens_BxW=tokens_BxW, num_generated_B=num_generated_B, done_B=done_B)
 
 
 def _last_tokens(state: _State) -> jax.Array:
-  rows_B = jnp.arange(state.tokens_BxM.shape[0])
-  return state.tokens_BxM[rows_B, jnp.maximum(state.num_generated_B - 1, 0)]
+  rows_B = jnp.arange(state.tokens_BxW.shape[0])
+  return state.tokens_BxW[rows_B, jnp.maximum(state.num_generated_B - 1, 0)]
 
 
 @functools.partial(jax.jit, static_argnames=('max_new_tokens', 'sampling', 'eos_id', 'mesh', 'rules'))
@@ -65,7 +59,7 @@ def _program(model: Model, prompts_BxP, prompt_lengths_B, rng, *, max_new_tokens
   last_logits_BxV = jnp.take_along_axis(logits_BxPxV, (prompt_lengths_B - 1)[:, None, None],
                                         axis=1)[:, 0]
   state = _State(
-      tokens_BxM=jnp.full((B, max_new_tokens), common.PAD_ID, jnp.int32),
+      tokens_BxW=common.output_buffer(B, max_new_tokens, 1),
       num_generated_B=jnp.zeros((B,), jnp.int32),
       done_B=jnp.zeros((B,), bool),
       cache=cache,
@@ -83,7 +77,7 @@ def _program(model: Model, prompts_BxP, prompt_lengths_B, rng, *, max_new_tokens
     return _emit(state.replace(cache=cache), logits_Bx1xV[:, 0], sampling, eos_id, max_new_tokens)
 
   state = jax.lax.while_loop(cond, body, state)
-  return common.SampleOutput(tokens=state.tokens_BxM, num_generated=state.num_generated_B)
+  return common.SampleOutput(tokens=state.tokens_BxW[:, :max_new_tokens], num_generated=state.num_generated_B)
 
 
 def autoregressive_sample(model: Model, prompts, prompt_lengths, rng: jax.Array, *,

@@ -88,3 +88,43 @@ def place(model: Model, prompts, prompt_lengths, mesh: Mesh | None,
   prompt_lengths = jax.device_put(prompt_lengths,
                                   sharding.named(('batch',), prompt_lengths.shape, mesh, rules))
   return model.replace(params=params), prompts, prompt_lengths
+
+
+def output_buffer(batch: int, max_new_tokens: int, block: int) -> jax.Array:
+  """PAD-filled output with room for one more block past max_new_tokens, so writes never clamp."""
+  return jnp.full((batch, max_new_tokens + block), PAD_ID, jnp.int32)
+
+
+def commit(tokens_BxW, num_generated_B, done_B, block_BxT, count_B, *, eos_id: int | None,
+           max_new_tokens: int):
+  """Appends the first `count_B[b]` tokens of each active row's block to its output.
+
+  A row takes no more than its remaining room, stops after an eos inside the block (the eos is
+  kept) and is marked done at eos or max_new_tokens. Returns (tokens, num_generated, done,
+  emitted_B). Stopped rows are left untouched.
+  """
+  T = block_BxT.shape[1]
+  position_T = jnp.arange(T)
+  count_B = jnp.where(done_B, 0, jnp.minimum(count_B, max_new_tokens - num_generated_B))
+  hit_eos_B = jnp.zeros_like(done_B)
+  if eos_id is not None:
+    eos_BxT = (block_BxT == eos_id) & (position_T[None, :] < count_B[:, None])
+    hit_eos_B = jnp.any(eos_BxT, axis=1)
+    count_B = jnp.where(hit_eos_B, jnp.argmax(eos_BxT, axis=1) + 1, count_B)
+  block_BxT = jnp.where(position_T[None, :] < count_B[:, None], block_BxT, PAD_ID)
+  # Slots at and past num_generated are PAD, so writing PAD past count_B changes nothing.
+  write = lambda row_W, block_T, start: jax.lax.dynamic_update_slice(row_W, block_T, (start,))
+  tokens_BxW = jax.vmap(write)(tokens_BxW, block_BxT.astype(jnp.int32), num_generated_B)
+  num_generated_B = num_generated_B + count_B
+  done_B = done_B | hit_eos_B | (num_generated_B >= max_new_tokens)
+  return tokens_BxW, num_generated_B, done_B, count_B
+
+
+def last_token(prompts_BxP, prompt_lengths_B, tokens_BxW, num_generated_B, back: int = 1):
+  """The `back`-th last committed token of each row (prompt followed by generated tokens)."""
+  from_output_B = jnp.take_along_axis(
+      tokens_BxW, jnp.maximum(num_generated_B - back, 0)[:, None], axis=1)[:, 0]
+  from_prompt_B = jnp.take_along_axis(
+      prompts_BxP, jnp.maximum(prompt_lengths_B + num_generated_B - back, 0)[:, None],
+      axis=1)[:, 0]
+  return jnp.where(num_generated_B >= back, from_output_B, from_prompt_B)

@@ -1,0 +1,24 @@
+# Two entry points: `make demo` (set up, run the main job) and `make test` (set up, run the tests).
+# Each creates the virtualenv $(VENV) with python3 (3.11 or newer) on first use.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+
+.PHONY: demo test setup clean
+
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(PY) experiments/sample.py --config=configs/sample.py
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,31 @@
+"""Sampling from a model (ArS, later SpS): `--config=configs/sample.py:method=ars,batch=4`.
+
+Arguments: model, draft (preset names), method (ars|sps), k, batch, prompt_len, max_new_tokens,
+temperature, top_k, top_p, seed, data/model (mesh axes), runlocal (a smaller run).
+"""
+
+import ml_collections
+
+from spsjax.config_args import parse_arg
+from spsjax.models import presets
+
+
+def get_config(arg=None):
+  a = parse_arg(arg, model='tiny_target', draft='tiny_draft', method='ars', k=4, batch=4,
+                prompt_len=16, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0, seed=0,
+                data=1, model_axis=1, runlocal=False)
+  c = ml_collections.ConfigDict()
+  c.method = a.method
+  c.k = a.k
+  c.model = presets.get(a.model)
+  c.draft = presets.get(a.draft)
+  c.sampling = dict(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
+  c.draft_sampling = ml_collections.config_dict.placeholder(dict)
+  c.batch = a.batch
+  c.prompt_len = a.prompt_len
+  c.max_new_tokens = 16 if a.runlocal else a.max_new_tokens
+  c.eos_id = -1  # -1: no eos.
+  c.seed = a.seed
+  c.mesh = dict(data=a.data, model=a.model_axis)
+  c.repeats = 3
+  return c

@@ -1,0 +1,84 @@
+"""The cached path equals the reference forward, for MHA, GQA and MQA, at ragged row offsets."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spsjax import models
+
+VOCAB = 97
+
+
+def _config(num_kv_heads, **kw):
+  return models.TransformerConfig(vocab_size=VOCAB, d_model=48, num_layers=2, num_heads=6,
+                                  num_kv_heads=num_kv_heads, d_ff=96, max_seq_len=64, **kw)
+
+
+@pytest.mark.parametrize('num_kv_heads', [None, 2, 1], ids=['mha', 'gqa', 'mqa'])
+@pytest.mark.parametrize('chunk', [1, 5])
+def test_cached_extension_equals_reference(num_kv_heads, chunk):
+  config = _config(num_kv_heads)
+  params = models.init_params(config, jax.random.key(0))
+  total = 30
+  tokens_BxL = jax.random.randint(jax.random.key(1), (3, total), 0, VOCAB)
+  reference_BxLxV = np.asarray(models.logits(config, params, tokens_BxL))
+  prompt_lengths = np.array([4, 9, 1])
+  width = int(prompt_lengths.max())
+  extend = jax.jit(models.extend, static_argnums=0)
+
+  prefill_BxPxV, cache = models.prefill(config, params, tokens_BxL[:, :width],
+                                        jnp.asarray(prompt_lengths), capacity=total + chunk)
+  for b, length in enumerate(prompt_lengths):
+    np.testing.assert_allclose(prefill_BxPxV[b, :length], reference_BxLxV[b, :length], rtol=1e-5,
+                               atol=1e-5)
+  lengths = prompt_lengths.copy()
+  while lengths.max() + chunk <= total:
+    chunk_BxT = np.stack([np.asarray(tokens_BxL[b, l:l + chunk]) for b, l in enumerate(lengths)])
+    out_BxTxV, cache = extend(config, params, cache, jnp.asarray(chunk_BxT))
+    for b, l in enumerate(lengths):
+      expected = reference_BxLxV[b, l:l + chunk]
+      np.testing.assert_allclose(out_BxTxV[b], expected, rtol=1e-5,
+                                 atol=1e-5 * np.abs(expected).max())
+    lengths = lengths + chunk
+    np.testing.assert_array_equal(cache.lengths, lengths)
+
+
+def test_rollback_is_moving_lengths():
+  """Extending, rolling a row back and re-extending with other tokens matches the reference."""
+  config = _config(2)
+  params = models.init_params(config, jax.random.key(0))
+  logits = jax.jit(models.logits, static_argnums=0)
+  tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, VOCAB)
+  other = jax.random.randint(jax.random.key(3), (2, 4), 0, VOCAB)
+  _, cache = models.prefill(config, params, tokens[:, :8], jnp.array([8, 8]), capacity=16)
+  _, cache = models.extend(config, params, cache, other)  # Both rows now at 12.
+  cache = cache.with_lengths(jnp.array([8, 10]))  # Row 0 drops all 4, row 1 keeps 2.
+  out_Bx4xV, cache = models.extend(config, params, cache, tokens[:, 8:12])
+  seq0 = tokens[0]
+  seq1 = jnp.concatenate([tokens[1, :8], other[1, :2], tokens[1, 8:12]])
+  np.testing.assert_allclose(out_Bx4xV[0], logits(config, params, seq0[None])[0, 8:12],
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(out_Bx4xV[1], logits(config, params, seq1[None])[0, 10:14],
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_config_validation():
+  with pytest.raises(ValueError, match='num_kv_heads'):
+    _config(4)  # 6 heads are not a multiple of 4 kv heads.
+  with pytest.raises(ValueError, match='dtype'):
+    _config(2, dtype='float16')
+  with pytest.raises(ValueError, match='mlp'):
+    _config(2, mlp='relu')
+
+
+@pytest.mark.parametrize('overrides', [dict(mlp='gelu'), dict(tie_embeddings=False),
+                                       dict(dtype='bfloat16')])
+def test_variants_run(overrides):
+  config = _config(2, **overrides)
+  params = models.init_params(config, jax.random.key(0))
+  out = models.logits(config, params, jnp.zeros((2, 5), jnp.int32))
+  assert out.shape == (2, 5, VOCAB) and out.dtype == jnp.float32
+  assert np.isfinite(np.asarray(out)).all()
+  leaves = jax.tree.leaves(params)
+  assert all(x.dtype == config.jnp_dtype for x in leaves)

@@ -1,0 +1,84 @@
+"""Logit processors keep the right sets with the right masses."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spsjax.sampling import SamplingConfig, probabilities, sample
+
+
+def _softmax(x):
+  e = np.exp(x - x.max())
+  return e / e.sum()
+
+
+LOGITS = np.log(np.array([0.05, 0.4, 0.1, 0.25, 0.2], np.float64))
+
+
+def test_temperature_one_is_softmax():
+  np.testing.assert_allclose(probabilities(jnp.asarray(LOGITS), SamplingConfig()),
+                             _softmax(LOGITS), rtol=1e-6)
+
+
+def test_temperature_scales():
+  got = probabilities(jnp.asarray(LOGITS), SamplingConfig(temperature=0.5))
+  np.testing.assert_allclose(got, _softmax(LOGITS / 0.5), rtol=1e-6)
+
+
+def test_greedy_is_one_hot():
+  got = np.asarray(probabilities(jnp.asarray(LOGITS)[None], SamplingConfig(temperature=0)))
+  np.testing.assert_array_equal(got, [[0, 1, 0, 0, 0]])
+
+
+def test_top_k_keeps_k_most_likely():
+  got = np.asarray(probabilities(jnp.asarray(LOGITS), SamplingConfig(top_k=2)))
+  np.testing.assert_allclose(got, [0, 0.4 / 0.65, 0, 0.25 / 0.65, 0], rtol=1e-6)
+
+
+@pytest.mark.parametrize('top_p, kept', [(0.39, [1]), (0.41, [1, 3]), (0.65, [1, 3]),
+                                         (0.66, [1, 3, 4]), (1.0, [0, 1, 2, 3, 4])])
+def test_top_p_keeps_smallest_set_reaching_mass(top_p, kept):
+  got = np.asarray(probabilities(jnp.asarray(LOGITS), SamplingConfig(top_p=top_p)))
+  expected = np.zeros(5)
+  expected[kept] = np.exp(LOGITS)[kept]
+  np.testing.assert_allclose(got, expected / expected.sum(), rtol=1e-5)
+
+
+def test_top_k_then_top_p_and_temperature():
+  sampling = SamplingConfig(temperature=2.0, top_k=3, top_p=0.5)
+  probs = _softmax(LOGITS / 2.0)
+  top3 = np.argsort(-probs)[:3]
+  renorm = np.zeros(5)
+  renorm[top3] = probs[top3] / probs[top3].sum()
+  order = np.argsort(-renorm)
+  before = np.cumsum(renorm[order]) - renorm[order]
+  keep = order[before < 0.5]
+  expected = np.zeros(5)
+  expected[keep] = probs[keep]
+  got = np.asarray(probabilities(jnp.asarray(LOGITS), sampling))
+  np.testing.assert_allclose(got, expected / expected.sum(), rtol=1e-5)
+
+
+def test_batched_and_bfloat16_inputs_give_float32():
+  logits = jax.random.normal(jax.random.key(0), (3, 4, 50)).astype(jnp.bfloat16)
+  got = probabilities(logits, SamplingConfig(top_p=0.9, top_k=10))
+  assert got.dtype == jnp.float32 and got.shape == (3, 4, 50)
+  np.testing.assert_allclose(np.asarray(got).sum(-1), 1.0, rtol=1e-5)
+  assert ((np.asarray(got) > 0).sum(-1) <= 10).all()
+
+
+def test_sample_matches_distribution():
+  probs = jnp.asarray([[0.1, 0.0, 0.6, 0.3]] * 20_000)
+  keys = jax.random.split(jax.random.key(0), 20_000)
+  draws = np.asarray(sample(keys, probs))
+  freq = np.bincount(draws, minlength=4) / draws.size
+  np.testing.assert_allclose(freq, [0.1, 0.0, 0.6, 0.3], atol=0.015)
+
+
+@pytest.mark.parametrize('kwargs, match', [(dict(temperature=-0.1), 'temperature'),
+                                           (dict(top_k=-1), 'top_k'), (dict(top_p=0.0), 'top_p'),
+                                           (dict(top_p=1.5), 'top_p')])
+def test_bad_settings_raise(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    SamplingConfig(**kwargs)
