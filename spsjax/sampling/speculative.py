@@ -18,6 +18,7 @@ Positions written reach c_b + k - 1 < prompt length + max_new_tokens + k - 1, so
 positions of headroom past prompt + max_new_tokens within max_seq_len.
 """
 
+import dataclasses
 import functools
 
 import flax.struct
@@ -80,40 +81,47 @@ def _loop_keys(row_keys_B, num_loops_B, k):
   return draft_keys_BxK, keys_Bx2[:, 1]
 
 
-@functools.partial(jax.jit, static_argnames=('k', 'max_new_tokens', 'sampling', 'draft_sampling',
-                                             'eos_id', 'mesh', 'rules'))
-def _program(target: Model, draft: Model, prompts_BxP, prompt_lengths_B, rng, *, k, max_new_tokens,
-             sampling, draft_sampling, eos_id, mesh, rules):
-  global trace_count
-  trace_count += 1
-  B, P = prompts_BxP.shape
-  capacity = P + max_new_tokens + k
-  prompts_BxP = common.clean_padding(prompts_BxP, prompt_lengths_B)
-  row_keys_B = common.row_keys(rng, B)
+@dataclasses.dataclass(frozen=True)
+class Loop:
+  """The SpS program for one set of static settings; `init` and `body` are also callable one at a
+  time from Python (tests step through loops to check the cache invariants)."""
+  k: int
+  max_new_tokens: int
+  sampling: SamplingConfig
+  draft_sampling: SamplingConfig
+  eos_id: int | None = None
+  mesh: Mesh | None = None
+  rules: sharding.Rules = sharding.DEFAULT_RULES
 
-  # Prefill both; the first token comes from the target's prefill logits.
-  logits_BxPxV, target_cache = prefill(target.config, target.params, prompts_BxP,
-                                       prompt_lengths_B, capacity)
-  _, draft_cache = prefill(draft.config, draft.params, prompts_BxP, prompt_lengths_B, capacity)
-  first_logits_BxV = jnp.take_along_axis(logits_BxPxV, (prompt_lengths_B - 1)[:, None, None],
-                                         axis=1)[:, 0]
-  first_B = sample(jax.vmap(jax.random.fold_in)(row_keys_B, jnp.zeros((B,), jnp.uint32)),
-                   probabilities(first_logits_BxV, sampling))
-  zeros_B = jnp.zeros((B,), jnp.int32)
-  tokens_BxW, num_generated_B, done_B, _ = common.commit(
-      common.output_buffer(B, max_new_tokens, k + 1), zeros_B, jnp.zeros((B,), bool),
-      first_B[:, None], jnp.ones_like(first_B), eos_id=eos_id, max_new_tokens=max_new_tokens)
-  state = _State(
-      tokens_BxW=tokens_BxW, num_generated_B=num_generated_B, done_B=done_B,
-      target_cache=kv_cache.constrain(target_cache, mesh, rules),
-      draft_cache=kv_cache.constrain(draft_cache, mesh, rules),
-      row_keys_B=row_keys_B, num_loops_B=zeros_B, num_accepted_B=zeros_B,
-      histogram_Kp1=jnp.zeros((k + 1,), jnp.int32))
+  def init(self, target: Model, draft: Model, prompts_BxP, prompt_lengths_B, rng) -> _State:
+    """Prefills both models; the first token comes from the target's prefill logits."""
+    k, mesh, rules = self.k, self.mesh, self.rules
+    B, P = prompts_BxP.shape
+    capacity = P + self.max_new_tokens + k
+    row_keys_B = common.row_keys(rng, B)
+    logits_BxPxV, target_cache = prefill(target.config, target.params, prompts_BxP,
+                                         prompt_lengths_B, capacity)
+    _, draft_cache = prefill(draft.config, draft.params, prompts_BxP, prompt_lengths_B, capacity)
+    first_logits_BxV = jnp.take_along_axis(logits_BxPxV, (prompt_lengths_B - 1)[:, None, None],
+                                           axis=1)[:, 0]
+    first_B = sample(jax.vmap(jax.random.fold_in)(row_keys_B, jnp.zeros((B,), jnp.uint32)),
+                     probabilities(first_logits_BxV, self.sampling))
+    zeros_B = jnp.zeros((B,), jnp.int32)
+    tokens_BxW, num_generated_B, done_B, _ = common.commit(
+        common.output_buffer(B, self.max_new_tokens, k + 1), zeros_B, jnp.zeros((B,), bool),
+        first_B[:, None], jnp.ones_like(first_B), eos_id=self.eos_id,
+        max_new_tokens=self.max_new_tokens)
+    return _State(
+        tokens_BxW=tokens_BxW, num_generated_B=num_generated_B, done_B=done_B,
+        target_cache=kv_cache.constrain(target_cache, mesh, rules),
+        draft_cache=kv_cache.constrain(draft_cache, mesh, rules),
+        row_keys_B=row_keys_B, num_loops_B=zeros_B, num_accepted_B=zeros_B,
+        histogram_Kp1=jnp.zeros((k + 1,), jnp.int32))
 
-  def cond(state):
-    return ~jnp.all(state.done_B)
-
-  def body(state: _State) -> _State:
+  def body(self, target: Model, draft: Model, prompts_BxP, prompt_lengths_B,
+           state: _State) -> _State:
+    """One draft/score/accept loop for every row; stopped rows idle."""
+    k, mesh, rules = self.k, self.mesh, self.rules
     active_B = ~state.done_B
     committed_B = prompt_lengths_B + state.num_generated_B
     last_of = functools.partial(common.last_token, prompts_BxP, prompt_lengths_B,
@@ -124,29 +132,27 @@ def _program(target: Model, draft: Model, prompts_BxP, prompt_lengths_B, rng, *,
     with jax.named_scope('draft'):
       drafts_BxK, q_BxKxV, draft_cache = _draft(
           draft, state.draft_cache, committed_B, jnp.stack([second_last_B, last_B], axis=1),
-          draft_keys_BxK, k, draft_sampling)
+          draft_keys_BxK, k, self.draft_sampling)
 
-    with jax.named_scope('score'):
-      target_cache = state.target_cache  # Holds committed - 1 tokens.
+    with jax.named_scope('score'):  # The target cache holds committed - 1 tokens.
       logits_BxKp1xV, target_cache = extend(
-          target.config, target.params, target_cache,
+          target.config, target.params, state.target_cache,
           jnp.concatenate([last_B[:, None], drafts_BxK], axis=1))
 
     with jax.named_scope('accept'):
-      p_BxKp1xV = probabilities(logits_BxKp1xV, sampling)
+      p_BxKp1xV = probabilities(logits_BxKp1xV, self.sampling)
       n_B, token_B = accept_and_resample_rows(accept_keys_B, p_BxKp1xV, q_BxKxV, drafts_BxK)
-      position_Kp1 = jnp.arange(k + 1)
-      block_BxKp1 = jnp.where(position_Kp1[None, :] < n_B[:, None],
+      block_BxKp1 = jnp.where(jnp.arange(k + 1)[None, :] < n_B[:, None],
                               jnp.pad(drafts_BxK, ((0, 0), (0, 1))), token_B[:, None])
       tokens_BxW, num_generated_B, done_B, emitted_B = common.commit(
           state.tokens_BxW, state.num_generated_B, state.done_B, block_BxKp1, n_B + 1,
-          eos_id=eos_id, max_new_tokens=max_new_tokens)
+          eos_id=self.eos_id, max_new_tokens=self.max_new_tokens)
       # Roll back: the target keeps all committed tokens but the last; the draft at most what it
       # wrote (committed - 2 + k positions). Idle rows keep their lengths.
       base_B = committed_B - 1
       target_lengths_B = jnp.where(active_B, base_B + emitted_B, base_B)
       draft_lengths_B = jnp.minimum(target_lengths_B, base_B + k)
-      state = state.replace(
+      return state.replace(
           tokens_BxW=tokens_BxW, num_generated_B=num_generated_B, done_B=done_B,
           target_cache=kv_cache.constrain(target_cache.with_lengths(target_lengths_B), mesh, rules),
           draft_cache=kv_cache.constrain(draft_cache.with_lengths(draft_lengths_B), mesh, rules),
@@ -154,13 +160,22 @@ def _program(target: Model, draft: Model, prompts_BxP, prompt_lengths_B, rng, *,
           num_accepted_B=state.num_accepted_B + jnp.where(active_B, n_B, 0),
           histogram_Kp1=state.histogram_Kp1 + jnp.sum(
               jax.nn.one_hot(n_B, k + 1, dtype=jnp.int32) * active_B[:, None], axis=0))
-    return state
 
-  state = jax.lax.while_loop(cond, body, state)
-  return common.SampleOutput(
-      tokens=state.tokens_BxW[:, :max_new_tokens], num_generated=state.num_generated_B,
-      num_loops=state.num_loops_B, num_accepted=state.num_accepted_B,
-      accepted_histogram=state.histogram_Kp1)
+  @functools.partial(jax.jit, static_argnames=('self',))
+  def run(self, target: Model, draft: Model, prompts_BxP, prompt_lengths_B,
+          rng) -> common.SampleOutput:
+    """The whole generation as one program: prefill, then `body` in a `lax.while_loop`."""
+    global trace_count
+    trace_count += 1
+    prompts_BxP = common.clean_padding(prompts_BxP, prompt_lengths_B)
+    state = self.init(target, draft, prompts_BxP, prompt_lengths_B, rng)
+    state = jax.lax.while_loop(
+        lambda state: ~jnp.all(state.done_B),
+        lambda state: self.body(target, draft, prompts_BxP, prompt_lengths_B, state), state)
+    return common.SampleOutput(
+        tokens=state.tokens_BxW[:, :self.max_new_tokens], num_generated=state.num_generated_B,
+        num_loops=state.num_loops_B, num_accepted=state.num_accepted_B,
+        accepted_histogram=state.histogram_Kp1)
 
 
 def check_pair(target: Model, draft: Model, k: int) -> None:
@@ -187,6 +202,6 @@ def speculative_sample(target: Model, draft: Model, prompts, prompt_lengths, rng
                         eos_id=eos_id, mesh=mesh, headroom=headroom(k))
   target, prompts, prompt_lengths = common.place(target, prompts, prompt_lengths, mesh, rules)
   draft, _, _ = common.place(draft, prompts, prompt_lengths, mesh, rules)
-  return _program(target, draft, prompts, prompt_lengths, rng, k=k, max_new_tokens=max_new_tokens,
-                  sampling=sampling, draft_sampling=draft_sampling or sampling, eos_id=eos_id,
-                  mesh=mesh, rules=rules)
+  loop = Loop(k=k, max_new_tokens=max_new_tokens, sampling=sampling,
+              draft_sampling=draft_sampling or sampling, eos_id=eos_id, mesh=mesh, rules=rules)
+  return loop.run(target, draft, prompts, prompt_lengths, rng)

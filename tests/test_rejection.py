@@ -1,0 +1,91 @@
+"""The single accept/resample step against its exact law, and its numerics on hostile inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spsjax.sampling.rejection import accept_and_resample_rows
+from tests.stats import g_test_pvalue
+
+V, K = 6, 3
+
+
+def _laws():
+  p_Kp1xV = np.array([[0.5, 0.2, 0.0, 0.1, 0.2, 0.0],
+                      [0.0, 0.1, 0.6, 0.1, 0.1, 0.1],
+                      [0.3, 0.3, 0.0, 0.0, 0.2, 0.2],
+                      [0.1, 0.1, 0.1, 0.1, 0.1, 0.5]], np.float32)
+  q_KxV = np.array([[0.1, 0.5, 0.3, 0.0, 0.1, 0.0],
+                    [0.2, 0.2, 0.2, 0.2, 0.2, 0.0],
+                    [0.3, 0.3, 0.0, 0.0, 0.2, 0.2]], np.float32)  # q_3 == p_3.
+  return p_Kp1xV, q_KxV
+
+
+def test_accept_resample_law_exact():
+  """With position-independent laws the emitted tokens are p_1, p_2, ... and n is exact."""
+  p, q = _laws()
+  n_draws = 1_000_000
+  key_d, key_a = jax.random.split(jax.random.key(0))
+  drafts = jax.random.categorical(key_d, jnp.log(jnp.asarray(q)), shape=(n_draws, K)).astype(
+      jnp.int32)
+  keys = jax.random.split(key_a, n_draws)
+  n, token = accept_and_resample_rows(keys, jnp.broadcast_to(p, (n_draws, K + 1, V)),
+                                      jnp.broadcast_to(q, (n_draws, K, V)), drafts)
+  n, token, drafts = np.asarray(n), np.asarray(token), np.asarray(drafts)
+
+  first = np.where(n >= 1, drafts[:, 0], token)
+  assert g_test_pvalue(np.bincount(first, minlength=V), p[0]) > 1e-3
+  second = np.where(n >= 2, drafts[:, 1], token)[n >= 1]
+  assert g_test_pvalue(np.bincount(second, minlength=V), p[1]) > 1e-3
+  # Position 4 only ever comes from the bonus draw.
+  assert g_test_pvalue(np.bincount(token[n == K], minlength=V), p[K]) > 1e-3
+
+  beta = np.minimum(p[:K], q).sum(axis=1)
+  law_n = [np.prod(beta[:j]) * (1 - beta[j]) for j in range(K)] + [np.prod(beta)]
+  assert g_test_pvalue(np.bincount(n, minlength=K + 1), law_n) > 1e-3
+  assert (n[n >= 2] == K).all()  # q_3 == p_3: once at position 3, always accepted.
+
+
+def test_no_nan_or_out_of_range_on_hostile_laws():
+  """10^5 random (p, q) pairs with zeros, p == q and disjoint supports."""
+  rows, k = 100_000, 2
+  rng = np.random.default_rng(0)
+  p = rng.exponential(size=(rows, k + 1, V)).astype(np.float32)
+  q = rng.exponential(size=(rows, k, V)).astype(np.float32)
+  p[rng.random(p.shape) < 0.4] = 0
+  q[rng.random(q.shape) < 0.4] = 0
+  p[:, :, 0] += 1e-3  # Every law keeps some mass.
+  q[:, :, 1] += 1e-3
+  kind = np.arange(rows) % 4
+  q[kind == 1] = p[kind == 1, :k]  # Identical laws.
+  p[kind == 2, :, :3] = 0  # Disjoint supports: p on {3, 4, 5}, q on {0, 1, 2}.
+  p[kind == 2, :, 3] += 1e-3
+  q[kind == 2, :, 3:] = 0
+  one_hot = np.eye(V, dtype=np.float32)  # Greedy-like laws.
+  p[kind == 3] = one_hot[rng.integers(0, V, size=(int((kind == 3).sum()), k + 1))]
+  p /= p.sum(-1, keepdims=True)
+  q /= q.sum(-1, keepdims=True)
+  drafts = np.stack([[rng.choice(V, p=q[r, i]) for i in range(k)] for r in range(rows)])
+  keys = jax.random.split(jax.random.key(1), rows)
+  n, token = jax.jit(accept_and_resample_rows)(keys, jnp.asarray(p), jnp.asarray(q),
+                                               jnp.asarray(drafts, jnp.int32))
+  n, token = np.asarray(n), np.asarray(token)
+  assert ((0 <= n) & (n <= k)).all()
+  assert ((0 <= token) & (token < V)).all()
+  # Every emitted token has target mass at its position: accepted drafts and the final draw.
+  rows_i = np.arange(rows)
+  assert (p[rows_i, n, token] > 0).all()
+  for i in range(k):
+    accepted = n > i
+    assert (p[rows_i[accepted], i, drafts[accepted, i]] > 0).all()
+  assert (n[kind == 1] == k).all()  # p == q accepts everything.
+  assert (n[kind == 2] == 0).all()  # Disjoint supports accept nothing.
+
+
+def test_edge_uniforms_never_accept_zero_target_mass():
+  """u in [0, 1): whatever u is, a draft with p(x) = 0 is rejected and one with p = q accepted."""
+  p = jnp.asarray([[[0.0, 1.0], [0.5, 0.5]]] * 1000, jnp.float32)
+  q = jnp.asarray([[[1.0, 0.0]]] * 1000, jnp.float32)
+  drafts = jnp.zeros((1000, 1), jnp.int32)
+  n, token = accept_and_resample_rows(jax.random.split(jax.random.key(2), 1000), p, q, drafts)
+  assert (np.asarray(n) == 0).all() and (np.asarray(token) == 1).all()
