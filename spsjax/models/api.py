@@ -6,6 +6,8 @@ positions with the cache advanced by T; `prefill` is `extend` on an empty cache 
 each row's length to its prompt length.
 """
 
+import functools
+
 import flax.linen as nn
 import flax.struct
 import jax
@@ -33,7 +35,8 @@ def _boxed_init(config: TransformerConfig, rng: jax.Array):
 def param_shardings(config: TransformerConfig, mesh: Mesh,
                     rules: sharding.Rules = sharding.DEFAULT_RULES):
   """NamedShardings for the parameter tree, from its logical axis names."""
-  abstract = jax.eval_shape(_boxed_init, config, jax.random.key(0))
+  # The config is bound, not passed: eval_shape would trace it as an array argument.
+  abstract = jax.eval_shape(functools.partial(_boxed_init, config), jax.random.key(0))
   return sharding.tree_shardings(abstract, mesh, rules)
 
 
@@ -65,7 +68,7 @@ def extend(config: TransformerConfig, params, cache: kv_cache.KVCache,
   The caller guarantees lengths + T <= cache capacity (a write past the end would be clamped).
   """
   T = tokens_BxT.shape[1]
-  positions_BxT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)
+  positions_BxT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   out, (k, v) = Transformer(config).apply({'params': params}, tokens_BxT, positions_BxT, cache)
   return out, kv_cache.KVCache(k=k, v=v, lengths=cache.lengths + T)
 

@@ -8,10 +8,22 @@ Chen et al. (2023): about 0.75 of the width and 1/8 to 1/10 of the depth.
 import copy
 
 PRESETS = {
-    'tiny_target': dict(vocab_size=512, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                        d_ff=512, max_seq_len=512),
-    'tiny_draft': dict(vocab_size=512, d_model=96, num_layers=1, num_heads=4, num_kv_heads=2,
-                       d_ff=384, max_seq_len=512),
+    # Tiny pair: trains in minutes on a 2-core CPU. The draft is wide-shallow (0.75 width, 1/4
+    # depth: one layer is the floor); the deep draft has about the same parameter count.
+    'tiny_target': dict(vocab_size=2048, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                        d_ff=384, max_seq_len=512),
+    'tiny_draft': dict(vocab_size=2048, d_model=96, num_layers=1, num_heads=4, num_kv_heads=2,
+                       d_ff=288, max_seq_len=512),
+    'tiny_draft_deep': dict(vocab_size=2048, d_model=64, num_layers=4, num_heads=2,
+                            num_kv_heads=1, d_ff=192, max_seq_len=512),
+    # Reference pair: the target decodes memory-bound at batch 1 on this CPU and trains in about
+    # an hour on 2 cores; drafts at 0.75 width and 1/8 depth (wide) or matched parameters (deep).
+    'reference_target': dict(vocab_size=4096, d_model=512, num_layers=8, num_heads=8,
+                             num_kv_heads=4, d_ff=1536, max_seq_len=1024),
+    'reference_draft': dict(vocab_size=4096, d_model=384, num_layers=1, num_heads=6,
+                            num_kv_heads=2, d_ff=1152, max_seq_len=1024),
+    'reference_draft_deep': dict(vocab_size=4096, d_model=224, num_layers=4, num_heads=4,
+                                 num_kv_heads=2, d_ff=672, max_seq_len=1024),
     'bench150m': dict(vocab_size=32_000, d_model=768, num_layers=12, num_heads=12, d_ff=3072,
                       max_seq_len=2048, tie_embeddings=False),
 }

@@ -37,14 +37,14 @@ class RMSNorm(nn.Module):
                        (c.d_model,), c.jnp_dtype)
     x = x_BxTxD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + c.norm_eps)
-    return (x * scale.astype(jnp.float32)).astype(c.jnp_dtype)
+    return (x * scale.astype(jnp.float32)[None, None, :]).astype(c.jnp_dtype)
 
 
 def rope(x_BxTxNxH, positions_BxT, base):
   """Rotary position embedding (half-split convention), computed in float32."""
   half = x_BxTxNxH.shape[-1] // 2
   freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angles_BxTxH2 = positions_BxT[..., None].astype(jnp.float32) * freqs
+  angles_BxTxH2 = positions_BxT[..., None].astype(jnp.float32) * freqs[None, None, :]
   sin, cos = jnp.sin(angles_BxTxH2)[:, :, None], jnp.cos(angles_BxTxH2)[:, :, None]
   x = x_BxTxNxH.astype(jnp.float32)
   x1, x2 = x[..., :half], x[..., half:]

@@ -49,7 +49,7 @@ def probabilities(logits_xV: jax.Array, sampling: SamplingConfig) -> jax.Array:
   sorted_xV = jnp.take_along_axis(probs_xV, order_xV, axis=-1)
   keep_sorted_xV = jnp.ones_like(sorted_xV, dtype=bool)
   if top_k:
-    keep_sorted_xV = jnp.arange(V) < top_k
+    keep_sorted_xV = jnp.broadcast_to(jnp.arange(V) < top_k, sorted_xV.shape)
     sorted_xV = jnp.where(keep_sorted_xV, sorted_xV, 0.0)
     sorted_xV = sorted_xV / jnp.sum(sorted_xV, axis=-1, keepdims=True)
   if sampling.top_p < 1.0:

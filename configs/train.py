@@ -1,0 +1,62 @@
+"""Training a target or a draft: `--config=configs/train.py:size=tiny,model=target`.
+
+Arguments:
+  size: tiny | reference. `tiny` trains each model in a few minutes on a 2-core CPU (the README's
+    main job and the tests); `reference` is the pair the README's tables are measured on.
+  model: target | draft_wide | draft_deep (presets `<size>_target`, `<size>_draft`,
+    `<size>_draft_deep`): the wide-shallow draft is ~0.75 of the target's width and 1/4 (tiny) or
+    1/8 (reference) of its depth; the deep draft has about the wide one's parameter count.
+  distill: 0 trains on the language-model loss; a value in (0, 1] is the weight of distillation
+    from the family's trained target (KL(p_target || q_draft)), the rest the LM loss.
+  root: the family directory (tokenizer and checkpoints); default checkpoints/<size>.
+  steps: overrides the size's number of steps; runlocal: a few steps on a small part of the data,
+    in checkpoints/<size>_runlocal, for a smoke run.
+  data, model_axis: mesh axes.
+
+Distilled drafts get their own directory (`draft_wide_distill`), so both kinds can be compared.
+"""
+
+import ml_collections
+
+from spsjax.config_args import parse_arg
+from spsjax.data import python_code
+from spsjax.models import presets
+
+_PRESET = {'target': 'target', 'draft_wide': 'draft', 'draft_deep': 'draft_deep'}
+
+# Per size: batch (sequences), sequence length, steps, warm-up, peak learning rate.
+_SIZES = {
+    'tiny': dict(batch_size=16, seq_len=128, steps=600, warmup_steps=60, learning_rate=3e-3),
+    'reference': dict(batch_size=16, seq_len=256, steps=1200, warmup_steps=100,
+                      learning_rate=1.5e-3),
+}
+
+
+def get_config(arg=None):
+  a = parse_arg(arg, size='tiny', model='target', distill=0.0, root='', steps=0, seed=0,
+                data=1, model_axis=1, runlocal=False)
+  if a.size not in _SIZES:
+    raise ValueError(f'size must be one of {sorted(_SIZES)}, got {a.size!r}.')
+  if a.model not in _PRESET:
+    raise ValueError(f'model must be one of {sorted(_PRESET)}, got {a.model!r}.')
+  size = _SIZES[a.size]
+  c = ml_collections.ConfigDict()
+  c.model = presets.get(f'{a.size}_{_PRESET[a.model]}')
+  c.root = a.root or f'checkpoints/{a.size}' + ('_runlocal' if a.runlocal else '')
+  c.name = a.model + ('_distill' if a.distill > 0 else '')
+  c.teacher = 'target' if a.distill > 0 else ''
+  # runlocal trains on a small part of the stdlib (python_code.SMALL); '' means default.
+  c.data = dict(name='python_code', text_field='', train_split='train', eval_split='validation',
+                data_dir='', config=python_code.SMALL.name if a.runlocal else '')
+  steps = 8 if a.runlocal else (a.steps or size['steps'])
+  c.train = dict(
+      batch_size=size['batch_size'], seq_len=size['seq_len'], seed=a.seed,
+      log_every=1 if a.runlocal else 20, eval_every=max(1, steps // 5), eval_batches=4,
+      save_every=4 if a.runlocal else 100, keep=3, distill_weight=a.distill,
+      distill_temperature=1.0)
+  c.optimizer = dict(learning_rate=size['learning_rate'],
+                     warmup_steps=min(size['warmup_steps'], steps // 2), total_steps=steps,
+                     final_fraction=0.1, weight_decay=0.1, clip_norm=1.0, b1=0.9, b2=0.95)
+  c.tokenizer_seed = 0
+  c.mesh = dict(data=a.data, model=a.model_axis)
+  return c

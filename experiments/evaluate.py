@@ -1,0 +1,58 @@
+"""Held-out loss of a family's checkpoints and the expected acceptance alpha of each target/draft.
+
+  python experiments/evaluate.py --config=configs/evaluate.py:size=tiny
+
+Prints one line per model (loss, perplexity) and one per pair (alpha under each sampling setting).
+The held-out data is the split named in the config, of the dataset the target was trained on.
+"""
+
+import itertools
+import os
+
+from absl import app, logging
+import jax
+from ml_collections import config_flags
+
+from spsjax import logs, models
+from spsjax.sampling import SamplingConfig
+from spsjax.train import evaluation, experiment, load
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.', lock_config=True)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  logs.quiet_libraries()
+  c = _CONFIG.value
+  target, tok, meta = load.load_model(os.path.join(c.root, c.target))
+  drafts = {}
+  for name in c.drafts:
+    path = os.path.join(c.root, name)
+    if not os.path.isdir(path) and not c.require_drafts:
+      logging.info('No checkpoint %s: skipped.', path)
+      continue
+    draft, draft_tok, _ = load.load_model(path)
+    if draft_tok.to_bytes() != tok.to_bytes():
+      raise ValueError(f'{path} has another tokenizer than {c.target}: not a pair.')
+    drafts[name] = draft
+  data = experiment.DataConfig(**meta['data'])
+  source = experiment.load_docs(data, c.split)
+  batches = list(itertools.islice(
+      experiment.held_out(source, tok, c.batch_size, c.seq_len), c.batches))
+  settings = {name: SamplingConfig(**s) for name, s in c.sampling.items()}
+  tokens = c.batches * c.batch_size * c.seq_len
+  print(f'held-out: {data.name}/{c.split}, {c.batches} batches of {c.batch_size} x {c.seq_len} '
+        f'= {tokens:,} positions (JAX {jax.__version__})')
+  for name, model in [(c.target, target)] + list(drafts.items()):
+    result = evaluation.evaluate_model(model, batches)
+    print(f'{name}: {models.num_params(model.params):,} parameters, '
+          f'loss {result["loss"]:.4f}, perplexity {result["perplexity"]:.2f}')
+  for name, draft in drafts.items():
+    result = evaluation.evaluate_pair(target, draft, batches, settings)
+    alphas = ', '.join(f'{s} {result["alpha_" + s]:.3f}' for s in settings)
+    print(f'alpha({c.target}, {name}): {alphas}')
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,29 @@
+"""Trains a target or a draft; running the same command again resumes from the latest checkpoint.
+
+  python experiments/train.py --config=configs/train.py:size=tiny,model=target
+  python experiments/train.py --config=configs/train.py:size=tiny,model=draft_wide
+  python experiments/train.py --config=configs/train.py:size=tiny,model=draft_wide,distill=1
+"""
+
+from absl import app, logging
+import jax
+from ml_collections import config_flags
+
+from spsjax import logs
+from spsjax.train import experiment
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.', lock_config=True)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  logs.quiet_libraries()
+  logging.info('JAX %s, process %d of %d, devices: %s', jax.__version__, jax.process_index(),
+               jax.process_count(), jax.devices())
+  metrics = experiment.run(experiment.from_config(_CONFIG.value))
+  logging.info('Final metrics: %s', {k: round(v, 4) for k, v in metrics.items()})
+
+
+if __name__ == '__main__':
+  app.run(main)

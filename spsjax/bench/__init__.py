@@ -1,0 +1,1 @@
+"""Benchmarks: decode timing, memory bandwidth and the bytes a decode step must read."""

@@ -1,0 +1,206 @@
+"""Decode timing at small batch: the cached step, end-to-end ArS, and the machine's copy bandwidth.
+
+At batch 1 a decode step is memory bound: it reads every weight it multiplies by (all of them but
+an untied input embedding table, of which it reads one row) and the whole KV cache up to its
+capacity (attention masks empty slots but still reads them). So `bytes_per_token / step time` is
+an effective bandwidth, to set against the copy bandwidth of the same machine.
+
+Every time is the median of `repeats` calls, each blocked on, after warm-up calls that compile.
+"""
+
+import dataclasses
+import functools
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spsjax import models, sampling
+
+
+def median_seconds(fn: Callable[[], object], *, repeats: int, warmup: int = 1) -> float:
+  """Median wall time of `fn()` (blocked until its outputs are ready) after `warmup` calls."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyBandwidth:
+  """GB/s of bytes read + written (2 * nbytes per copy) by one copy of an nbytes float32 array."""
+  nbytes: int
+  jax_fresh: float  # jit(jnp.copy): XLA allocates (and first touches) a new output every call.
+  jax_donated: float  # jit copy into a donated buffer of the same shape: no new memory.
+  numpy: float  # np.copyto into a preallocated array (one thread).
+
+
+def copy_bandwidth(nbytes: int, *, repeats: int) -> CopyBandwidth:
+  n = nbytes // 4
+  src = jnp.arange(n, dtype=jnp.float32)
+  moved = 2 * 4 * n
+  fresh = jax.jit(jnp.copy)
+  jax_fresh = median_seconds(lambda: fresh(src), repeats=repeats)
+
+  into = jax.jit(lambda dst, src: dst.at[:].set(src), donate_argnums=0)
+  state = {'dst': jnp.zeros_like(src)}
+
+  def copy_into():
+    state['dst'] = into(state['dst'], src)
+    return state['dst']
+
+  jax_donated = median_seconds(copy_into, repeats=repeats)
+  del state, src
+
+  src_np = np.arange(n, dtype=np.float32)
+  dst_np = np.empty_like(src_np)
+  numpy_s = median_seconds(lambda: np.copyto(dst_np, src_np), repeats=repeats)
+  return CopyBandwidth(nbytes=4 * n, jax_fresh=moved / jax_fresh / 1e9,
+                       jax_donated=moved / jax_donated / 1e9, numpy=moved / numpy_s / 1e9)
+
+
+def weight_bytes_per_token(config: models.TransformerConfig, params) -> int:
+  """Parameter bytes a batch-1 decode step reads: all but an untied input embedding (one row)."""
+  total = sum(x.nbytes for x in jax.tree.leaves(params))
+  if config.tie_embeddings:
+    return total
+  embedding = params['embedding']
+  return total - embedding.nbytes + embedding.nbytes // config.vocab_size
+
+
+def _extend_at(config, params, cache, tokens_BxT, lengths_B):
+  """`extend` at fixed row lengths, so that repeated calls on the returned cache stay in bounds."""
+  return models.extend(config, params, cache.with_lengths(lengths_B), tokens_BxT)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeResult:
+  """One model and dtype at batch 1. Times in seconds; bytes per decoded token."""
+  dtype: str
+  num_params: int
+  param_bytes: int  # All parameters.
+  weight_bytes: int  # Parameter bytes a step reads (`weight_bytes_per_token`).
+  kv_bytes: int  # Keys and values of every layer at full capacity, all read by a step.
+  capacity: int  # Cache slots: prompt_len + max_new_tokens.
+  step: float  # Median `extend` with T=1 (jitted, cache donated).
+  block: int  # T of the multi-token `extend`.
+  block_step: float  # Median `extend` with T=block on the same cache.
+  cache_in_place: bool  # The donated cache came back in the same buffers.
+  prefill: float  # Median `prefill` of the prompt.
+  max_new_tokens: int
+  ars_first_call: float  # First `autoregressive_sample` call: compile + run.
+  ars: float  # Median `autoregressive_sample` run (prefill + max_new_tokens tokens).
+
+  @property
+  def bytes_per_token(self) -> int:
+    return self.weight_bytes + self.kv_bytes
+
+  @property
+  def step_bandwidth(self) -> float:
+    """GB/s read by the one-token step."""
+    return self.bytes_per_token / self.step / 1e9
+
+  @property
+  def ars_per_token(self) -> float:
+    return self.ars / self.max_new_tokens
+
+  @property
+  def ars_per_decode_step(self) -> float:
+    """ArS time without its prefill, per decode step (the first token comes from the prefill)."""
+    return (self.ars - self.prefill) / max(1, self.max_new_tokens - 1)
+
+  @property
+  def ars_bandwidth(self) -> float:
+    """GB/s read by one ArS decode step (the same bytes as the standalone step)."""
+    return self.bytes_per_token / self.ars_per_decode_step / 1e9
+
+  @property
+  def block_ratio(self) -> float:
+    return self.block_step / self.step
+
+
+def measure_decode(model: models.Model, *, prompt_len: int, max_new_tokens: int, block: int = 5,
+                   repeats: int = 10, ars_repeats: int = 3,
+                   sampling_config: sampling.SamplingConfig = sampling.SamplingConfig(),
+                   seed: int = 0) -> DecodeResult:
+  """Times the cached decode step (T=1 and T=block) and end-to-end ArS of `model` at batch 1."""
+  config, params = model.config, model.params
+  capacity = prompt_len + max_new_tokens
+  if block > capacity:
+    raise ValueError(f'block={block} does not fit in the cache capacity {capacity}.')
+
+  # The cached step: fixed lengths (capacity - block) so every call writes inside the cache; the
+  # cost does not depend on the lengths, since attention reads every slot.
+  step = jax.jit(functools.partial(_extend_at, config), donate_argnums=1)
+  lengths_B = jnp.full((1,), capacity - block, jnp.int32)
+  state = {'cache': models.init_cache(config, 1, capacity)}
+  kv_bytes = sum(x.nbytes for x in state['cache'].k + state['cache'].v)
+  buffer = state['cache'].k[0].unsafe_buffer_pointer()
+
+  def step_seconds(T):
+    tokens_BxT = jnp.ones((1, T), jnp.int32)
+
+    def call():
+      logits, state['cache'] = step(params, state['cache'], tokens_BxT, lengths_B)
+      return logits, state['cache']
+
+    return median_seconds(call, repeats=repeats, warmup=2)
+
+  one, many = step_seconds(1), step_seconds(block)
+  cache_in_place = state['cache'].k[0].unsafe_buffer_pointer() == buffer
+  del state
+
+  # Any ids will do (no eos: every run decodes max_new_tokens); no RNG program to compile.
+  prompts_BxP = (jnp.arange(prompt_len, dtype=jnp.int32)[None, :] * 7 + 1) % config.vocab_size
+  prompt_lengths_B = jnp.full((1,), prompt_len, jnp.int32)
+  fill = jax.jit(models.prefill, static_argnums=(0, 4))
+  prefill = median_seconds(
+      lambda: fill(config, params, prompts_BxP, prompt_lengths_B, capacity), repeats=ars_repeats)
+
+  calls = iter(range(1 + ars_repeats))
+  ars = lambda: sampling.autoregressive_sample(
+      model, prompts_BxP, prompt_lengths_B, jax.random.key(seed + next(calls)),
+      max_new_tokens=max_new_tokens, sampling=sampling_config)
+  start = time.perf_counter()
+  jax.block_until_ready(ars())
+  ars_first_call = time.perf_counter() - start
+  ars_s = median_seconds(ars, repeats=ars_repeats, warmup=0)
+
+  return DecodeResult(
+      dtype=config.dtype, num_params=models.num_params(params),
+      param_bytes=sum(x.nbytes for x in jax.tree.leaves(params)),
+      weight_bytes=weight_bytes_per_token(config, params), kv_bytes=kv_bytes, capacity=capacity,
+      step=one, block=block, block_step=many, cache_in_place=cache_in_place, prefill=prefill,
+      max_new_tokens=max_new_tokens, ars_first_call=ars_first_call, ars=ars_s)
+
+
+def report(result: DecodeResult) -> list[str]:
+  r, mb = result, 1e-6
+  return [
+      f'[{r.dtype}] {r.num_params:,} parameters = {r.param_bytes * mb:.1f} MB; a step reads '
+      f'{r.weight_bytes * mb:.1f} MB of weights + {r.kv_bytes * mb:.1f} MB of KV cache '
+      f'(capacity {r.capacity}) = {r.bytes_per_token * mb:.1f} MB per token',
+      f'[{r.dtype}] extend T=1 (jit, donated cache{"" if r.cache_in_place else " NOT in place"}): '
+      f'{r.step * 1e3:.2f} ms/token -> {r.step_bandwidth:.2f} GB/s effective',
+      f'[{r.dtype}] autoregressive_sample, {r.max_new_tokens} new tokens: first call (compile + '
+      f'run) {r.ars_first_call:.1f} s; run {r.ars:.3f} s = {r.ars_per_token * 1e3:.2f} ms/token '
+      f'end to end; without its prefill ({r.prefill * 1e3:.1f} ms) '
+      f'{r.ars_per_decode_step * 1e3:.2f} ms/step -> {r.ars_bandwidth:.2f} GB/s effective',
+      f'[{r.dtype}] extend T={r.block}: {r.block_step * 1e3:.2f} ms = {r.block_ratio:.2f}x '
+      f'extend T=1',
+  ]
+
+
+def copy_report(copy: CopyBandwidth) -> list[str]:
+  return [
+      f'copy of {copy.nbytes / 2**20:.0f} MiB float32, GB/s read + written: jit(jnp.copy) into a '
+      f'fresh output {copy.jax_fresh:.2f}; jit copy into a donated buffer {copy.jax_donated:.2f}; '
+      f'numpy copyto {copy.numpy:.2f}',
+  ]

@@ -1,0 +1,1 @@
+"""Training: optimizer, losses (LM and distillation), checkpoints and the training loop."""

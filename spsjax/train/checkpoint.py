@@ -1,0 +1,65 @@
+"""Checkpoints with orbax's CheckpointManager: one step directory holds everything a run needs.
+
+Items per step: `state` (params, optimizer state, step; StandardSave), `data` (the input iterator's
+position, JSON), `meta` (the model config, the training config and the tokenizer, JSON). Saves are
+asynchronous and atomic: a step directory becomes visible only when complete, so after a crash the
+latest step is whole and its data position matches its parameters (no batch is seen twice).
+"""
+
+import base64
+import dataclasses
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+from spsjax.models import TransformerConfig
+
+
+def manager(directory: str, *, keep: int = 3, save_every: int = 1,
+            create: bool = True) -> ocp.CheckpointManager:
+  directory = os.path.abspath(os.path.expanduser(directory))
+  if not create and not os.path.isdir(directory):
+    raise FileNotFoundError(f'Checkpoint directory {directory} does not exist.')
+  options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=save_every,
+                                         create=create, enable_async_checkpointing=True)
+  return ocp.CheckpointManager(directory, options=options, item_names=('state', 'data', 'meta'))
+
+
+def encode_meta(model_config: TransformerConfig, tokenizer_bytes: bytes, extra: dict) -> dict:
+  return dict(model=dataclasses.asdict(model_config),
+              tokenizer=base64.b64encode(tokenizer_bytes).decode('ascii'), **extra)
+
+
+def decode_meta(meta: dict) -> tuple[TransformerConfig, bytes]:
+  return TransformerConfig(**meta['model']), base64.b64decode(meta['tokenizer'])
+
+
+def save(mngr: ocp.CheckpointManager, step: int, state, data_state: dict, meta: dict,
+         force: bool = False) -> bool:
+  return mngr.save(step, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+      meta=ocp.args.JsonSave(meta)), force=force)
+
+
+def read_meta(mngr: ocp.CheckpointManager, step: int | None = None) -> dict:
+  step = mngr.latest_step() if step is None else step
+  if step is None:
+    raise FileNotFoundError(f'No checkpoint in {mngr.directory}.')
+  return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+
+
+def restore(mngr: ocp.CheckpointManager, abstract_state, step: int | None = None):
+  """(state placed like `abstract_state`'s shardings, data position, meta) of a step (latest)."""
+  step = mngr.latest_step() if step is None else step
+  if step is None:
+    raise FileNotFoundError(f'No checkpoint in {mngr.directory}.')
+  restored = mngr.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+      meta=ocp.args.JsonRestore()))
+  return restored['state'], restored['data'], restored['meta']
+
+
+def abstract_like(tree):
+  """ShapeDtypeStructs with shardings: the restore target for arrays laid out like `tree`."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)

@@ -1,0 +1,66 @@
+"""Held-out evaluation: a model's loss, and a target/draft pair's expected acceptance alpha.
+
+alpha = E[sum_x min(p(x), q(x))] over held-out positions (Leviathan et al.), where p and q are the
+target's and the draft's next-token laws after the sampling processors (`probabilities`), so it is
+the acceptance rate speculative sampling would see under those settings, and with k and the cost
+ratio c it predicts the speedup. Both laws are computed on the same batches, in one forward each.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spsjax import models
+from spsjax.sampling import SamplingConfig, probabilities
+from spsjax.train import losses
+
+
+def _loss(config, params, batch_BxL1):
+  logits_BxLxV = models.logits(config, params, batch_BxL1[:, :-1])
+  return logits_BxLxV, losses.cross_entropy(logits_BxLxV, batch_BxL1[:, 1:],
+                                            jnp.ones(batch_BxL1[:, 1:].shape, bool))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _model_step(config, params, batch_BxL1):
+  return _loss(config, params, batch_BxL1)[1]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _pair_step(target_config, draft_config, settings, target_params, draft_params, batch_BxL1):
+  """(target loss, draft loss, mean beta per sampling setting) on one batch."""
+  p_logits, target_loss = _loss(target_config, target_params, batch_BxL1)
+  q_logits, draft_loss = _loss(draft_config, draft_params, batch_BxL1)
+  betas = [jnp.mean(jnp.sum(jnp.minimum(probabilities(p_logits, s), probabilities(q_logits, s)),
+                            axis=-1)) for s in settings]
+  return target_loss, draft_loss, jnp.stack(betas)
+
+
+def evaluate_model(model: models.Model, batches) -> dict:
+  """Mean held-out loss and perplexity over `batches` (int32[B, L + 1] arrays)."""
+  values = [_model_step(model.config, model.params, jnp.asarray(b)) for b in batches]
+  loss = float(np.mean(jax.device_get(values)))
+  return dict(loss=loss, perplexity=float(np.exp(min(loss, 50.0))))
+
+
+def evaluate_pair(target: models.Model, draft: models.Model, batches,
+                  sampling_settings: dict[str, SamplingConfig]) -> dict:
+  """Held-out loss of both models and alpha under each named sampling setting.
+
+  Returns {'target_loss', 'draft_loss', 'alpha_<name>' for each setting}.
+  """
+  if target.config.vocab_size != draft.config.vocab_size:
+    raise ValueError(f'Target vocab_size ({target.config.vocab_size}) differs from the draft\'s '
+                     f'({draft.config.vocab_size}).')
+  names, settings = zip(*sampling_settings.items())
+  values = jax.device_get([_pair_step(target.config, draft.config, settings, target.params,
+                                      draft.params, jnp.asarray(b)) for b in batches])
+  if not values:
+    raise ValueError('No batches to evaluate on.')
+  result = dict(target_loss=float(np.mean([v[0] for v in values])),
+                draft_loss=float(np.mean([v[1] for v in values])))
+  alphas = np.mean([v[2] for v in values], axis=0)
+  result.update({f'alpha_{name}': float(a) for name, a in zip(names, alphas)})
+  return result

@@ -1,0 +1,174 @@
+"""One training run from a config: data, shared tokenizer, model, optional teacher, then `trainer`.
+
+The layout on disk, for a family of models that speculate together (a target and its drafts):
+
+  <root>/tokenizer.model   the family's SentencePiece model, trained once from the train split
+  <root>/<name>/           one orbax checkpoint directory per model (target, draft_wide, ...)
+
+Invariants: every model of a family uses the family's tokenizer (each checkpoint also stores it, and
+`load.load_model` loads it back); a distilled draft's teacher is a finished checkpoint of the
+same family, checked at start. Everything that can be wrong with a config (unknown dataset or
+preset, a tokenizer or teacher of another vocabulary, a missing teacher checkpoint) fails before the
+first step with a message that names it.
+"""
+
+import dataclasses
+import os
+import tempfile
+from collections.abc import Callable
+
+from absl import logging
+import jax
+import numpy as np
+
+from spsjax import models, sharding
+from spsjax.data import datasets, pipeline
+from spsjax.data.tokenizer import Tokenizer
+from spsjax.train import load, optimizer, trainer
+
+TOKENIZER_FILE = 'tokenizer.model'
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Which TFDS dataset and text field to train on; any prepared TFDS dataset works."""
+  name: str = 'python_code'
+  text_field: str | None = None  # None: the built-in default of `name`.
+  train_split: str = 'train'
+  eval_split: str = 'validation'
+  data_dir: str | None = None  # None: `datasets.default_data_dir()`.
+  config: str | None = None  # A TFDS builder config name; None: the dataset's default.
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+  """A training run: what to train, on what, where, and from which teacher (if any)."""
+  train: trainer.TrainConfig
+  data: DataConfig
+  root: str  # The family directory (tokenizer and sibling checkpoints).
+  name: str  # This model's checkpoint directory under `root`.
+  teacher: str | None = None  # Name of a finished checkpoint under `root` to distil from.
+  tokenizer_seed: int = 0
+  mesh_data: int = 1
+  mesh_model: int = 1
+
+  @property
+  def workdir(self) -> str:
+    return os.path.join(self.root, self.name)
+
+  @property
+  def tokenizer_path(self) -> str:
+    return os.path.join(self.root, TOKENIZER_FILE)
+
+
+def family_tokenizer(path: str, texts: Callable[[], list[str]], vocab_size: int,
+                     seed: int = 0) -> Tokenizer:
+  """The tokenizer at `path`, trained from `texts()` and saved there first if it is missing.
+
+  The file is written to a temporary name and renamed, so a crash never leaves half a tokenizer.
+  A tokenizer that exists with another vocabulary size is an error, not silently retrained.
+  """
+  if os.path.exists(path):
+    tok = Tokenizer.load(path)
+    if tok.vocab_size != vocab_size:
+      raise ValueError(f'Tokenizer {path} has vocab_size {tok.vocab_size}, but the model config '
+                       f'asks for {vocab_size}: a family shares one tokenizer (use another root).')
+    return tok
+  logging.info('Training a %d-piece tokenizer for %s ...', vocab_size, path)
+  tok = Tokenizer.train(texts(), vocab_size, seed=seed)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(path)), delete=False) as f:
+    f.write(tok.to_bytes())
+  os.replace(f.name, path)
+  return tok
+
+
+def load_docs(data: DataConfig, split: str):
+  return datasets.load(data.name, split, data.data_dir, data.text_field, data.config)
+
+
+def _all_texts(source) -> list[str]:
+  return [source[i] for i in range(len(source))]
+
+
+def _process_shard() -> dict:
+  return dict(shard_index=jax.process_index(), num_shards=jax.process_count())
+
+
+def held_out(docs, tok: Tokenizer, batch_size: int, seq_len: int) -> pipeline.PackedBatches:
+  """This process's rows of the held-out batches: always the same ones (seed 0, epoch 0)."""
+  return pipeline.PackedBatches(docs, tok, batch_size, seq_len, seed=0, **_process_shard())
+
+
+def _load_teacher(exp: Experiment, tok: Tokenizer, mesh) -> models.Model:
+  teacher_dir = os.path.join(exp.root, exp.teacher)
+  model, teacher_tok, _ = load.load_model(teacher_dir, mesh=mesh)
+  if teacher_tok.to_bytes() != tok.to_bytes():
+    raise ValueError(f'Teacher checkpoint {teacher_dir} has another tokenizer than {exp.root}: '
+                     'target and draft must share one.')
+  if model.config.vocab_size != exp.train.model.vocab_size:
+    raise ValueError(f'Teacher vocab_size ({model.config.vocab_size}) differs from the '
+                     f'student\'s ({exp.train.model.vocab_size}).')
+  return model
+
+
+def _mesh(data: int, model: int):
+  """The run's mesh; one process may use fewer devices than it has (said in the log)."""
+  devices = jax.devices()
+  if jax.process_count() == 1 and data * model < len(devices):
+    logging.warning('Using %d of the %d devices (mesh data=%d x model=%d).', data * model,
+                    len(devices), data, model)
+    devices = devices[:data * model]
+  return sharding.make_mesh(data, model, devices)
+
+
+def run(exp: Experiment) -> dict:
+  """Trains (or resumes) `exp` to its last step; returns the final metrics."""
+  if exp.train.distill_weight > 0 and not exp.teacher:
+    raise ValueError('distill_weight > 0 needs a teacher checkpoint name (config.teacher).')
+  if exp.teacher and not os.path.isdir(os.path.join(exp.root, exp.teacher)):
+    raise FileNotFoundError(f'Teacher checkpoint directory {os.path.join(exp.root, exp.teacher)} '
+                            'does not exist: train the target first.')
+  mesh = _mesh(exp.mesh_data, exp.mesh_model)
+  sharding.check_batch(exp.train.batch_size, mesh)
+  d = exp.data
+  train_docs, eval_docs = load_docs(d, d.train_split), load_docs(d, d.eval_split)
+  tok = family_tokenizer(exp.tokenizer_path, lambda: _all_texts(train_docs),
+                         exp.train.model.vocab_size, exp.tokenizer_seed)
+  teacher = _load_teacher(exp, tok, mesh) if exp.teacher else None
+
+  c = exp.train
+  train_batches = pipeline.PackedBatches(train_docs, tok, c.batch_size, c.seq_len, c.seed,
+                                         **_process_shard())
+  eval_pipeline = held_out(eval_docs, tok, c.batch_size, c.seq_len)
+  eval_start = eval_pipeline.get_state()
+
+  def eval_batches():
+    eval_pipeline.set_state(eval_start)  # The same held-out batches every time.
+    return eval_pipeline
+
+  logging.info('Training %s (%s parameters) in %s on a %s mesh%s.', exp.name,
+               f'{num_params(c.model):,}', exp.workdir, dict(mesh.shape),
+               f', distilling from {exp.teacher}' if teacher else '')
+  _, metrics = trainer.train(
+      c, workdir=exp.workdir, train_batches=train_batches, eval_batches=eval_batches,
+      tokenizer_bytes=tok.to_bytes(), mesh=mesh, teacher=teacher,
+      meta=dict(data=dataclasses.asdict(d), teacher=exp.teacher))
+  return metrics
+
+
+def num_params(config: models.TransformerConfig) -> int:
+  shapes = jax.eval_shape(lambda key: models.init_params(config, key), jax.random.key(0))
+  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(shapes)))
+
+
+def from_config(c) -> Experiment:
+  """The typed, frozen experiment of a config file's ConfigDict."""
+  train = trainer.TrainConfig(model=models.TransformerConfig(**c.model),
+                              optimizer=optimizer.OptimizerConfig(**c.optimizer), **c.train)
+  # Config files write '' for "none" (ConfigDict fields keep one type).
+  data = DataConfig(**{k: (v or None) if k in ('text_field', 'data_dir', 'config') else v
+                       for k, v in c.data.items()})
+  return Experiment(train=train, data=data, root=c.root, name=c.name, teacher=c.teacher or None,
+                    tokenizer_seed=c.tokenizer_seed, mesh_data=c.mesh.data,
+                    mesh_model=c.mesh.model)

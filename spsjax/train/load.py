@@ -1,0 +1,47 @@
+"""Loading a trained model for sampling or evaluation: (Model, Tokenizer, meta) from a checkpoint.
+
+The checkpoint's `meta` holds the model config, the optimizer config and the tokenizer, so the
+restore target (shapes, dtypes and, with a mesh, shardings by logical names) is rebuilt from the
+checkpoint alone; no config file has to agree with it.
+"""
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from spsjax import models, sharding
+from spsjax.data.tokenizer import Tokenizer
+from spsjax.train import checkpoint, optimizer as optimizer_lib, trainer
+
+
+def load_model(workdir: str, *, step: int | None = None, mesh: Mesh | None = None,
+               rules: sharding.Rules = sharding.DEFAULT_RULES
+               ) -> tuple[models.Model, Tokenizer, dict]:
+  """The model, tokenizer and meta of checkpoint `step` (default: latest) in `workdir`.
+
+  Parameters come back sharded on `mesh` by their logical names, or on the default device.
+  Raises FileNotFoundError for a missing directory or an empty one.
+  """
+  mngr = checkpoint.manager(workdir, create=False)
+  try:
+    meta = checkpoint.read_meta(mngr, step)
+    config, tokenizer_bytes = checkpoint.decode_meta(meta)
+    tx = optimizer_lib.make(optimizer_lib.OptimizerConfig(**meta['optimizer']))
+    mesh = mesh or sharding.make_mesh(1, 1, jax.devices()[:1])
+    param_shardings = models.param_shardings(config, mesh, rules)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def abstract_state(key):
+      params = models.init_params(config, key)
+      return trainer.TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params,
+                                opt_state=tx.init(params))
+
+    shapes = jax.eval_shape(abstract_state, jax.random.key(0))
+    shardings = trainer.TrainState(
+        step=replicated, params=param_shardings,
+        opt_state=jax.tree.map(lambda _: replicated, shapes.opt_state))
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, shardings)
+    state, _, meta = checkpoint.restore(mngr, abstract, step)
+  finally:
+    mngr.close()
+  return models.Model(config, state.params), Tokenizer.from_bytes(tokenizer_bytes), meta

@@ -1,0 +1,187 @@
+"""The training loop: a sharded, jitted step with donated state, evaluation, checkpoints, resume.
+
+Restarting the same run resumes from the latest checkpoint: parameters, optimizer state, step and the
+input iterator's position come back together, so a run killed at any moment loses at most one save
+interval and sees no batch twice. Metrics are read one step late, so the host never waits on the
+step it just dispatched.
+"""
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Iterator
+
+from absl import logging
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from spsjax import models, sharding
+from spsjax.train import checkpoint, losses, optimizer as optimizer_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  model: models.TransformerConfig
+  optimizer: optimizer_lib.OptimizerConfig
+  batch_size: int = 16  # Global batch, in sequences.
+  seq_len: int = 128
+  seed: int = 0
+  log_every: int = 20
+  eval_every: int = 200
+  eval_batches: int = 8
+  save_every: int = 100
+  keep: int = 3
+  distill_weight: float = 0.0  # 0: language-model loss only; 1: distillation only.
+  distill_temperature: float = 1.0
+
+  def __post_init__(self):
+    if not 0.0 <= self.distill_weight <= 1.0:
+      raise ValueError(f'distill_weight must be in [0, 1], got {self.distill_weight}.')
+    if self.seq_len + 1 > self.model.max_seq_len + 1 or self.seq_len < 1:
+      raise ValueError(f'seq_len ({self.seq_len}) must be in [1, max_seq_len='
+                       f'{self.model.max_seq_len}].')
+    if self.batch_size < 1:
+      raise ValueError(f'batch_size must be >= 1, got {self.batch_size}.')
+
+  @property
+  def steps(self) -> int:
+    return self.optimizer.total_steps
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: dict
+  opt_state: tuple
+
+
+def init_state(config: TrainConfig, mesh: Mesh) -> TrainState:
+  """Fresh state, created sharded: parameters by their logical names, optimizer state like them."""
+  params = models.init_params(config.model, jax.random.key(config.seed), mesh=mesh)
+  tx = optimizer_lib.make(config.optimizer)
+  opt_state = jax.jit(tx.init)(params)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+
+
+def _loss(config: TrainConfig, params, teacher: models.Model | None, batch_BxL1):
+  inputs_BxL, targets_BxL = batch_BxL1[:, :-1], batch_BxL1[:, 1:]
+  mask_BxL = jnp.ones_like(targets_BxL, dtype=bool)
+  logits_BxLxV = models.logits(config.model, params, inputs_BxL)
+  lm = losses.cross_entropy(logits_BxLxV, targets_BxL, mask_BxL)
+  metrics = dict(lm_loss=lm)
+  loss = lm
+  if teacher is not None and config.distill_weight > 0:
+    teacher_BxLxV = models.logits(teacher.config, teacher.params, inputs_BxL)
+    kl = losses.distillation(logits_BxLxV, teacher_BxLxV, mask_BxL, config.distill_temperature)
+    loss = (1.0 - config.distill_weight) * lm + config.distill_weight * kl
+    metrics['distill_kl'] = kl
+  metrics['loss'] = loss
+  return loss, metrics
+
+
+def make_train_step(config: TrainConfig):
+  tx = optimizer_lib.make(config.optimizer)
+
+  @functools.partial(jax.jit, donate_argnums=(0,))
+  def train_step(state: TrainState, teacher, batch_BxL1):
+    grad_fn = jax.value_and_grad(lambda p: _loss(config, p, teacher, batch_BxL1), has_aux=True)
+    (_, metrics), grads = grad_fn(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = jax.tree.map(lambda p, u: p + u, state.params, updates)
+    metrics['grad_norm'] = jnp.sqrt(sum(jnp.sum(g.astype(jnp.float32)**2)
+                                        for g in jax.tree.leaves(grads)))
+    metrics['learning_rate'] = optimizer_lib.schedule(config.optimizer)(state.step)
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+  return train_step
+
+
+def make_eval_step(config: TrainConfig):
+  return jax.jit(lambda params, batch: _loss(config, params, None, batch)[1]['lm_loss'])
+
+
+def global_batch(local_BxL1: np.ndarray, mesh: Mesh) -> jax.Array:
+  """This process's rows of a batch -> one global array sharded over the data axis."""
+  spec = sharding.spec(('batch', None), (local_BxL1.shape[0] * jax.process_count(),
+                                         local_BxL1.shape[1]), mesh)
+  return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local_BxL1)
+
+
+def evaluate(config: TrainConfig, params, batches: Iterator[np.ndarray], mesh: Mesh,
+             eval_step=None) -> dict:
+  """Mean held-out loss and perplexity over `config.eval_batches` batches."""
+  eval_step = eval_step or make_eval_step(config)
+  values = [eval_step(params, global_batch(next(batches), mesh))
+            for _ in range(config.eval_batches)]
+  loss = float(np.mean(jax.device_get(values)))
+  return dict(eval_loss=loss, eval_perplexity=math.exp(min(loss, 50.0)))
+
+
+def _progress(step: int, total: int, start_step: int, started: float) -> str:
+  width = 24
+  done = int(width * step / max(total, 1))
+  rate = (step - start_step) / max(time.time() - started, 1e-9)
+  eta = (total - step) / rate if rate > 0 else float('inf')
+  eta_text = f'{eta / 60:.1f} min' if math.isfinite(eta) else '?'
+  return f'[{"#" * done}{"." * (width - done)}] {step}/{total} {rate:.2f} steps/s ETA {eta_text}'
+
+
+def train(config: TrainConfig, *, workdir: str, train_batches, eval_batches: Callable[[], Iterator],
+          tokenizer_bytes: bytes, mesh: Mesh, teacher: models.Model | None = None,
+          meta: dict | None = None) -> tuple[TrainState, dict]:
+  """Trains (or resumes) to `config.steps`; returns the final state and the last metrics.
+
+  `train_batches` yields this process's rows, `int32[local_batch, seq_len + 1]`, and has
+  `get_state()` / `set_state(dict)`; `eval_batches()` returns a fresh iterator over held-out data.
+  """
+  if config.distill_weight > 0 and teacher is None:
+    raise ValueError('distill_weight > 0 needs a teacher (the trained target).')
+  if teacher is not None and teacher.config.vocab_size != config.model.vocab_size:
+    raise ValueError(f'Teacher vocab_size ({teacher.config.vocab_size}) differs from the '
+                     f'student\'s ({config.model.vocab_size}); they must share a tokenizer.')
+  sharding.check_batch(config.batch_size, mesh)
+  mngr = checkpoint.manager(workdir, keep=config.keep, save_every=config.save_every)
+  meta = checkpoint.encode_meta(config.model, tokenizer_bytes, dict(
+      meta or {}, optimizer=dataclasses.asdict(config.optimizer)))
+  state = init_state(config, mesh)
+  if mngr.latest_step() is not None:
+    state, data_state, saved_meta = checkpoint.restore(mngr, checkpoint.abstract_like(state))
+    if saved_meta['model'] != meta['model']:
+      raise ValueError(f'Checkpoint in {workdir} has model {saved_meta["model"]}, the config asks '
+                       f'for {meta["model"]}: use another workdir.')
+    train_batches.set_state(data_state)
+    logging.info('Resumed from step %d in %s.', int(state.step), workdir)
+  if teacher is not None:
+    teacher = teacher.replace(params=jax.device_put(
+        teacher.params, models.param_shardings(teacher.config, mesh)))
+
+  train_step, eval_step = make_train_step(config), make_eval_step(config)
+  start_step = int(state.step)
+  started, pending, metrics = time.time(), None, {}
+  for step in range(start_step, config.steps):
+    batch = global_batch(next(train_batches), mesh)
+    state, step_metrics = train_step(state, teacher, batch)
+    if pending is not None and (step % config.log_every == 0 or step == config.steps - 1):
+      metrics = {k: float(v) for k, v in jax.device_get(pending).items()}
+      logging.info('%s loss %.4f lm %.4f lr %.2e |g| %.2f', _progress(step, config.steps,
+                                                                      start_step, started),
+                   metrics['loss'], metrics['lm_loss'], metrics['learning_rate'],
+                   metrics['grad_norm'])
+    pending = step_metrics
+    done = step + 1
+    if done % config.eval_every == 0 or done == config.steps:
+      metrics.update(evaluate(config, state.params, eval_batches(), mesh, eval_step))
+      logging.info('step %d: eval loss %.4f perplexity %.2f', done, metrics['eval_loss'],
+                   metrics['eval_perplexity'])
+    if done % config.save_every == 0 or done == config.steps:
+      checkpoint.save(mngr, done, state, train_batches.get_state(), meta,
+                      force=done == config.steps)
+  if pending is not None:
+    metrics.update({k: float(v) for k, v in jax.device_get(pending).items()})
+  mngr.wait_until_finished()
+  mngr.close()
+  return state, metrics

@@ -1,0 +1,47 @@
+"""The decode benchmark library on a tiny model: every figure is positive and self-consistent."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from spsjax import models
+from spsjax.bench import decode
+from spsjax.sampling import SamplingConfig
+
+
+def zero_model(config):
+  """Zero weights of the right shapes: timing needs no values, and this skips compiling init."""
+  shapes = jax.eval_shape(functools.partial(models.init_params, config), jax.random.key(0))
+  return models.Model(config, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+
+
+def test_measure_decode_tiny():
+  config = models.TransformerConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4,
+                                    num_kv_heads=2, d_ff=64, max_seq_len=64, tie_embeddings=False)
+  model = zero_model(config)
+  r = decode.measure_decode(model, prompt_len=4, max_new_tokens=6, block=3, repeats=2,
+                            ars_repeats=1, sampling_config=SamplingConfig(temperature=0.0))
+  assert r.dtype == 'float32'
+  assert r.num_params == models.num_params(model.params)
+  assert r.param_bytes == 4 * r.num_params
+  # Untied: the step reads one row of the input embedding, not the table.
+  assert r.weight_bytes == r.param_bytes - 4 * 64 * 32 + 4 * 32
+  assert r.capacity == 10 and r.block == 3
+  assert r.kv_bytes == 2 * 1 * r.capacity * 2 * 8 * 4  # k and v, layers, B=1, S, K, H, float32.
+  assert r.bytes_per_token == r.weight_bytes + r.kv_bytes
+  assert r.cache_in_place
+  for seconds in (r.step, r.block_step, r.prefill, r.ars, r.ars_first_call):
+    assert seconds > 0
+  assert abs(r.step_bandwidth - r.bytes_per_token / r.step / 1e9) < 1e-9
+  assert abs(r.block_ratio * r.step - r.block_step) < 1e-12
+  assert abs(r.ars_per_token * 6 - r.ars) < 1e-12
+  assert abs(r.ars_per_decode_step * 5 - (r.ars - r.prefill)) < 1e-12
+  assert len(decode.report(r)) == 4
+
+
+def test_copy_bandwidth_small():
+  copy = decode.copy_bandwidth(1 << 20, repeats=2)
+  assert copy.nbytes == 1 << 20
+  assert min(copy.jax_fresh, copy.jax_donated, copy.numpy) > 0
+  assert len(decode.copy_report(copy)) == 1

@@ -1,0 +1,165 @@
+"""Training: the loss falls, checkpoints restore bit-exactly (data position included), a run killed
+with SIGKILL resumes without losing more than a save interval or seeing a batch twice, distillation,
+and bad configs fail at start with a message that names the problem."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spsjax import models
+from spsjax.data import python_code
+from spsjax.train import checkpoint, experiment, load, losses, trainer
+from tests import data_helpers, train_helpers
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope='module', name='finished')
+def fixture_finished(tmp_path_factory):
+  """An uninterrupted 20-step run: (workdir, final state, metrics)."""
+  workdir = str(tmp_path_factory.mktemp('train') / 'run')
+  state, metrics = train_helpers.run(workdir)
+  return workdir, state, metrics
+
+
+def _leaves_equal(a, b) -> bool:
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y))
+                                    for x, y in zip(la, lb))
+
+
+def test_twenty_steps_lower_the_held_out_loss(finished):
+  _, state, metrics = finished
+  config = train_helpers.CONFIG
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ('data', 'model'))
+  initial = trainer.evaluate(config, trainer.init_state(config, mesh).params,
+                             train_helpers.held_out(data_helpers.small_tokenizer())(), mesh)
+  assert int(state.step) == train_helpers.STEPS
+  assert metrics['eval_loss'] < initial['eval_loss'] - 0.3, (metrics, initial)
+
+
+def test_checkpoint_restores_bit_exactly_with_the_data_position(finished):
+  workdir, state, _ = finished
+  mngr = checkpoint.manager(workdir, create=False)
+  assert mngr.all_steps() == [5, 10, 15, 20]
+  restored, data_state, meta = checkpoint.restore(mngr, checkpoint.abstract_like(state))
+  mngr.close()
+  assert _leaves_equal(restored, state)
+  assert data_state['batch_in_epoch'] == train_helpers.STEPS and data_state['epoch'] == 0
+  tok = data_helpers.small_tokenizer()
+  model, loaded_tok, _ = load.load_model(workdir)
+  assert model.config == train_helpers.CONFIG.model and loaded_tok.to_bytes() == tok.to_bytes()
+  assert _leaves_equal(model.params, state.params)
+  assert meta['optimizer']['total_steps'] == train_helpers.STEPS
+  # The saved position resumes the stream where the run stopped.
+  fresh = train_helpers.RecordedBatches(
+      experiment.pipeline.PackedBatches(data_helpers.texts('train'), tok, train_helpers.BATCH,
+                                        train_helpers.SEQ_LEN), workdir + '.probe', workdir, None)
+  reference = [next(fresh) for _ in range(train_helpers.STEPS + 1)][-1]
+  fresh.set_state(data_state)
+  assert np.array_equal(next(fresh), reference)
+
+
+def test_killed_run_resumes_exactly(finished, tmp_path):
+  finished_dir, state, _ = finished
+  workdir = str(tmp_path / 'run')
+  script = (f'import sys; sys.path.insert(0, {_REPO!r}); from tests import train_helpers; '
+            f'train_helpers.run({workdir!r}, kill_at=13)')
+  killed = subprocess.run([sys.executable, '-c', script], env=data_helpers.subprocess_env(),
+                          capture_output=True, text=True, timeout=300, check=False)
+  assert killed.returncode == -9, killed.stderr[-3000:]
+  saved = sorted(int(d) for d in os.listdir(workdir) if d.isdigit())
+  assert saved and max(saved) >= 13 - train_helpers.SAVE_EVERY  # At most one interval lost.
+  first_run = train_helpers.seen(workdir)
+  assert len(first_run) == 13
+
+  resumed, _ = train_helpers.run(workdir)  # The same command again.
+  uninterrupted = train_helpers.seen(finished_dir)
+  # The resumed run picks up the stream at the last checkpoint: the model saw each batch once.
+  assert train_helpers.seen(workdir)[13:] == uninterrupted[max(saved):]
+  assert first_run == uninterrupted[:13]
+  assert _leaves_equal(resumed.params, state.params)
+  assert int(resumed.step) == train_helpers.STEPS
+
+
+def test_distillation_loss_is_zero_for_the_same_model():
+  config = train_helpers.CONFIG.model
+  params = models.init_params(config, jax.random.key(0))
+  tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, config.vocab_size)
+  logits = models.logits(config, params, tokens)
+  mask = jnp.ones(tokens.shape, bool)
+  assert float(losses.distillation(logits, logits, mask)) == pytest.approx(0.0, abs=1e-6)
+  other = models.logits(config, models.init_params(config, jax.random.key(2)), tokens)
+  assert float(losses.distillation(logits, other, mask)) > 1e-3
+  # No gradient reaches the teacher, and the student's vanishes at the teacher.
+  grad = jax.grad(lambda s, t: losses.distillation(s, t, mask), argnums=(0, 1))(logits, logits)
+  assert float(jnp.abs(grad[0]).max()) < 1e-6 and float(jnp.abs(grad[1]).max()) == 0.0
+
+
+def _experiment(root, **overrides):
+  exp = experiment.Experiment(
+      train=train_helpers.CONFIG,
+      data=experiment.DataConfig(config=python_code.SMALL.name, data_dir=data_helpers.data_dir()),
+      root=str(root), name='draft')
+  return dataclasses.replace(exp, **overrides)
+
+
+def test_bad_configs_fail_at_start(finished, tmp_path):
+  with pytest.raises(ValueError, match="Unknown dataset 'no_such_data'"):
+    experiment.run(_experiment(tmp_path, data=experiment.DataConfig(name='no_such_data',
+                                                                    text_field='text')))
+  with pytest.raises(FileNotFoundError, match='Teacher checkpoint directory .*target'):
+    experiment.run(_experiment(tmp_path, teacher='target'))
+  with pytest.raises(FileNotFoundError, match='does not exist'):
+    load.load_model(str(tmp_path / 'nowhere'))
+  with pytest.raises(ValueError, match='needs a teacher'):
+    experiment.run(_experiment(tmp_path, train=dataclasses.replace(train_helpers.CONFIG,
+                                                                   distill_weight=0.5)))
+  # A family whose tokenizer has another vocabulary than the draft's config.
+  data_helpers.small_tokenizer().save(str(tmp_path / experiment.TOKENIZER_FILE))
+  small_draft = dataclasses.replace(
+      train_helpers.CONFIG, model=dataclasses.replace(train_helpers.CONFIG.model, vocab_size=512))
+  with pytest.raises(ValueError, match='vocab_size 1024.*asks for 512'):
+    experiment.run(_experiment(tmp_path, train=small_draft))
+  # A teacher trained with another tokenizer than the family's: target/draft vocabulary mismatch.
+  other = tmp_path / 'other'
+  other.mkdir()
+  experiment.family_tokenizer(str(other / experiment.TOKENIZER_FILE),
+                              lambda: data_helpers.texts('validation'), data_helpers.SMALL_VOCAB)
+  os.symlink(finished[0], other / 'target')
+  with pytest.raises(ValueError, match='another tokenizer'):
+    experiment.run(_experiment(other, teacher='target', train=dataclasses.replace(
+        train_helpers.CONFIG, distill_weight=1.0)))
+
+
+def test_distillation_moves_the_student_towards_the_teacher(finished, tmp_path):
+  finished_dir, _, _ = finished
+  teacher, _, _ = load.load_model(finished_dir)
+  config = dataclasses.replace(
+      train_helpers.CONFIG, distill_weight=1.0, seed=1,
+      model=dataclasses.replace(train_helpers.CONFIG.model, d_model=16),
+      optimizer=dataclasses.replace(train_helpers.CONFIG.optimizer, total_steps=10))
+  batch = jnp.asarray(next(train_helpers.held_out(data_helpers.small_tokenizer())()))
+  mask = jnp.ones(batch[:, 1:].shape, bool)
+  teacher_logits = models.logits(teacher.config, teacher.params, batch[:, :-1])
+
+  def kl(params):
+    return float(losses.distillation(models.logits(config.model, params, batch[:, :-1]),
+                                     teacher_logits, mask))
+
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ('data', 'model'))
+  before = kl(trainer.init_state(config, mesh).params)
+  tok = data_helpers.small_tokenizer()
+  state, metrics = trainer.train(
+      config, workdir=str(tmp_path / 'student'), train_batches=experiment.pipeline.PackedBatches(
+          data_helpers.texts('train'), tok, train_helpers.BATCH, train_helpers.SEQ_LEN),
+      eval_batches=train_helpers.held_out(tok), tokenizer_bytes=tok.to_bytes(), mesh=mesh,
+      teacher=teacher)
+  assert 'distill_kl' in metrics and metrics['loss'] == pytest.approx(metrics['distill_kl'])
+  assert kl(state.params) < before - 0.1
