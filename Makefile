@@ -4,7 +4,7 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: demo test setup clean
+.PHONY: demo test setup clean train-tiny
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests
+
+# The tiny family (tokenizer, target, wide-shallow draft) in checkpoints/tiny; resumes if killed.
+train-tiny: $(VENV)/.installed
+	$(PY) experiments/train.py --config=configs/train.py:size=tiny,model=target
+	$(PY) experiments/train.py --config=configs/train.py:size=tiny,model=draft_wide
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -1,7 +1,10 @@
-"""Sampling from a model (ArS, later SpS): `--config=configs/sample.py:method=ars,batch=4`.
+"""Sampling (ArS or SpS): `--config=configs/sample.py:method=sps,k=4,root=checkpoints/tiny`.
 
-Arguments: model, draft (preset names), method (ars|sps), k, batch, prompt_len, max_new_tokens,
-temperature, top_k, top_p, seed, data/model (mesh axes), runlocal (a smaller run).
+Arguments: root (a trained family: its `target` and `draft_name` checkpoints and tokenizer; prompts
+are the first `batch` HumanEval prompts), or without root: model, draft (preset names, randomly
+initialised, random prompts of prompt_len tokens); method (ars|sps), k, batch, draft_name,
+max_new_tokens, temperature, top_k, top_p, seed, data/model_axis (mesh axes), runlocal (fewer
+tokens).
 """
 
 import ml_collections
@@ -11,10 +14,13 @@ from spsjax.models import presets
 
 
 def get_config(arg=None):
-  a = parse_arg(arg, model='tiny_target', draft='tiny_draft', method='ars', k=4, batch=4,
-                prompt_len=16, max_new_tokens=64, temperature=1.0, top_k=0, top_p=1.0, seed=0,
-                data=1, model_axis=1, runlocal=False)
+  a = parse_arg(arg, root='', draft_name='draft_wide', model='tiny_target', draft='tiny_draft',
+                method='ars', k=4, batch=4, prompt_len=16, max_new_tokens=64, temperature=1.0,
+                top_k=0, top_p=1.0, seed=0, data=1, model_axis=1, runlocal=False)
   c = ml_collections.ConfigDict()
+  c.root = a.root
+  c.target_name = 'target'
+  c.draft_name = a.draft_name
   c.method = a.method
   c.k = a.k
   c.model = presets.get(a.model)

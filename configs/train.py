@@ -27,8 +27,8 @@ _PRESET = {'target': 'target', 'draft_wide': 'draft', 'draft_deep': 'draft_deep'
 # Per size: batch (sequences), sequence length, steps, warm-up, peak learning rate.
 _SIZES = {
     'tiny': dict(batch_size=16, seq_len=128, steps=600, warmup_steps=60, learning_rate=3e-3),
-    'reference': dict(batch_size=16, seq_len=256, steps=1200, warmup_steps=100,
-                      learning_rate=1.5e-3),
+    'reference': dict(batch_size=8, seq_len=256, steps=1200, warmup_steps=80,
+                      learning_rate=2e-3),
 }
 
 

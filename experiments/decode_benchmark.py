@@ -2,9 +2,10 @@
 
   python experiments/decode_benchmark.py --dtype=both --repeats=20
   python experiments/decode_benchmark.py --small  # A tiny model: a quick smoke run.
+  python experiments/decode_benchmark.py --preset=reference_target --dtype=float32
 
-The model (preset `bench150m`, or `tiny_target` with --small) is randomly initialised: decode time
-does not depend on the weights' values.
+The model (preset `bench150m` by default, `tiny_target` with --small) is randomly initialised:
+decode time does not depend on the weights' values.
 """
 
 import os
@@ -20,6 +21,7 @@ _DTYPE = flags.DEFINE_enum('dtype', 'both', ['float32', 'bfloat16', 'both'], 'Mo
 _REPEATS = flags.DEFINE_integer('repeats', 20, 'Timed calls per extend step and per copy.')
 _ARS_REPEATS = flags.DEFINE_integer('ars_repeats', 3, 'Timed autoregressive_sample runs.')
 _SMALL = flags.DEFINE_bool('small', False, 'A tiny model and a small copy: a quick smoke run.')
+_PRESET = flags.DEFINE_string('preset', 'bench150m', 'Model preset (spsjax/models/presets.py).')
 _PROMPT_LEN = flags.DEFINE_integer('prompt_len', 128, 'Prompt tokens; cache capacity is '
                                    'prompt_len + max_new_tokens.')
 _MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 128, 'Tokens per ArS run.')
@@ -32,7 +34,7 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   logging.info('JAX %s, devices: %s', jax.__version__, jax.devices())
   small = _SMALL.value
-  preset = 'tiny_target' if small else 'bench150m'
+  preset = 'tiny_target' if small else _PRESET.value
   prompt_len, max_new_tokens = (16, 16) if small else (_PROMPT_LEN.value, _MAX_NEW_TOKENS.value)
   copy_mb = min(_COPY_MB.value, 16) if small else _COPY_MB.value
   print(f'JAX {jax.__version__} on {jax.devices()[0].device_kind} ({os.cpu_count()} cores), '

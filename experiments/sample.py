@@ -1,61 +1,88 @@
-"""Samples from a model (ArS or SpS) and prints the generated ids and throughput.
+"""Samples from a model (ArS or SpS) and prints the generations and throughput.
 
-  python experiments/sample.py --config=configs/sample.py:batch=2,max_new_tokens=32
-  python experiments/sample.py --config=configs/sample.py --config.method=sps --config.k=4
+  python experiments/sample.py --config=configs/sample.py:root=checkpoints/tiny,method=sps,k=4
+  python experiments/sample.py --config=configs/sample.py:batch=2,max_new_tokens=32   # random init
 
-Until trained checkpoints exist the model is randomly initialised (said in the output).
+With `root` the target and draft come from a trained family and the prompts are HumanEval's; without
+it both models are randomly initialised (said in the output) and the prompts are random ids.
 """
 
+import os
 import time
 
-from absl import app, flags, logging
+from absl import app, logging
 import jax
 import numpy as np
 from ml_collections import config_flags
 
-from spsjax import models, sampling, sharding
+from spsjax import logs, models, sampling, sharding
+from spsjax.data import humaneval, prompts as prompts_lib
+from spsjax.train import load
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.', lock_config=True)
+
+
+def _random_models(c, mesh, rng):
+  config = models.TransformerConfig(**c.model)
+  target = models.Model(config, models.init_params(config, rng, mesh=mesh))
+  draft_config = models.TransformerConfig(**c.draft)
+  draft = models.Model(draft_config, models.init_params(draft_config, jax.random.fold_in(rng, 1),
+                                                        mesh=mesh))
+  print(f'NOTE: randomly initialised target ({models.num_params(target.params):,} parameters) and '
+        f'draft ({models.num_params(draft.params):,}); the ids are noise and acceptance is that of '
+        'unrelated random models. Pass root=checkpoints/tiny after `make train-tiny`.')
+  return target, draft
+
+
+def _trained_models(c, mesh):
+  target, tok, _ = load.load_model(os.path.join(c.root, c.target_name), mesh=mesh)
+  draft = None
+  if c.method == 'sps':
+    draft, draft_tok, _ = load.load_model(os.path.join(c.root, c.draft_name), mesh=mesh)
+    if draft_tok.to_bytes() != tok.to_bytes():
+      raise ValueError(f'{c.draft_name} and {c.target_name} in {c.root} use different tokenizers.')
+  print(f'Trained target {c.root}/{c.target_name} ({models.num_params(target.params):,} '
+        'parameters)' + (f' and draft {c.draft_name} ({models.num_params(draft.params):,})'
+                         if draft else ''))
+  return target, draft, tok
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  logs.quiet_libraries()
   c = _CONFIG.value
   logging.info('JAX %s, process %d of %d, devices: %s', jax.__version__, jax.process_index(),
                jax.process_count(), jax.devices())
   if c.method not in ('ars', 'sps'):
     raise app.UsageError(f'config.method must be "ars" or "sps", got {c.method!r}.')
-  config = models.TransformerConfig(**c.model)
   mesh = None
   if c.mesh.data * c.mesh.model > 1:
     mesh = sharding.make_mesh(c.mesh.data, c.mesh.model)
   rng_init, rng_prompt, rng_sample = jax.random.split(jax.random.key(c.seed), 3)
-  model = models.Model(config, models.init_params(config, rng_init, mesh=mesh))
-  draft = None
-  if c.method == 'sps':
-    draft_config = models.TransformerConfig(**c.draft)
-    draft = models.Model(draft_config, models.init_params(draft_config,
-                                                          jax.random.fold_in(rng_init, 1),
-                                                          mesh=mesh))
-  print(f'NOTE: randomly initialised target ({models.num_params(model.params):,} parameters)'
-        + (f' and draft ({models.num_params(draft.params):,})' if draft else '') +
-        '; the text is noise and acceptance is that of unrelated random models. '
-        'Trained checkpoints arrive with the training issue.')
-  prompts = np.asarray(jax.random.randint(rng_prompt, (c.batch, c.prompt_len), 0,
-                                          config.vocab_size), np.int32)
-  lengths = np.full((c.batch,), c.prompt_len, np.int32)
+  tok = None
+  if c.root:
+    target, draft, tok = _trained_models(c, mesh)
+    texts = [p['prompt'] for p in humaneval.read_problems()[:c.batch]]
+    prompts, lengths = prompts_lib.encode_prompts(
+        tok, texts, max_len=target.config.max_seq_len - c.max_new_tokens - c.k)
+    eos_id = tok.eos_id
+  else:
+    target, draft = _random_models(c, mesh, rng_init)
+    prompts = np.asarray(jax.random.randint(rng_prompt, (c.batch, c.prompt_len), 0,
+                                            target.config.vocab_size), np.int32)
+    lengths = np.full((c.batch,), c.prompt_len, np.int32)
+    eos_id = None if c.eos_id < 0 else c.eos_id
   sampling_config = sampling.SamplingConfig(**c.sampling)
   draft_sampling = sampling.SamplingConfig(**c.draft_sampling) if c.draft_sampling else None
-  eos_id = None if c.eos_id < 0 else c.eos_id
 
   def run(rng):
     if c.method == 'sps':
-      out = sampling.speculative_sample(model, draft, prompts, lengths, rng, k=c.k,
+      out = sampling.speculative_sample(target, draft, prompts, lengths, rng, k=c.k,
                                         max_new_tokens=c.max_new_tokens, sampling=sampling_config,
                                         draft_sampling=draft_sampling, eos_id=eos_id, mesh=mesh)
     else:
-      out = sampling.autoregressive_sample(model, prompts, lengths, rng,
+      out = sampling.autoregressive_sample(target, prompts, lengths, rng,
                                            max_new_tokens=c.max_new_tokens,
                                            sampling=sampling_config, eos_id=eos_id, mesh=mesh)
     return jax.block_until_ready(out)
@@ -70,8 +97,8 @@ def main(argv):
     times.append(time.perf_counter() - start)
   tokens = int(np.sum(out.num_generated))
   for row in range(c.batch):
-    n = int(out.num_generated[row])
-    print(f'row {row}: {np.asarray(out.tokens[row, :n]).tolist()}')
+    ids = np.asarray(out.tokens[row, :int(out.num_generated[row])]).tolist()
+    print(f'--- row {row}: ' + (f'{tok.decode(ids)!r}' if tok else f'{ids}'))
   best = min(times)
   if c.method == 'sps':
     loops, accepted = int(np.sum(out.num_loops)), int(np.sum(out.num_accepted))
@@ -81,7 +108,7 @@ def main(argv):
           f'prefill), accepted-drafts histogram {np.asarray(out.accepted_histogram).tolist()}')
   print(f'method={c.method} batch={c.batch} new_tokens={tokens} first call (compile + run) '
         f'{compile_s:.2f}s; run {best * 1e3:.1f} ms (best of {c.repeats}): '
-        f'{tokens / best:.1f} tokens/s, {best / c.max_new_tokens * 1e3:.2f} ms per decode step')
+        f'{tokens / best:.1f} tokens/s')
 
 
 if __name__ == '__main__':

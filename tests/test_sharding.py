@@ -17,7 +17,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spsjax import models, sharding
 from spsjax.models import kv_cache
-from spsjax.sampling import SamplingConfig, autoregressive, autoregressive_sample, common
+from spsjax.sampling import (SamplingConfig, autoregressive, autoregressive_sample, common,
+                             speculative, speculative_sample)
 
 GREEDY = SamplingConfig(temperature=0.0)
 RULES = sharding.DEFAULT_RULES
@@ -206,4 +207,40 @@ def test_decode_program_never_all_gathers_a_weight(mesh_shape, num_kv_heads):
              if x.ndim >= 2 and not x.sharding.is_fully_replicated]
   assert len(sharded) >= 5 * config.num_layers  # The check is not vacuous.
   gathered = _gathered_weights(hlo, model.params)
+  assert not gathered, gathered
+
+
+@functools.cache
+def _draft(num_kv_heads):
+  """A wide-shallow draft for the `_reference` target: one layer, 4 heads (2 kv heads)."""
+  config = models.TransformerConfig(vocab_size=128, d_model=48, num_layers=1, num_heads=4,
+                                    num_kv_heads=2, d_ff=64, max_seq_len=32)
+  del num_kv_heads  # One draft for every target.
+  return config, models.init_params(config, jax.random.key(3))
+
+
+@pytest.mark.parametrize('mesh_shape', [(1, 8), (2, 4)], ids=['1x8', '2x4'])
+def test_sharded_greedy_sps_equals_single_device_and_gathers_no_weight(mesh_shape):
+  config, params, prompts, lengths, _, expected_ars = _reference(4)
+  draft_config, draft_params = _draft(4)
+  target, draft = models.Model(config, params), models.Model(draft_config, draft_params)
+  kw = dict(k=3, max_new_tokens=MAX_NEW, sampling=GREEDY)
+  single = speculative_sample(target, draft, prompts, lengths, jax.random.key(2), **kw)
+  np.testing.assert_array_equal(np.asarray(single.tokens), expected_ars.tokens)  # Greedy parity.
+
+  mesh = sharding.make_mesh(*mesh_shape)
+  out = speculative_sample(target, draft, prompts, lengths, jax.random.key(2), mesh=mesh, **kw)
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(single.tokens))
+  np.testing.assert_array_equal(np.asarray(out.num_loops), np.asarray(single.num_loops))
+
+  placed_target, prompts_BxP, lengths_B = common.place(target, prompts, lengths, mesh, RULES)
+  placed_draft = common.place(draft, prompts, lengths, mesh, RULES)[0]
+  loop = speculative.Loop(k=3, max_new_tokens=MAX_NEW, sampling=GREEDY, draft_sampling=GREEDY,
+                          mesh=mesh, rules=RULES)
+  hlo = speculative.Loop.run.lower(loop, placed_target, placed_draft, prompts_BxP, lengths_B,
+                                   jax.random.key(2)).compile().as_text()
+  weights = {'target': placed_target.params, 'draft': placed_draft.params}
+  assert len([x for x in jax.tree.leaves(weights)
+              if x.ndim >= 2 and not x.sharding.is_fully_replicated]) >= 5 * config.num_layers
+  gathered = _gathered_weights(hlo, weights)
   assert not gathered, gathered

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +80,37 @@ def _extend_at(config, params, cache, tokens_BxT, lengths_B):
   return models.extend(config, params, cache.with_lengths(lengths_B), tokens_BxT)
 
 
+def extend_seconds(model: models.Model, blocks: Sequence[int], capacity: int, *, repeats: int,
+                   batch: int = 1) -> tuple[dict[int, float], int, bool]:
+  """Median seconds of one jitted `extend` call appending T tokens per row, for each T in `blocks`.
+
+  Returns ({T: seconds}, KV cache bytes, whether the donated cache came back in place). Every call
+  writes at fixed lengths (capacity - max T), so it stays in bounds; its cost does not depend on
+  the lengths, since attention reads every slot.
+  """
+  config, params = model.config, model.params
+  if max(blocks) > capacity:
+    raise ValueError(f'A block of {max(blocks)} tokens does not fit in the cache capacity '
+                     f'{capacity}.')
+  step = jax.jit(functools.partial(_extend_at, config), donate_argnums=1)
+  lengths_B = jnp.full((batch,), capacity - max(blocks), jnp.int32)
+  state = {'cache': models.init_cache(config, batch, capacity)}
+  kv_bytes = sum(x.nbytes for x in state['cache'].k + state['cache'].v)
+  buffer = state['cache'].k[0].unsafe_buffer_pointer()
+
+  def seconds(T):
+    tokens_BxT = jnp.ones((batch, T), jnp.int32)
+
+    def call():
+      logits, state['cache'] = step(params, state['cache'], tokens_BxT, lengths_B)
+      return logits, state['cache']
+
+    return median_seconds(call, repeats=repeats, warmup=2)
+
+  times = {T: seconds(T) for T in blocks}
+  return times, kv_bytes, state['cache'].k[0].unsafe_buffer_pointer() == buffer
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeResult:
   """One model and dtype at batch 1. Times in seconds; bytes per decoded token."""
@@ -133,29 +164,9 @@ def measure_decode(model: models.Model, *, prompt_len: int, max_new_tokens: int,
   """Times the cached decode step (T=1 and T=block) and end-to-end ArS of `model` at batch 1."""
   config, params = model.config, model.params
   capacity = prompt_len + max_new_tokens
-  if block > capacity:
-    raise ValueError(f'block={block} does not fit in the cache capacity {capacity}.')
 
-  # The cached step: fixed lengths (capacity - block) so every call writes inside the cache; the
-  # cost does not depend on the lengths, since attention reads every slot.
-  step = jax.jit(functools.partial(_extend_at, config), donate_argnums=1)
-  lengths_B = jnp.full((1,), capacity - block, jnp.int32)
-  state = {'cache': models.init_cache(config, 1, capacity)}
-  kv_bytes = sum(x.nbytes for x in state['cache'].k + state['cache'].v)
-  buffer = state['cache'].k[0].unsafe_buffer_pointer()
-
-  def step_seconds(T):
-    tokens_BxT = jnp.ones((1, T), jnp.int32)
-
-    def call():
-      logits, state['cache'] = step(params, state['cache'], tokens_BxT, lengths_B)
-      return logits, state['cache']
-
-    return median_seconds(call, repeats=repeats, warmup=2)
-
-  one, many = step_seconds(1), step_seconds(block)
-  cache_in_place = state['cache'].k[0].unsafe_buffer_pointer() == buffer
-  del state
+  times, kv_bytes, cache_in_place = extend_seconds(model, (1, block), capacity, repeats=repeats)
+  one, many = times[1], times[block]
 
   # Any ids will do (no eos: every run decodes max_new_tokens); no RNG program to compile.
   prompts_BxP = (jnp.arange(prompt_len, dtype=jnp.int32)[None, :] * 7 + 1) % config.vocab_size

@@ -1,0 +1,38 @@
+"""Table 1 for a trained family: `--config=configs/speedup.py:root=checkpoints/reference`.
+
+Arguments: root (family directory), draft (checkpoint name of the draft), k, humaneval /
+docstrings (number of examples; 0: all), batches ('+'-separated, e.g. 1+8), seed, results (output
+directory; default results/speedup_<family>), runlocal (a few examples, for a smoke run).
+Paper settings by default: k = 4; HumanEval at temperature 0.8, top_p 0.95; summarisation
+(docstrings) at top_p 0.8; greedy for both.
+"""
+
+import os
+
+import ml_collections
+
+from spsjax.config_args import parse_arg
+
+
+def get_config(arg=None):
+  a = parse_arg(arg, root='checkpoints/tiny', draft='draft_wide', k=4, humaneval=164,
+                docstrings=200, batches='1+8', seed=0, results='', runlocal=False)
+  c = ml_collections.ConfigDict()
+  c.root = a.root
+  c.target = 'target'
+  c.draft = a.draft
+  c.k = a.k
+  c.seed = a.seed
+  c.batches = [int(b) for b in a.batches.split('+') if b]
+  c.tasks = dict(
+      humaneval=dict(num=4 if a.runlocal else a.humaneval, max_new_tokens=128,
+                     nucleus=dict(temperature=0.8, top_k=0, top_p=0.95)),
+      docstrings=dict(num=8 if a.runlocal else a.docstrings, max_new_tokens=24,
+                      nucleus=dict(temperature=1.0, top_k=0, top_p=0.8)),
+  )
+  c.greedy = dict(temperature=0.0, top_k=0, top_p=1.0)
+  c.docstrings_config = ''  # A TFDS config of `docstrings`; '' is the whole stdlib's.
+  c.cost_repeats = 20
+  c.results = a.results or os.path.join(
+      'results', 'speedup_' + os.path.basename(os.path.normpath(a.root)))
+  return c

@@ -1,0 +1,44 @@
+"""Figure 1 sweeps: `--config=configs/sweep.py:root=checkpoints/reference,sweep=k`.
+
+Arguments: root (family), sweep (k | draft | temperature), draft (the draft of the k and temperature
+sweeps), k (of the draft and temperature sweeps), prompts (HumanEval prompts, one timed call each),
+max_new_tokens (128 as in the paper), temperature (of the k and draft sweeps), seed, results, runlocal.
+The swept points are `points(sweep, ...)` below: a list of overrides, one per point.
+"""
+
+import os
+
+import ml_collections
+
+from spsjax.config_args import parse_arg
+
+DRAFTS = ('draft_wide', 'draft_deep', 'draft_wide_distill')
+
+
+def points(sweep: str, k: int, draft: str, temperature: float) -> list[dict]:
+  if sweep == 'k':
+    return [dict(label=str(i), k=i, draft=draft, temperature=temperature) for i in range(1, 9)]
+  if sweep == 'draft':
+    return [dict(label=d, k=k, draft=d, temperature=temperature) for d in DRAFTS]
+  if sweep == 'temperature':
+    return [dict(label=str(t), k=k, draft=draft, temperature=t) for t in (0.0, 0.5, 0.8, 1.0)]
+  raise ValueError(f'sweep must be k, draft or temperature, got {sweep!r}.')
+
+
+def get_config(arg=None):
+  a = parse_arg(arg, root='checkpoints/tiny', sweep='k', draft='draft_wide', k=4, prompts=16,
+                max_new_tokens=128, temperature=0.8, seed=0, results='', runlocal=False)
+  c = ml_collections.ConfigDict()
+  c.root = a.root
+  c.sweep = a.sweep
+  c.points = points(a.sweep, a.k, a.draft, a.temperature)
+  if a.runlocal:
+    c.points = c.points[:2]
+  c.prompts = 2 if a.runlocal else a.prompts
+  c.max_new_tokens = 16 if a.runlocal else a.max_new_tokens
+  c.top_p = 0.95  # HumanEval's nucleus, as in the paper.
+  c.baseline_temperature = a.temperature
+  c.seed = a.seed
+  c.results = a.results or os.path.join(
+      'results', f'sweep_{a.sweep}_' + os.path.basename(os.path.normpath(a.root)))
+  return c

@@ -1,0 +1,76 @@
+"""Table 1 of the paper for a trained family: ArS vs SpS on HumanEval and docstrings.
+
+  python experiments/speedup_table.py --config=configs/speedup.py:root=checkpoints/reference
+  python experiments/speedup_table.py --config=configs/speedup.py:root=checkpoints/tiny,runlocal
+
+Prints the table and writes `table.md` and `table.json` (with every completion) to the config's
+results directory.
+"""
+
+import json
+import os
+import time
+
+from absl import app, logging
+import jax
+from ml_collections import config_flags
+
+from spsjax import logs, models
+from spsjax.bench import speedup
+from spsjax.sampling import SamplingConfig
+from spsjax.train import load
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.', lock_config=True)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  logs.quiet_libraries()
+  c = _CONFIG.value
+  started = time.time()
+  target, tok, _ = load.load_model(os.path.join(c.root, c.target))
+  draft, draft_tok, _ = load.load_model(os.path.join(c.root, c.draft))
+  if draft_tok.to_bytes() != tok.to_bytes():
+    raise ValueError(f'{c.draft} and {c.target} in {c.root} use different tokenizers.')
+  c_hat = models.num_params(draft.params) / models.num_params(target.params)
+  print(f'{c.root}: target {models.num_params(target.params):,} parameters, draft {c.draft} '
+        f'{models.num_params(draft.params):,}; k={c.k}; JAX {jax.__version__} on '
+        f'{jax.devices()[0].device_kind}', flush=True)
+
+  comparisons = []
+  for task_name, task_config in c.tasks.items():
+    task = speedup.load_task(task_name, task_config.num, task_config.max_new_tokens,
+                             config=c.docstrings_config or None)
+    capacity = target.config.max_seq_len
+    for decoding, settings in (('nucleus', task_config.nucleus), ('greedy', c.greedy)):
+      sampling_config = SamplingConfig(**settings)
+      for batch in c.batches:
+        rows = [speedup.run_row(target, model, tok, task, decoding, sampling_config, batch, c.k,
+                                c.seed) for model in (None, draft)]
+        costs = speedup.measure_costs(target, draft, c.k, batch, capacity, c.cost_repeats)
+        cmp = speedup.Comparison(ars=rows[0], sps=rows[1], costs=costs, k=c.k, c_hat=c_hat)
+        comparisons.append(cmp)
+        logging.info('%s %s batch %d: %s %.3f vs %.3f, speedup %.2fx (predicted %.2fx) '
+                     '[%.0f s elapsed]', task_name, decoding, batch, rows[0].metric,
+                     rows[0].metric_mean, rows[1].metric_mean, cmp.speedup,
+                     cmp.prediction.speedup, time.time() - started)
+
+  table = speedup.markdown(comparisons)
+  print(table)
+  os.makedirs(c.results, exist_ok=True)
+  with open(os.path.join(c.results, 'table.md'), 'w', encoding='utf-8') as f:
+    f.write(table + '\n')
+  records = [dict(task=cmp.sps.task, decoding=cmp.sps.decoding, batch=cmp.sps.batch,
+                  **cmp.summary(),
+                  **{row.method: dict(metric=row.metric, mean=row.metric_mean,
+                                      stderr=row.metric_stderr, extra=row.extra,
+                                      timing=row.timing, completions=row.completions)
+                     for row in (cmp.ars, cmp.sps)}) for cmp in comparisons]
+  with open(os.path.join(c.results, 'table.json'), 'w', encoding='utf-8') as f:
+    json.dump(dict(config=c.to_dict(), rows=records), f, indent=1)
+  print(f'Wrote {c.results}/table.md and table.json ({time.time() - started:.0f} s).')
+
+
+if __name__ == '__main__':
+  app.run(main)

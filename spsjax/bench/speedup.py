@@ -1,0 +1,248 @@
+"""Table 1 of Chen et al. (2023) for our models: ArS against SpS, with the theory beside it.
+
+A row is (task, decoding, batch, method). Every row samples the same prompts with the same keys per
+call, is timed by `timing.time_calls` (compile apart), and scores its generations:
+- `humaneval`: pass@1, each completion run against the problem's tests in the sandbox of
+  `spsjax.eval.execution` (after the standard stop rule), and the rate of completions that parse;
+- `docstrings`: ROUGE-2 of the generated first line against the reference docstring line.
+A pair of rows (ArS, SpS) of the same task, decoding and batch gives the speedup (ratio of mean
+token times measured in the same run) and says whether their metrics differ by more than their
+sampling noise (two combined standard errors).
+
+Theory (`theory.Prediction`) is computed from the same run: alpha measured (SpS acceptance) and
+model-based (mean of sum_x min(p, q) over the generated positions, p and q after the processors);
+c and s from jitted `extend` calls of the two models at the row's batch and cache size.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spsjax import models, sampling
+from spsjax.bench import decode, theory, timing
+from spsjax.data import datasets, humaneval, prompts as prompts_lib
+from spsjax.data.tokenizer import Tokenizer
+from spsjax.eval import execution, metrics
+
+TASKS = ('humaneval', 'docstrings')
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """Prompts, what scores them, and the generation length."""
+  name: str
+  prompts: tuple[str, ...]
+  references: tuple  # HumanEval problem dicts, or reference docstring lines.
+  max_new_tokens: int
+
+
+def load_task(name: str, num: int, max_new_tokens: int, data_dir: str | None = None,
+              config: str | None = None) -> Task:
+  """The first `num` examples of `name` (all if num <= 0)."""
+  if name == 'humaneval':
+    problems = humaneval.read_problems()
+    problems = problems[:num] if num > 0 else problems
+    return Task(name, tuple(p['prompt'] for p in problems), tuple(problems), max_new_tokens)
+  if name == 'docstrings':
+    records = datasets.load_records('docstrings', 'test', data_dir, config)
+    count = min(num, len(records)) if num > 0 else len(records)
+    rows = [records[i] for i in range(count)]
+    return Task(name, tuple(r['input'] for r in rows), tuple(r['reference'] for r in rows),
+                max_new_tokens)
+  raise ValueError(f'Unknown task {name!r}; known: {TASKS}.')
+
+
+def score(task: Task, completions: Sequence[str]) -> tuple[str, list[float], dict]:
+  """(metric name, per-example values, extra metrics) for one row's completions."""
+  if task.name == 'humaneval':
+    cut = [execution.truncate_completion(c) for c in completions]
+    results = execution.check_completions(list(zip(task.references, cut)))
+    parse_rate = float(np.mean([execution.parses(p['prompt'] + c)
+                                for p, c in zip(task.references, cut)]))
+    return 'pass@1', [float(r.passed) for r in results], dict(parse_rate=parse_rate)
+  first_lines = [c.strip().split('\n')[0].strip().rstrip('"').strip() for c in completions]
+  return 'rouge2', metrics.rouge2_scores(first_lines, list(task.references)), {}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _mean_beta(target_config, draft_config, sampling_config, target_params, draft_params,
+               tokens_BxL, mask_BxL):
+  """Sum and count of sum_x min(p(x), q(x)) over masked positions (next-token laws)."""
+  p = sampling.probabilities(models.logits(target_config, target_params, tokens_BxL),
+                             sampling_config)
+  q = sampling.probabilities(models.logits(draft_config, draft_params, tokens_BxL),
+                             sampling_config)
+  beta_BxL = jnp.sum(jnp.minimum(p, q), axis=-1)
+  return jnp.sum(jnp.where(mask_BxL, beta_BxL, 0.0)), jnp.sum(mask_BxL)
+
+
+def model_alpha(target: models.Model, draft: models.Model, sampling_config, prompts_BxP,
+                lengths_B, out: sampling.SampleOutput) -> tuple[float, int]:
+  """(sum of beta, positions) over the positions that produced the generated tokens of `out`."""
+  tokens = np.asarray(out.tokens)
+  n_B = np.asarray(out.num_generated)
+  B, P = prompts_BxP.shape
+  seq = np.zeros((B, P + tokens.shape[1]), np.int32)
+  mask = np.zeros(seq.shape, bool)
+  for b in range(B):
+    L = int(lengths_B[b])
+    seq[b, :L] = prompts_BxP[b, :L]
+    seq[b, L:L + n_B[b]] = tokens[b, :n_B[b]]
+    mask[b, L - 1:L - 1 + n_B[b]] = True  # Position t predicts token t + 1.
+  total, count = _mean_beta(target.config, draft.config, sampling_config, target.params,
+                            draft.params, jnp.asarray(seq), jnp.asarray(mask))
+  return float(total), int(count)
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+  """Measured step costs at one batch and cache size (seconds, medians)."""
+  target_step: float
+  draft_step: float
+  score_call: float  # Target `extend` on k + 1 positions.
+
+  @property
+  def c(self) -> float:
+    return self.draft_step / self.target_step
+
+  @property
+  def s(self) -> float:
+    return self.score_call / self.target_step
+
+
+def measure_costs(target: models.Model, draft: models.Model, k: int, batch: int, capacity: int,
+                  repeats: int = 20) -> Costs:
+  t, _, _ = decode.extend_seconds(target, (1, k + 1), capacity, repeats=repeats, batch=batch)
+  d, _, _ = decode.extend_seconds(draft, (1,), capacity, repeats=repeats, batch=batch)
+  return Costs(target_step=t[1], draft_step=d[1], score_call=t[k + 1])
+
+
+@dataclasses.dataclass
+class Row:
+  task: str
+  decoding: str
+  batch: int
+  method: str  # 'ArS' | 'SpS'
+  metric: str
+  values: list[float]
+  extra: dict
+  timing: dict
+  completions: list[str]
+  alpha_model: float = float('nan')
+
+  @property
+  def metric_mean(self) -> float:
+    return metrics.mean_and_stderr(self.values)[0]
+
+  @property
+  def metric_stderr(self) -> float:
+    return metrics.mean_and_stderr(self.values)[1]
+
+
+def run_row(target: models.Model, draft: models.Model | None, tok: Tokenizer, task: Task,
+            decoding: str, sampling_config: sampling.SamplingConfig, batch: int, k: int,
+            seed: int) -> Row:
+  """Generates for every prompt of `task` (in calls of `batch` rows) and scores the result."""
+  capacity_room = task.max_new_tokens + k
+  prompts_NxP, lengths_N = prompts_lib.encode_prompts(
+      tok, list(task.prompts), max_len=target.config.max_seq_len - capacity_room)
+  num = len(task.prompts)
+  num_calls = -(-num // batch)
+  rows_of = lambda i: [min(j, num - 1) for j in range(i * batch, (i + 1) * batch)]  # Pad: repeat.
+  completions = [''] * num
+  beta = [0.0, 0]
+
+  def run(i):
+    rows = rows_of(i)
+    key = jax.random.fold_in(jax.random.key(seed), i)
+    kw = dict(max_new_tokens=task.max_new_tokens, sampling=sampling_config, eos_id=tok.eos_id)
+    if draft is None:
+      return sampling.autoregressive_sample(target, prompts_NxP[rows], lengths_N[rows], key, **kw)
+    return sampling.speculative_sample(target, draft, prompts_NxP[rows], lengths_N[rows], key,
+                                       k=k, **kw)
+
+  def collect(i, out):
+    rows = rows_of(i)
+    tokens, n = np.asarray(out.tokens), np.asarray(out.num_generated)
+    for r, row in enumerate(rows[:num - i * batch]):
+      completions[row] = tok.decode(tokens[r, :n[r]])
+    if draft is not None:
+      total, count = model_alpha(target, draft, sampling_config, prompts_NxP[rows],
+                                 lengths_N[rows], out)
+      beta[0] += total
+      beta[1] += count
+
+  result = timing.time_calls(run, num_calls, bucket=lambda i: 'all', k=k if draft else 0,
+                             on_output=collect)
+  metric, values, extra = score(task, completions)
+  return Row(task=task.name, decoding=decoding, batch=batch, method='SpS' if draft else 'ArS',
+             metric=metric, values=values, extra=extra, timing=result.summary(),
+             completions=completions,
+             alpha_model=beta[0] / beta[1] if beta[1] else float('nan'))
+
+
+@dataclasses.dataclass
+class Comparison:
+  """An ArS row and the SpS row of the same task, decoding and batch, with the theory."""
+  ars: Row
+  sps: Row
+  costs: Costs
+  k: int
+  c_hat: float  # Draft / target parameters: the ratio of operations per token.
+
+  @property
+  def speedup(self) -> float:
+    return self.ars.timing['mean_ms_per_token'] / self.sps.timing['mean_ms_per_token']
+
+  @property
+  def prediction(self) -> theory.Prediction:
+    return theory.Prediction(alpha=self.sps.timing['acceptance_rate'], k=self.k, c=self.costs.c,
+                             s=self.costs.s, c_hat=self.c_hat)
+
+  @property
+  def metrics_differ(self) -> bool:
+    return metrics.differs(self.ars.values, self.sps.values)
+
+  def summary(self) -> dict:
+    p = self.prediction
+    return dict(speedup=self.speedup, predicted_speedup=p.speedup,
+                predicted_speedup_free_scoring=p.speedup_free_scoring,
+                predicted_tokens_per_loop=p.tokens_per_loop, operations_factor=p.operations,
+                alpha_measured=p.alpha, alpha_model=self.sps.alpha_model, c=self.costs.c,
+                s=self.costs.s, metrics_differ_beyond_noise=self.metrics_differ)
+
+
+def markdown(comparisons: Sequence[Comparison]) -> str:
+  """Table 1 as Markdown: the measurement, then the theory from the same run."""
+  head = ('| task | decoding | batch | method | result | parses | ms/token (std) | p90 ms | '
+          'speedup | acceptance | tokens/loop |\n|---|---|---|---|---|---|---|---|---|---|---|')
+  lines = [head]
+  for cmp in comparisons:
+    for row in (cmp.ars, cmp.sps):
+      t = row.timing
+      sps = row.method == 'SpS'
+      parses = f'{row.extra["parse_rate"]:.0%}' if 'parse_rate' in row.extra else ''
+      speed = f'{cmp.speedup:.2f}x' if sps else '1x'
+      accept = f'{t["acceptance_rate"]:.3f}' if sps else ''
+      per_loop = f'{t["tokens_per_loop"]:.2f}' if sps else ''
+      lines.append(
+          f'| {row.task} | {row.decoding} | {row.batch} | {row.method} | {row.metric} '
+          f'{row.metric_mean:.3f} ± {row.metric_stderr:.3f} | {parses} | '
+          f'{t["mean_ms_per_token"]:.3f} ({t["std_ms_per_token"]:.3f}) | {t["p90_ms"]:.3f} | '
+          f'{speed} | {accept} | {per_loop} |')
+  lines += ['', '| task | decoding | batch | alpha (measured / model) | c | s | '
+            'tokens/loop (measured / predicted) | speedup (measured / predicted / with s = 1) | '
+            'operations | results differ beyond noise |', '|---|---|---|---|---|---|---|---|---|---|']
+  for cmp in comparisons:
+    p, t = cmp.prediction, cmp.sps.timing
+    lines.append(
+        f'| {cmp.sps.task} | {cmp.sps.decoding} | {cmp.sps.batch} | {p.alpha:.3f} / '
+        f'{cmp.sps.alpha_model:.3f} | {p.c:.3f} | {p.s:.2f} | {t["tokens_per_loop"]:.2f} / '
+        f'{p.tokens_per_loop:.2f} | {cmp.speedup:.2f}x / {p.speedup:.2f}x / '
+        f'{p.speedup_free_scoring:.2f}x | {p.operations:.2f}x | '
+        f'{"yes" if cmp.metrics_differ else "no"} |')
+  return '\n'.join(lines)

@@ -1,0 +1,103 @@
+"""Figure 1 of Chen et al. (2023): SpS time for a fixed number of tokens, acceptance and loop time
+as a function of a swept setting (k, the draft, the temperature).
+
+Each point samples `max_new_tokens` tokens (no eos, so every call makes the same number) at batch 1
+for a list of prompts, each prompt one timed call (compile apart, `timing.time_calls`). Recorded per
+point: mean and standard deviation of the time per sequence, mean tokens per loop divided by k + 1,
+and time per loop (wall time / loops). The ArS time of the same prompts is the baseline.
+"""
+
+import csv
+import dataclasses
+import os
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from spsjax import models, sampling
+from spsjax.bench import timing
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+  label: str  # The swept value, e.g. 'k=4' or the draft's name.
+  k: int  # 0 for the ArS baseline.
+  draft: str
+  temperature: float
+  mean_seconds: float  # Per sequence of max_new_tokens tokens.
+  std_seconds: float
+  tokens_per_loop: float
+  loop_seconds: float  # Wall time / loops (nan for ArS).
+  acceptance_rate: float
+
+  @property
+  def accepted_fraction(self) -> float:
+    """Mean tokens per loop / (k + 1): the middle panel of Figure 1."""
+    return self.tokens_per_loop / (self.k + 1) if self.k else float('nan')
+
+
+def run_point(label: str, target: models.Model, draft: models.Model | None, draft_name: str,
+              prompts_NxP: np.ndarray, lengths_N: np.ndarray, *, k: int,
+              sampling_config: sampling.SamplingConfig, max_new_tokens: int, seed: int) -> Point:
+  """Times SpS (or ArS when `draft` is None) on every prompt, one call per prompt."""
+
+  def run(i):
+    key = jax.random.fold_in(jax.random.key(seed), i)
+    args = (prompts_NxP[i:i + 1], lengths_N[i:i + 1], key)
+    if draft is None:
+      return sampling.autoregressive_sample(target, *args, max_new_tokens=max_new_tokens,
+                                            sampling=sampling_config)
+    return sampling.speculative_sample(target, draft, *args, k=k, max_new_tokens=max_new_tokens,
+                                       sampling=sampling_config)
+
+  result = timing.time_calls(run, len(prompts_NxP), bucket=lambda i: 'all', k=k if draft else 0)
+  seconds = [c.seconds for c in result.calls]
+  loops = sum(c.loops for c in result.calls)
+  return Point(label=label, k=k if draft else 0, draft=draft_name if draft else '',
+               temperature=sampling_config.temperature, mean_seconds=float(np.mean(seconds)),
+               std_seconds=float(np.std(seconds, ddof=1)) if len(seconds) > 1 else 0.0,
+               tokens_per_loop=result.tokens_per_loop,
+               loop_seconds=sum(seconds) / loops if loops else float('nan'),
+               acceptance_rate=result.acceptance_rate)
+
+
+def write_csv(points: Sequence[Point], path: str) -> None:
+  fields = [f.name for f in dataclasses.fields(Point)] + ['accepted_fraction']
+  with open(path, 'w', newline='', encoding='utf-8') as f:
+    writer = csv.writer(f)
+    writer.writerow(fields)
+    for p in points:
+      writer.writerow([getattr(p, name) for name in fields])
+
+
+def plot(points: Sequence[Point], baseline: Point | None, path: str, title: str,
+         x_label: str) -> None:
+  """The three panels of Figure 1 against the swept value, saved as a PNG."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  labels = [p.label for p in points]
+  x = np.arange(len(points))
+  fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+  axes[0].errorbar(x, [p.mean_seconds * 1e3 for p in points],
+                   yerr=[p.std_seconds * 1e3 for p in points], marker='o', capsize=3, label='SpS')
+  if baseline is not None:
+    axes[0].axhline(baseline.mean_seconds * 1e3, color='gray', linestyle='--', label='ArS')
+  axes[0].set_ylabel('ms per sequence')
+  axes[0].legend()
+  axes[1].plot(x, [p.accepted_fraction for p in points], marker='o')
+  axes[1].set_ylabel('tokens per loop / (k + 1)')
+  axes[1].set_ylim(0, 1.05)
+  axes[2].plot(x, [p.loop_seconds * 1e3 for p in points], marker='o')
+  axes[2].set_ylabel('ms per loop')
+  for ax in axes:
+    ax.set_xticks(x, labels, rotation=30 if max(len(l) for l in labels) > 4 else 0)
+    ax.set_xlabel(x_label)
+    ax.grid(alpha=0.3)
+  fig.suptitle(title)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

@@ -1,0 +1,71 @@
+"""What speculative sampling should achieve, from alpha, k and measured costs (Leviathan et al.).
+
+Notation (shared/THEORY.md): alpha = E[sum_x min(p(x), q(x))], the expected acceptance of one draft
+token; k drafts per loop; c = draft step time / target step time; s = time of one target call on
+k + 1 positions / time of one target step on 1 position (s = 1 on hardware where scoring is free
+because decoding is memory-bound; measured here). Acceptances are treated as i.i.d. with rate alpha,
+as the formulas assume; the measured tokens per loop checks that assumption.
+"""
+
+import dataclasses
+
+
+def _check(alpha: float, k: int) -> None:
+  if not 0.0 <= alpha <= 1.0:
+    raise ValueError(f'alpha must be in [0, 1], got {alpha}.')
+  if int(k) != k or k < 1:
+    raise ValueError(f'k must be an integer >= 1, got {k}.')
+
+
+def expected_tokens_per_loop(alpha: float, k: int) -> float:
+  """E[tokens per loop] = (1 - alpha^(k+1)) / (1 - alpha): a capped geometric count, in [1, k+1]."""
+  _check(alpha, k)
+  if alpha == 1.0:
+    return float(k + 1)
+  return (1.0 - alpha**(k + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, k: int, c: float, s: float = 1.0) -> float:
+  """Wall-time improvement over ArS (Theorem 3.8), a loop costing k c + s target steps."""
+  if c < 0 or s <= 0:
+    raise ValueError(f'c must be >= 0 and s > 0, got c={c}, s={s}.')
+  return expected_tokens_per_loop(alpha, k) / (k * c + s)
+
+
+def operations_factor(alpha: float, k: int, c_hat: float) -> float:
+  """Arithmetic operations relative to ArS (Theorem 3.11); c_hat = draft/target ops per token."""
+  if c_hat < 0:
+    raise ValueError(f'c_hat must be >= 0, got {c_hat}.')
+  return (k * c_hat + k + 1) / expected_tokens_per_loop(alpha, k)
+
+
+def best_k(alpha: float, c: float, s_of_k=lambda k: 1.0, k_max: int = 16) -> int:
+  """The k in [1, k_max] with the largest expected speedup; `s_of_k(k)` is the scoring cost."""
+  return max(range(1, k_max + 1), key=lambda k: expected_speedup(alpha, k, c, s_of_k(k)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+  """Theory for one setting, to print beside the measurement."""
+  alpha: float
+  k: int
+  c: float
+  s: float
+  c_hat: float
+
+  @property
+  def tokens_per_loop(self) -> float:
+    return expected_tokens_per_loop(self.alpha, self.k)
+
+  @property
+  def speedup(self) -> float:
+    return expected_speedup(self.alpha, self.k, self.c, self.s)
+
+  @property
+  def speedup_free_scoring(self) -> float:
+    """The speedup if scoring k + 1 positions cost one step (s = 1), as on TPUs in the paper."""
+    return expected_speedup(self.alpha, self.k, self.c, 1.0)
+
+  @property
+  def operations(self) -> float:
+    return operations_factor(self.alpha, self.k, self.c_hat)

@@ -1,0 +1,121 @@
+"""Wall-clock timing of sampler calls with compilation kept apart from running.
+
+A benchmark is a list of calls (one batch of prompts each). The first call of each distinct shape
+bucket (batch, padded width, ...) compiles: it is run once untimed and its time is reported as
+compile time; then every call is timed, blocked until its outputs are ready. From the sampler's own
+statistics come the tokens per row and, for SpS, the loops and accepted drafts.
+
+Invariant: a timed call never includes compilation (each bucket is warmed first), and every time is
+host wall time around one whole generation, the figure a user waits for.
+"""
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Hashable, Sequence
+
+import jax
+import numpy as np
+
+from spsjax.sampling import SampleOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """One timed generation: wall seconds and what the sampler reported."""
+  seconds: float
+  rows: int
+  tokens: int  # Generated tokens, all rows.
+  loops: int = 0  # SpS loops, summed over rows (0 for ArS).
+  accepted: int = 0  # Accepted draft tokens, summed over rows.
+
+  @property
+  def token_time(self) -> float:
+    """Seconds per generated token of one row: wall time / (tokens / rows)."""
+    return self.seconds / max(self.tokens / self.rows, 1e-9)
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+  return float(np.percentile(np.asarray(values, np.float64), q))
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """All calls of one method and setting, plus the compile time of each shape bucket."""
+  calls: tuple[Call, ...]
+  compile_seconds: tuple[float, ...]  # First call of each bucket: compile + one run.
+  k: int = 0  # Drafts per loop (0 for ArS).
+
+  def _token_times(self) -> list[float]:
+    return [c.token_time for c in self.calls]
+
+  @property
+  def mean_token_time(self) -> float:
+    """Mean over calls of seconds per token (the paper's ms/token at batch 1)."""
+    return statistics.fmean(self._token_times())
+
+  @property
+  def std_token_time(self) -> float:
+    times = self._token_times()
+    return statistics.stdev(times) if len(times) > 1 else 0.0
+
+  def token_time_percentile(self, q: float) -> float:
+    return _percentile(self._token_times(), q)
+
+  @property
+  def total_tokens(self) -> int:
+    return sum(c.tokens for c in self.calls)
+
+  @property
+  def tokens_per_loop(self) -> float:
+    """Mean tokens emitted per SpS loop (the first token of a row comes from the prefill)."""
+    loops = sum(c.loops for c in self.calls)
+    if not loops:
+      return float('nan')
+    return (self.total_tokens - sum(c.rows for c in self.calls)) / loops
+
+  @property
+  def acceptance_rate(self) -> float:
+    loops = sum(c.loops for c in self.calls)
+    return sum(c.accepted for c in self.calls) / (self.k * loops) if loops else float('nan')
+
+  def summary(self) -> dict:
+    ms = 1e3
+    return dict(
+        calls=len(self.calls), tokens=self.total_tokens,
+        compile_s=round(sum(self.compile_seconds), 3),
+        mean_ms_per_token=self.mean_token_time * ms, std_ms_per_token=self.std_token_time * ms,
+        p50_ms=self.token_time_percentile(50) * ms, p90_ms=self.token_time_percentile(90) * ms,
+        p99_ms=self.token_time_percentile(99) * ms, tokens_per_loop=self.tokens_per_loop,
+        acceptance_rate=self.acceptance_rate)
+
+
+def call_record(seconds: float, out: SampleOutput) -> Call:
+  num_generated = np.asarray(out.num_generated)
+  loops = 0 if out.num_loops is None else int(np.sum(out.num_loops))
+  accepted = 0 if out.num_accepted is None else int(np.sum(out.num_accepted))
+  return Call(seconds=seconds, rows=len(num_generated), tokens=int(num_generated.sum()),
+              loops=loops, accepted=accepted)
+
+
+def time_calls(run: Callable[[int], SampleOutput], num_calls: int,
+               bucket: Callable[[int], Hashable], *, k: int = 0,
+               on_output: Callable[[int, SampleOutput], None] | None = None) -> Timing:
+  """Times `run(i)` for i < num_calls; `bucket(i)` names call i's compiled program.
+
+  `on_output(i, out)` sees every timed output (for scoring the generations).
+  """
+  compile_seconds, warmed, calls = [], set(), []
+  for i in range(num_calls):
+    key = bucket(i)
+    if key not in warmed:
+      start = time.perf_counter()
+      jax.block_until_ready(run(i))
+      compile_seconds.append(time.perf_counter() - start)
+      warmed.add(key)
+    start = time.perf_counter()
+    out = jax.block_until_ready(run(i))
+    calls.append(call_record(time.perf_counter() - start, out))
+    if on_output is not None:
+      on_output(i, out)
+  return Timing(calls=tuple(calls), compile_seconds=tuple(compile_seconds), k=k)

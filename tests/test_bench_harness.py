@@ -1,0 +1,103 @@
+"""The benchmark harness: compile kept apart from timed calls, model-based alpha, Table 1 rows and
+Figure 1 points on tiny random models (fast; the real figures come from the binaries)."""
+
+import csv
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from spsjax import models, sampling
+from spsjax.bench import speedup, sweep, timing
+from tests import data_helpers
+
+
+def _fake_output(tokens_per_row, rows, loops=0, accepted=0):
+  n = np.full((rows,), tokens_per_row, np.int32)
+  return sampling.SampleOutput(tokens=np.zeros((rows, tokens_per_row), np.int32), num_generated=n,
+                               num_loops=np.full((rows,), loops, np.int32) if loops else None,
+                               num_accepted=np.full((rows,), accepted, np.int32) if loops else None)
+
+
+def test_time_calls_warms_each_bucket_once_and_times_every_call():
+  runs = []
+
+  def run(i):
+    runs.append(i)
+    time.sleep(0.02 if i < 2 else 0.01)
+    return _fake_output(tokens_per_row=10, rows=2, loops=4, accepted=6)
+
+  seen = []
+  result = timing.time_calls(run, 4, bucket=lambda i: i % 2, k=2,
+                             on_output=lambda i, out: seen.append(i))
+  assert runs == [0, 0, 1, 1, 2, 3] and seen == [0, 1, 2, 3]
+  assert len(result.compile_seconds) == 2 and len(result.calls) == 4
+  call = result.calls[0]
+  assert call.rows == 2 and call.tokens == 20 and call.loops == 8 and call.accepted == 12
+  assert call.token_time == pytest.approx(call.seconds / 10)
+  assert result.tokens_per_loop == pytest.approx((80 - 8) / 32)
+  assert result.acceptance_rate == pytest.approx(48 / (2 * 32))
+  s = result.summary()
+  assert s['p50_ms'] <= s['p90_ms'] <= s['p99_ms'] and s['mean_ms_per_token'] > 0
+
+
+@pytest.fixture(scope='module', name='family')
+def fixture_family():
+  tok = data_helpers.small_tokenizer()
+  make = lambda seed, **kw: (lambda c: models.Model(c, models.init_params(
+      c, jax.random.key(seed))))(models.TransformerConfig(
+          vocab_size=tok.vocab_size, max_seq_len=96, num_heads=2, d_ff=64, **kw))
+  return make(0, d_model=32, num_layers=2), make(1, d_model=32, num_layers=1), tok
+
+
+def test_model_alpha_is_one_for_the_target_itself(family):
+  target, draft, tok = family
+  prompts, lengths = np.array([[5, 6, 7, 0], [8, 9, 0, 0]], np.int32), np.array([3, 2], np.int32)
+  cfg = sampling.SamplingConfig(temperature=0.8, top_p=0.95)
+  out = sampling.speculative_sample(target, draft, prompts, lengths, jax.random.key(0), k=2,
+                                    max_new_tokens=5, sampling=cfg)
+  total, count = speedup.model_alpha(target, target, cfg, prompts, lengths, out)
+  assert count == int(np.sum(out.num_generated)) and total / count == pytest.approx(1.0, abs=1e-5)
+  total, count = speedup.model_alpha(target, draft, cfg, prompts, lengths, out)
+  assert 0.0 < total / count < 1.0
+  del tok
+
+
+def test_rows_and_table_on_a_tiny_docstring_task(family):
+  target, draft, tok = family
+  task = speedup.Task('docstrings', ('def add(a, b):\n    """', 'def f():\n    """', 'x = 1\n'),
+                      ('Add two numbers.', 'Do f.', 'Set x.'), max_new_tokens=6)
+  greedy = sampling.SamplingConfig(temperature=0.0)
+  ars = speedup.run_row(target, None, tok, task, 'greedy', greedy, batch=2, k=3, seed=0)
+  sps = speedup.run_row(target, draft, tok, task, 'greedy', greedy, batch=2, k=3, seed=0)
+  assert ars.completions == sps.completions  # Greedy SpS is greedy ArS.
+  assert len(ars.values) == 3 and all(0.0 <= v <= 1.0 for v in ars.values)
+  assert ars.timing['calls'] == 2 and 0.0 <= sps.alpha_model <= 1.0
+  assert sps.timing['tokens_per_loop'] >= 1.0
+  costs = speedup.measure_costs(target, draft, 3, batch=1, capacity=32, repeats=2)
+  assert costs.c > 0 and costs.s > 0
+  cmp = speedup.Comparison(ars=ars, sps=sps, costs=costs, k=3, c_hat=0.5)
+  summary = cmp.summary()
+  assert summary['speedup'] > 0 and summary['metrics_differ_beyond_noise'] is False
+  table = speedup.markdown([cmp])
+  assert '| docstrings | greedy | 2 | ArS |' in table and '| docstrings | greedy | 2 | SpS |' in table
+
+
+def test_sweep_point_csv_and_plot(family, tmp_path):
+  target, draft, tok = family
+  prompts, lengths = np.array([[5, 6, 7], [8, 9, 10]], np.int32), np.array([3, 2], np.int32)
+  cfg = sampling.SamplingConfig(temperature=0.8)
+  base = sweep.run_point('ArS', target, None, '', prompts, lengths, k=0, sampling_config=cfg,
+                         max_new_tokens=8, seed=0)
+  point = sweep.run_point('2', target, draft, 'd', prompts, lengths, k=2, sampling_config=cfg,
+                          max_new_tokens=8, seed=0)
+  assert base.k == 0 and np.isnan(base.loop_seconds) and point.k == 2
+  assert 1 / 3 <= point.accepted_fraction <= 1.0 and point.loop_seconds > 0
+  sweep.write_csv([base, point], str(tmp_path / 'p.csv'))
+  with open(tmp_path / 'p.csv', encoding='utf-8') as f:
+    rows = list(csv.DictReader(f))
+  assert [r['label'] for r in rows] == ['ArS', '2'] and float(rows[1]['k']) == 2
+  sweep.plot([point], base, str(tmp_path / 'fig.png'), 'test', 'k')
+  assert (tmp_path / 'fig.png').stat().st_size > 1000
+  del tok

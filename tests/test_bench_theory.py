@@ -1,0 +1,40 @@
+"""The speedup formulas against THEORY.md's worked values and their limiting cases."""
+
+import pytest
+
+from spsjax.bench import theory
+
+
+@pytest.mark.parametrize('alpha,k,expected', [(0.6, 3, 2.18), (0.6, 4, 2.31), (0.8, 3, 2.95),
+                                              (0.8, 4, 3.36), (0.8, 5, 3.69)])
+def test_expected_tokens_per_loop_matches_the_worked_examples(alpha, k, expected):
+  assert theory.expected_tokens_per_loop(alpha, k) == pytest.approx(expected, abs=0.005)
+
+
+def test_limits_and_k_equal_one():
+  assert theory.expected_tokens_per_loop(0.0, 4) == 1.0
+  assert theory.expected_tokens_per_loop(1.0, 4) == 5.0
+  alpha, c = 0.7, 0.1  # k = 1 gives (1 + alpha) / (1 + c) (Leviathan et al., Corollary 3.9).
+  assert theory.expected_speedup(alpha, 1, c) == pytest.approx((1 + alpha) / (1 + c))
+  # A scoring call that costs s steps divides the speedup accordingly.
+  assert theory.expected_speedup(0.8, 4, 0.05, s=2.0) == pytest.approx(3.3616 / 2.2, rel=1e-4)
+  # No acceptance: every loop costs k draft steps plus a target call and emits one token.
+  assert theory.expected_speedup(0.0, 3, 0.1) == pytest.approx(1 / 1.3)
+
+
+def test_operations_and_best_k():
+  # alpha = 1: k + 1 tokens for k c_hat + k + 1 operations.
+  assert theory.operations_factor(1.0, 4, 0.1) == pytest.approx((0.4 + 5) / 5)
+  assert theory.operations_factor(0.0, 2, 0.5) == pytest.approx(4.0)
+  assert theory.best_k(0.8, 0.05) > theory.best_k(0.5, 0.05) >= 1
+  assert theory.best_k(0.9, 0.01, s_of_k=lambda k: 1 + k) < theory.best_k(0.9, 0.01)
+  p = theory.Prediction(alpha=0.8, k=4, c=0.05, s=2.0, c_hat=0.05)
+  assert p.speedup < p.speedup_free_scoring and p.tokens_per_loop == pytest.approx(3.3616)
+
+
+def test_bad_arguments():
+  for bad in (dict(alpha=1.2, k=2), dict(alpha=0.5, k=0)):
+    with pytest.raises(ValueError):
+      theory.expected_tokens_per_loop(**bad)
+  with pytest.raises(ValueError, match='s > 0'):
+    theory.expected_speedup(0.5, 2, 0.1, s=0.0)
