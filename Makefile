@@ -14,8 +14,10 @@ $(VENV)/.installed: setup.py
 
 setup: $(VENV)/.installed
 
-demo: $(VENV)/.installed
-	$(PY) experiments/sample.py --config=configs/sample.py
+# The main job: datasets, tokenizer, tiny target and draft (skipped when their checkpoints are
+# complete), then a short speedup table (results/speedup_tiny/).
+demo: train-tiny
+	$(PY) experiments/speedup_table.py --config=configs/speedup.py:root=checkpoints/tiny,demo
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests

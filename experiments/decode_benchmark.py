@@ -10,10 +10,10 @@ decode time does not depend on the weights' values.
 
 import os
 
-from absl import app, flags, logging
+from absl import app, flags
 import jax
 
-from spsjax import models
+from spsjax import distributed, logs, models
 from spsjax.bench import decode
 from spsjax.models import presets
 
@@ -27,22 +27,24 @@ _PROMPT_LEN = flags.DEFINE_integer('prompt_len', 128, 'Prompt tokens; cache capa
 _MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 128, 'Tokens per ArS run.')
 _BLOCK = flags.DEFINE_integer('block', 5, 'Tokens of the multi-token extend compared with T=1.')
 _COPY_MB = flags.DEFINE_integer('copy_mb', 1024, 'Size of the copied array in MiB.')
+print0 = distributed.print0
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  logging.info('JAX %s, devices: %s', jax.__version__, jax.devices())
+  logs.quiet_libraries()
+  distributed.initialize()
   small = _SMALL.value
   preset = 'tiny_target' if small else _PRESET.value
   prompt_len, max_new_tokens = (16, 16) if small else (_PROMPT_LEN.value, _MAX_NEW_TOKENS.value)
   copy_mb = min(_COPY_MB.value, 16) if small else _COPY_MB.value
-  print(f'JAX {jax.__version__} on {jax.devices()[0].device_kind} ({os.cpu_count()} cores), '
-        f'model preset {preset}, batch 1, prompt {prompt_len}, {max_new_tokens} new tokens, '
-        f'median of {_REPEATS.value} steps / {_ARS_REPEATS.value} ArS runs; load average '
-        f'{os.getloadavg()[0]:.2f} (other processes on these cores skew every figure)')
+  print0(f'JAX {jax.__version__} on {jax.devices()[0].device_kind} ({os.cpu_count()} cores), '
+         f'model preset {preset}, batch 1, prompt {prompt_len}, {max_new_tokens} new tokens, '
+         f'median of {_REPEATS.value} steps / {_ARS_REPEATS.value} ArS runs; load average '
+         f'{os.getloadavg()[0]:.2f} (other processes on these cores skew every figure)')
   for line in decode.copy_report(decode.copy_bandwidth(copy_mb * 2**20, repeats=_REPEATS.value)):
-    print(line, flush=True)
+    print0(line, flush=True)
   dtypes = ['float32', 'bfloat16'] if _DTYPE.value == 'both' else [_DTYPE.value]
   for dtype in dtypes:
     config = models.TransformerConfig(**presets.get(preset), dtype=dtype)
@@ -51,8 +53,8 @@ def main(argv):
                                    block=_BLOCK.value, repeats=_REPEATS.value,
                                    ars_repeats=_ARS_REPEATS.value)
     for line in decode.report(result):
-      print(line, flush=True)
-  print(f'load average at the end: {os.getloadavg()[0]:.2f} (1 min)')
+      print0(line, flush=True)
+  print0(f'load average at the end: {os.getloadavg()[0]:.2f} (1 min)')
 
 
 if __name__ == '__main__':

@@ -13,10 +13,11 @@ from absl import app, logging
 import jax
 from ml_collections import config_flags
 
-from spsjax import logs, models
+from spsjax import distributed, logs, models
 from spsjax.sampling import SamplingConfig
 from spsjax.train import evaluation, experiment, load
 
+print0 = distributed.print0
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.', lock_config=True)
 
 
@@ -24,6 +25,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   logs.quiet_libraries()
+  distributed.initialize()
   c = _CONFIG.value
   target, tok, meta = load.load_model(os.path.join(c.root, c.target))
   drafts = {}
@@ -42,16 +44,16 @@ def main(argv):
       experiment.held_out(source, tok, c.batch_size, c.seq_len), c.batches))
   settings = {name: SamplingConfig(**s) for name, s in c.sampling.items()}
   tokens = c.batches * c.batch_size * c.seq_len
-  print(f'held-out: {data.name}/{c.split}, {c.batches} batches of {c.batch_size} x {c.seq_len} '
-        f'= {tokens:,} positions (JAX {jax.__version__})')
+  print0(f'held-out: {data.name}/{c.split}, {c.batches} batches of {c.batch_size} x {c.seq_len} '
+         f'= {tokens:,} positions (JAX {jax.__version__})')
   for name, model in [(c.target, target)] + list(drafts.items()):
     result = evaluation.evaluate_model(model, batches)
-    print(f'{name}: {models.num_params(model.params):,} parameters, '
-          f'loss {result["loss"]:.4f}, perplexity {result["perplexity"]:.2f}')
+    print0(f'{name}: {models.num_params(model.params):,} parameters, '
+           f'loss {result["loss"]:.4f}, perplexity {result["perplexity"]:.2f}')
   for name, draft in drafts.items():
     result = evaluation.evaluate_pair(target, draft, batches, settings)
     alphas = ', '.join(f'{s} {result["alpha_" + s]:.3f}' for s in settings)
-    print(f'alpha({c.target}, {name}): {alphas}')
+    print0(f'alpha({c.target}, {name}): {alphas}')
 
 
 if __name__ == '__main__':

@@ -10,15 +10,16 @@ it both models are randomly initialised (said in the output) and the prompts are
 import os
 import time
 
-from absl import app, logging
+from absl import app
 import jax
 import numpy as np
 from ml_collections import config_flags
 
-from spsjax import logs, models, sampling, sharding
+from spsjax import distributed, logs, models, sampling, sharding
 from spsjax.data import humaneval, prompts as prompts_lib
 from spsjax.train import load
 
+print0 = distributed.print0
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.', lock_config=True)
 
 
@@ -28,9 +29,9 @@ def _random_models(c, mesh, rng):
   draft_config = models.TransformerConfig(**c.draft)
   draft = models.Model(draft_config, models.init_params(draft_config, jax.random.fold_in(rng, 1),
                                                         mesh=mesh))
-  print(f'NOTE: randomly initialised target ({models.num_params(target.params):,} parameters) and '
-        f'draft ({models.num_params(draft.params):,}); the ids are noise and acceptance is that of '
-        'unrelated random models. Pass root=checkpoints/tiny after `make train-tiny`.')
+  print0(f'NOTE: randomly initialised target ({models.num_params(target.params):,} parameters) and '
+         f'draft ({models.num_params(draft.params):,}); the ids are noise and acceptance is that '
+         'of unrelated random models. Pass root=checkpoints/tiny after `make train-tiny`.')
   return target, draft
 
 
@@ -41,9 +42,9 @@ def _trained_models(c, mesh):
     draft, draft_tok, _ = load.load_model(os.path.join(c.root, c.draft_name), mesh=mesh)
     if draft_tok.to_bytes() != tok.to_bytes():
       raise ValueError(f'{c.draft_name} and {c.target_name} in {c.root} use different tokenizers.')
-  print(f'Trained target {c.root}/{c.target_name} ({models.num_params(target.params):,} '
-        'parameters)' + (f' and draft {c.draft_name} ({models.num_params(draft.params):,})'
-                         if draft else ''))
+  print0(f'Trained target {c.root}/{c.target_name} ({models.num_params(target.params):,} '
+         'parameters)' + (f' and draft {c.draft_name} ({models.num_params(draft.params):,})'
+                          if draft else ''))
   return target, draft, tok
 
 
@@ -51,9 +52,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   logs.quiet_libraries()
+  distributed.initialize()
   c = _CONFIG.value
-  logging.info('JAX %s, process %d of %d, devices: %s', jax.__version__, jax.process_index(),
-               jax.process_count(), jax.devices())
   if c.method not in ('ars', 'sps'):
     raise app.UsageError(f'config.method must be "ars" or "sps", got {c.method!r}.')
   mesh = None
@@ -95,20 +95,21 @@ def main(argv):
     start = time.perf_counter()
     out = run(jax.random.fold_in(rng_sample, i))
     times.append(time.perf_counter() - start)
+  out = distributed.gather(out)  # Rows may live on other processes' devices.
   tokens = int(np.sum(out.num_generated))
   for row in range(c.batch):
     ids = np.asarray(out.tokens[row, :int(out.num_generated[row])]).tolist()
-    print(f'--- row {row}: ' + (f'{tok.decode(ids)!r}' if tok else f'{ids}'))
+    print0(f'--- row {row}: ' + (f'{tok.decode(ids)!r}' if tok else f'{ids}'))
   best = min(times)
   if c.method == 'sps':
     loops, accepted = int(np.sum(out.num_loops)), int(np.sum(out.num_accepted))
-    print(f'k={c.k}: acceptance rate {accepted / max(1, c.k * loops):.3f} '
-          f'({accepted} of {c.k * loops} drafts), mean tokens per loop '
-          f'{(tokens - c.batch) / max(1, loops):.2f} (the first token of each row comes from the '
-          f'prefill), accepted-drafts histogram {np.asarray(out.accepted_histogram).tolist()}')
-  print(f'method={c.method} batch={c.batch} new_tokens={tokens} first call (compile + run) '
-        f'{compile_s:.2f}s; run {best * 1e3:.1f} ms (best of {c.repeats}): '
-        f'{tokens / best:.1f} tokens/s')
+    print0(f'k={c.k}: acceptance rate {accepted / max(1, c.k * loops):.3f} '
+           f'({accepted} of {c.k * loops} drafts), mean tokens per loop '
+           f'{(tokens - c.batch) / max(1, loops):.2f} (the first token of each row comes from the '
+           f'prefill), accepted-drafts histogram {np.asarray(out.accepted_histogram).tolist()}')
+  print0(f'method={c.method} batch={c.batch} new_tokens={tokens} first call (compile + run) '
+         f'{compile_s:.2f}s; run {best * 1e3:.1f} ms (best of {c.repeats}): '
+         f'{tokens / best:.1f} tokens/s')
 
 
 if __name__ == '__main__':

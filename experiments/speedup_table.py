@@ -4,7 +4,7 @@
   python experiments/speedup_table.py --config=configs/speedup.py:root=checkpoints/tiny,runlocal
 
 Prints the table and writes `table.md` and `table.json` (with every completion) to the config's
-results directory.
+results directory, and one profiler trace per SpS row under `traces/` (XProf / Perfetto).
 """
 
 import json
@@ -15,11 +15,12 @@ from absl import app, logging
 import jax
 from ml_collections import config_flags
 
-from spsjax import logs, models
+from spsjax import distributed, logs, models
 from spsjax.bench import speedup
 from spsjax.sampling import SamplingConfig
 from spsjax.train import load
 
+print0 = distributed.print0
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.', lock_config=True)
 
 
@@ -27,6 +28,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   logs.quiet_libraries()
+  distributed.initialize()
   c = _CONFIG.value
   started = time.time()
   target, tok, _ = load.load_model(os.path.join(c.root, c.target))
@@ -34,9 +36,9 @@ def main(argv):
   if draft_tok.to_bytes() != tok.to_bytes():
     raise ValueError(f'{c.draft} and {c.target} in {c.root} use different tokenizers.')
   c_hat = models.num_params(draft.params) / models.num_params(target.params)
-  print(f'{c.root}: target {models.num_params(target.params):,} parameters, draft {c.draft} '
-        f'{models.num_params(draft.params):,}; k={c.k}; JAX {jax.__version__} on '
-        f'{jax.devices()[0].device_kind}', flush=True)
+  print0(f'{c.root}: target {models.num_params(target.params):,} parameters, draft {c.draft} '
+         f'{models.num_params(draft.params):,}; k={c.k}; JAX {jax.__version__} on '
+         f'{jax.devices()[0].device_kind}', flush=True)
 
   comparisons = []
   for task_name, task_config in c.tasks.items():
@@ -49,7 +51,11 @@ def main(argv):
         rows = [speedup.run_row(target, model, tok, task, decoding, sampling_config, batch, c.k,
                                 c.seed) for model in (None, draft)]
         costs = speedup.measure_costs(target, draft, c.k, batch, capacity, c.cost_repeats)
-        cmp = speedup.Comparison(ars=rows[0], sps=rows[1], costs=costs, k=c.k, c_hat=c_hat)
+        loop_profile = speedup.profile_row(
+            target, draft, tok, task, sampling_config, batch, c.k, c.seed,
+            os.path.join(c.results, 'traces', f'{task_name}_{decoding}_b{batch}'))
+        cmp = speedup.Comparison(ars=rows[0], sps=rows[1], costs=costs, k=c.k, c_hat=c_hat,
+                                 loop_profile=loop_profile)
         comparisons.append(cmp)
         logging.info('%s %s batch %d: %s %.3f vs %.3f, speedup %.2fx (predicted %.2fx) '
                      '[%.0f s elapsed]', task_name, decoding, batch, rows[0].metric,
@@ -57,7 +63,7 @@ def main(argv):
                      cmp.prediction.speedup, time.time() - started)
 
   table = speedup.markdown(comparisons)
-  print(table)
+  print0(table)
   os.makedirs(c.results, exist_ok=True)
   with open(os.path.join(c.results, 'table.md'), 'w', encoding='utf-8') as f:
     f.write(table + '\n')
@@ -69,7 +75,7 @@ def main(argv):
                      for row in (cmp.ars, cmp.sps)}) for cmp in comparisons]
   with open(os.path.join(c.results, 'table.json'), 'w', encoding='utf-8') as f:
     json.dump(dict(config=c.to_dict(), rows=records), f, indent=1)
-  print(f'Wrote {c.results}/table.md and table.json ({time.time() - started:.0f} s).')
+  print0(f'Wrote {c.results}/table.md and table.json ({time.time() - started:.0f} s).')
 
 
 if __name__ == '__main__':

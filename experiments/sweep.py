@@ -1,4 +1,4 @@
-"""Figure 1 for a trained family: SpS time, acceptance and loop time against k, draft or temperature.
+"""Figure 1 for a trained family: SpS time, acceptance and loop time against k, draft, temperature.
 
   python experiments/sweep.py --config=configs/sweep.py:root=checkpoints/reference,sweep=k
   python experiments/sweep.py --config=configs/sweep.py:root=checkpoints/reference,sweep=draft
@@ -11,12 +11,13 @@ import os
 from absl import app, logging
 from ml_collections import config_flags
 
-from spsjax import logs
+from spsjax import distributed, logs
 from spsjax.bench import sweep
 from spsjax.data import humaneval, prompts as prompts_lib
 from spsjax.sampling import SamplingConfig
 from spsjax.train import load
 
+print0 = distributed.print0
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.', lock_config=True)
 
 
@@ -24,6 +25,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   logs.quiet_libraries()
+  distributed.initialize()
   c = _CONFIG.value
   target, tok, _ = load.load_model(os.path.join(c.root, 'target'))
   drafts = {}
@@ -38,8 +40,9 @@ def main(argv):
   prompts, lengths = prompts_lib.encode_prompts(
       tok, texts, max_len=target.config.max_seq_len - c.max_new_tokens - max_k)
   kw = dict(max_new_tokens=c.max_new_tokens, seed=c.seed)
-  baseline = sweep.run_point('ArS', target, None, '', prompts, lengths, k=0, sampling_config=
-                             SamplingConfig(temperature=c.baseline_temperature, top_p=c.top_p), **kw)
+  ars_sampling = SamplingConfig(temperature=c.baseline_temperature, top_p=c.top_p)
+  baseline = sweep.run_point('ArS', target, None, '', prompts, lengths, k=0,
+                             sampling_config=ars_sampling, **kw)
   logging.info('ArS: %.1f ms per sequence', baseline.mean_seconds * 1e3)
   points = []
   for p in c.points:
@@ -47,16 +50,16 @@ def main(argv):
     point = sweep.run_point(p['label'], target, drafts[p['draft']], p['draft'], prompts, lengths,
                             k=p['k'], sampling_config=sampling_config, **kw)
     points.append(point)
-    print(f'{c.sweep}={point.label}: {point.mean_seconds * 1e3:.1f} ± '
-          f'{point.std_seconds * 1e3:.1f} ms per {c.max_new_tokens} tokens (ArS '
-          f'{baseline.mean_seconds * 1e3:.1f}), tokens/loop/(k+1) {point.accepted_fraction:.3f}, '
-          f'{point.loop_seconds * 1e3:.2f} ms per loop', flush=True)
+    print0(f'{c.sweep}={point.label}: {point.mean_seconds * 1e3:.1f} ± '
+           f'{point.std_seconds * 1e3:.1f} ms per {c.max_new_tokens} tokens (ArS '
+           f'{baseline.mean_seconds * 1e3:.1f}), tokens/loop/(k+1) {point.accepted_fraction:.3f}, '
+           f'{point.loop_seconds * 1e3:.2f} ms per loop', flush=True)
   os.makedirs(c.results, exist_ok=True)
   sweep.write_csv([baseline] + points, os.path.join(c.results, 'points.csv'))
   sweep.plot(points, baseline, os.path.join(c.results, 'figure1.png'),
              f'{c.root}: {c.prompts} HumanEval prompts, {c.max_new_tokens} tokens, batch 1',
              c.sweep)
-  print(f'Wrote {c.results}/points.csv and figure1.png')
+  print0(f'Wrote {c.results}/points.csv and figure1.png')
 
 
 if __name__ == '__main__':

@@ -6,10 +6,9 @@
 """
 
 from absl import app, logging
-import jax
 from ml_collections import config_flags
 
-from spsjax import logs
+from spsjax import distributed, logs
 from spsjax.train import experiment
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.', lock_config=True)
@@ -19,8 +18,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   logs.quiet_libraries()
-  logging.info('JAX %s, process %d of %d, devices: %s', jax.__version__, jax.process_index(),
-               jax.process_count(), jax.devices())
+  distributed.initialize()
   metrics = experiment.run(experiment.from_config(_CONFIG.value))
   logging.info('Final metrics: %s', {k: round(v, 4) for k, v in metrics.items()})
 

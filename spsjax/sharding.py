@@ -14,6 +14,7 @@ import math
 
 import flax.linen as nn
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 Rules = tuple[tuple[str, str | None], ...]
@@ -97,6 +98,23 @@ def tree_shardings(boxed_abstract, mesh: Mesh, rules: Rules = DEFAULT_RULES):
 
   return jax.tree.map(one, boxed_abstract,
                       is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+
+
+def put(tree, shardings):
+  """Places a pytree on `shardings` (a matching tree), also across processes.
+
+  Arrays already on devices are resharded by `jax.device_put`. Host values must be the same on
+  every process (the global value); each process then builds the shards of its own devices
+  (`jax.make_array_from_callback`), which works with one process or many.
+  """
+
+  def one(x, s):
+    if isinstance(x, jax.Array):
+      return jax.device_put(x, s)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
+
+  return jax.tree.map(one, tree, shardings)
 
 
 def check_batch(batch: int, mesh: Mesh | None) -> None:

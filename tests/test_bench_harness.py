@@ -64,7 +64,7 @@ def test_model_alpha_is_one_for_the_target_itself(family):
   del tok
 
 
-def test_rows_and_table_on_a_tiny_docstring_task(family):
+def test_rows_and_table_on_a_tiny_docstring_task(family, tmp_path):
   target, draft, tok = family
   task = speedup.Task('docstrings', ('def add(a, b):\n    """', 'def f():\n    """', 'x = 1\n'),
                       ('Add two numbers.', 'Do f.', 'Set x.'), max_new_tokens=6)
@@ -77,11 +77,17 @@ def test_rows_and_table_on_a_tiny_docstring_task(family):
   assert sps.timing['tokens_per_loop'] >= 1.0
   costs = speedup.measure_costs(target, draft, 3, batch=1, capacity=32, repeats=2)
   assert costs.c > 0 and costs.s > 0
-  cmp = speedup.Comparison(ars=ars, sps=sps, costs=costs, k=3, c_hat=0.5)
+  loop_profile = speedup.profile_row(target, draft, tok, task, greedy, 2, 3, 0, str(tmp_path))
+  assert loop_profile.loops >= 1 and loop_profile.trace_dir.startswith(str(tmp_path))
+  assert 0 < loop_profile.draft + loop_profile.score < loop_profile.loop
+  cmp = speedup.Comparison(ars=ars, sps=sps, costs=costs, k=3, c_hat=0.5,
+                           loop_profile=loop_profile)
   summary = cmp.summary()
   assert summary['speedup'] > 0 and summary['metrics_differ_beyond_noise'] is False
+  assert 0 < summary['outside_forward_passes'] < 1
   table = speedup.markdown([cmp])
   assert '| docstrings | greedy | 2 | ArS |' in table and '| docstrings | greedy | 2 | SpS |' in table
+  assert '| docstrings | greedy | 2 | 1 |' in table or 'outside draft and score' in table
 
 
 def test_sweep_point_csv_and_plot(family, tmp_path):

@@ -11,7 +11,8 @@ sampling noise (two combined standard errors).
 
 Theory (`theory.Prediction`) is computed from the same run: alpha measured (SpS acceptance) and
 model-based (mean of sum_x min(p, q) over the generated positions, p and q after the processors);
-c and s from jitted `extend` calls of the two models at the row's batch and cache size.
+c and s from jitted `extend` calls of the two models at the row's batch and cache size. One SpS
+call per row is also profiled (`bench.profile`): time per loop and per phase read from the trace.
 """
 
 import dataclasses
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spsjax import models, sampling
-from spsjax.bench import decode, theory, timing
+from spsjax.bench import decode, profile, theory, timing
 from spsjax.data import datasets, humaneval, prompts as prompts_lib
 from spsjax.data.tokenizer import Tokenizer
 from spsjax.eval import execution, metrics
@@ -193,6 +194,7 @@ class Comparison:
   costs: Costs
   k: int
   c_hat: float  # Draft / target parameters: the ratio of operations per token.
+  loop_profile: 'LoopProfile | None' = None
 
   @property
   def speedup(self) -> float:
@@ -209,11 +211,50 @@ class Comparison:
 
   def summary(self) -> dict:
     p = self.prediction
-    return dict(speedup=self.speedup, predicted_speedup=p.speedup,
+    profiled = {} if self.loop_profile is None else dict(
+        loop_profile=dataclasses.asdict(self.loop_profile),
+        outside_forward_passes=self.loop_profile.outside_forward_passes)
+    return dict(**profiled, speedup=self.speedup, predicted_speedup=p.speedup,
                 predicted_speedup_free_scoring=p.speedup_free_scoring,
                 predicted_tokens_per_loop=p.tokens_per_loop, operations_factor=p.operations,
                 alpha_measured=p.alpha, alpha_model=self.sps.alpha_model, c=self.costs.c,
                 s=self.costs.s, metrics_differ_beyond_noise=self.metrics_differ)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopProfile:
+  """Per-loop times of one SpS call, read from its profiler trace (seconds)."""
+  trace_dir: str
+  loops: int
+  loop: float  # Mean wall time of a main-loop iteration.
+  draft: float  # Op time per loop in each named scope.
+  score: float
+  accept: float
+
+  @property
+  def outside_forward_passes(self) -> float:
+    """Share of the loop spent neither drafting nor scoring: accept phase and bookkeeping."""
+    return 1.0 - (self.draft + self.score) / self.loop
+
+
+def profile_row(target: models.Model, draft: models.Model, tok: Tokenizer, task: Task,
+                sampling_config: sampling.SamplingConfig, batch: int, k: int, seed: int,
+                log_dir: str) -> LoopProfile:
+  """Profiles the SpS call on the first `batch` prompts of `task` (after a warm-up run)."""
+  texts = [task.prompts[i % len(task.prompts)] for i in range(batch)]
+  prompts_NxP, lengths_N = prompts_lib.encode_prompts(
+      tok, texts, max_len=target.config.max_seq_len - task.max_new_tokens - k)
+  _, trace = profile.profile_speculative(
+      target, draft, prompts_NxP, lengths_N, jax.random.key(seed), k=k,
+      max_new_tokens=task.max_new_tokens, log_dir=log_dir, sampling=sampling_config,
+      eos_id=tok.eos_id)
+  if not trace.loops:
+    raise profile.ProfileError('The profiled call ran no loop.')
+  walls = [it.wall_s for it in trace.iterations or ()]
+  loop = sum(walls) / len(walls) if walls else trace.total_s / trace.loops
+  return LoopProfile(trace_dir=trace.trace_dir, loops=trace.loops, loop=loop,
+                     draft=trace.per_loop_s('draft'), score=trace.per_loop_s('score'),
+                     accept=trace.per_loop_s('accept'))
 
 
 def markdown(comparisons: Sequence[Comparison]) -> str:
@@ -245,4 +286,13 @@ def markdown(comparisons: Sequence[Comparison]) -> str:
         f'{p.tokens_per_loop:.2f} | {cmp.speedup:.2f}x / {p.speedup:.2f}x / '
         f'{p.speedup_free_scoring:.2f}x | {p.operations:.2f}x | '
         f'{"yes" if cmp.metrics_differ else "no"} |')
+  profiled = [cmp for cmp in comparisons if cmp.loop_profile is not None]
+  if profiled:
+    lines += ['', '| task | decoding | batch | loops traced | ms per loop | draft | score | accept '
+              '| outside draft and score |', '|---|---|---|---|---|---|---|---|---|']
+    for cmp in profiled:
+      lp, ms = cmp.loop_profile, lambda x: f'{x * 1e3:.3f}'
+      lines.append(f'| {cmp.sps.task} | {cmp.sps.decoding} | {cmp.sps.batch} | {lp.loops} | '
+                   f'{ms(lp.loop)} | {ms(lp.draft)} | {ms(lp.score)} | {ms(lp.accept)} | '
+                   f'{lp.outside_forward_passes:.0%} |')
   return '\n'.join(lines)

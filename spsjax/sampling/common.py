@@ -79,15 +79,23 @@ def step_keys(row_keys_B: jax.Array, counters_B: jax.Array) -> jax.Array:
 def place(model: Model, prompts, prompt_lengths, mesh: Mesh | None,
           rules: sharding.Rules = sharding.DEFAULT_RULES):
   """Puts params, prompts and lengths on the mesh (params by their logical rules, rows on `data`)."""
-  prompts = jnp.asarray(prompts, jnp.int32)
-  prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
   if mesh is None:
-    return model, prompts, prompt_lengths
-  params = jax.device_put(model.params, param_shardings(model.config, mesh, rules))
-  prompts = jax.device_put(prompts, sharding.named(('batch', 'length'), prompts.shape, mesh, rules))
-  prompt_lengths = jax.device_put(prompt_lengths,
-                                  sharding.named(('batch',), prompt_lengths.shape, mesh, rules))
-  return model.replace(params=params), prompts, prompt_lengths
+    return model, jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32)
+  prompts, prompt_lengths = np.asarray(prompts, np.int32), np.asarray(prompt_lengths, np.int32)
+  prompts, prompt_lengths = sharding.put(
+      (prompts, prompt_lengths),
+      (sharding.named(('batch', 'length'), prompts.shape, mesh, rules),
+       sharding.named(('batch',), prompt_lengths.shape, mesh, rules)))
+  return place_params(model, mesh, rules), prompts, prompt_lengths
+
+
+def place_params(model: Model, mesh: Mesh | None,
+                 rules: sharding.Rules = sharding.DEFAULT_RULES) -> Model:
+  """The model with its parameters laid out on `mesh` by their logical names."""
+  if mesh is None:
+    return model
+  return model.replace(params=sharding.put(model.params, param_shardings(model.config, mesh,
+                                                                         rules)))
 
 
 def output_buffer(batch: int, max_new_tokens: int, block: int) -> jax.Array:

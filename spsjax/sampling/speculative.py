@@ -186,6 +186,25 @@ def check_pair(target: Model, draft: Model, k: int) -> None:
                      f'({target.config.vocab_size}); they must share a tokenizer.')
 
 
+def prepare(target: Model, draft: Model, prompts, prompt_lengths, *, k: int, max_new_tokens: int,
+            sampling: SamplingConfig = SamplingConfig(),
+            draft_sampling: SamplingConfig | None = None, eos_id: int | None = None,
+            mesh: Mesh | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES):
+  """Checks the inputs and places them: (loop, (target, draft, prompts, prompt_lengths)).
+
+  `loop.run(*args, rng)` is the program `speculative_sample` runs (the profiler lowers it too).
+  """
+  check_pair(target, draft, k)
+  for model in (target, draft):
+    common.check_inputs(model, prompts, prompt_lengths, max_new_tokens=max_new_tokens,
+                        eos_id=eos_id, mesh=mesh, headroom=headroom(k))
+  target, prompts, prompt_lengths = common.place(target, prompts, prompt_lengths, mesh, rules)
+  draft = common.place_params(draft, mesh, rules)
+  loop = Loop(k=k, max_new_tokens=max_new_tokens, sampling=sampling,
+              draft_sampling=draft_sampling or sampling, eos_id=eos_id, mesh=mesh, rules=rules)
+  return loop, (target, draft, prompts, prompt_lengths)
+
+
 def speculative_sample(target: Model, draft: Model, prompts, prompt_lengths, rng: jax.Array, *,
                        k: int, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
                        draft_sampling: SamplingConfig | None = None, eos_id: int | None = None,
@@ -196,12 +215,7 @@ def speculative_sample(target: Model, draft: Model, prompts, prompt_lengths, rng
   `draft_sampling` (default: `sampling`) sets how the draft samples; acceptance always uses the
   distribution the draft really sampled from, so the output law does not depend on it.
   """
-  check_pair(target, draft, k)
-  for model in (target, draft):
-    common.check_inputs(model, prompts, prompt_lengths, max_new_tokens=max_new_tokens,
-                        eos_id=eos_id, mesh=mesh, headroom=headroom(k))
-  target, prompts, prompt_lengths = common.place(target, prompts, prompt_lengths, mesh, rules)
-  draft, _, _ = common.place(draft, prompts, prompt_lengths, mesh, rules)
-  loop = Loop(k=k, max_new_tokens=max_new_tokens, sampling=sampling,
-              draft_sampling=draft_sampling or sampling, eos_id=eos_id, mesh=mesh, rules=rules)
-  return loop.run(target, draft, prompts, prompt_lengths, rng)
+  loop, args = prepare(target, draft, prompts, prompt_lengths, k=k, max_new_tokens=max_new_tokens,
+                       sampling=sampling, draft_sampling=draft_sampling, eos_id=eos_id, mesh=mesh,
+                       rules=rules)
+  return loop.run(*args, rng)

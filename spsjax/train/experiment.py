@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 
 from spsjax import models, sharding
@@ -65,22 +66,30 @@ def family_tokenizer(path: str, texts: Callable[[], list[str]], vocab_size: int,
                      seed: int = 0) -> Tokenizer:
   """The tokenizer at `path`, trained from `texts()` and saved there first if it is missing.
 
-  The file is written to a temporary name and renamed, so a crash never leaves half a tokenizer.
-  A tokenizer that exists with another vocabulary size is an error, not silently retrained.
+  Process 0 trains and writes it (to a temporary name, then renamed, so a crash never leaves half
+  a tokenizer); the other processes wait for it. A tokenizer that exists with another vocabulary
+  size is an error, not silently retrained.
   """
-  if os.path.exists(path):
-    tok = Tokenizer.load(path)
-    if tok.vocab_size != vocab_size:
-      raise ValueError(f'Tokenizer {path} has vocab_size {tok.vocab_size}, but the model config '
-                       f'asks for {vocab_size}: a family shares one tokenizer (use another root).')
-    return tok
+  if not os.path.exists(path) and jax.process_index() == 0:
+    _train_tokenizer(path, texts, vocab_size, seed)
+  if jax.process_count() > 1:  # The others wait for process 0's file (root is shared storage).
+    multihost_utils.sync_global_devices(f'tokenizer {path}')
+  tok = Tokenizer.load(path)
+  if tok.vocab_size != vocab_size:
+    raise ValueError(f'Tokenizer {path} has vocab_size {tok.vocab_size}, but the model config '
+                     f'asks for {vocab_size}: a family shares one tokenizer (use another root).')
+  return tok
+
+
+def _train_tokenizer(path: str, texts: Callable[[], list[str]], vocab_size: int,
+                     seed: int) -> None:
   logging.info('Training a %d-piece tokenizer for %s ...', vocab_size, path)
   tok = Tokenizer.train(texts(), vocab_size, seed=seed)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(path)), delete=False) as f:
     f.write(tok.to_bytes())
+  os.chmod(f.name, 0o644)
   os.replace(f.name, path)
-  return tok
 
 
 def load_docs(data: DataConfig, split: str):

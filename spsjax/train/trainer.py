@@ -161,6 +161,9 @@ def train(config: TrainConfig, *, workdir: str, train_batches, eval_batches: Cal
 
   train_step, eval_step = make_train_step(config), make_eval_step(config)
   start_step = int(state.step)
+  if start_step >= config.steps:
+    logging.info('%s holds step %d of %d: training is complete.', workdir, start_step,
+                 config.steps)
   started, pending, metrics = time.time(), None, {}
   for step in range(start_step, config.steps):
     batch = global_batch(next(train_batches), mesh)

@@ -1,0 +1,514 @@
+"""Where one jitted program spends its time, by named scope, read from a `jax.profiler` trace.
+
+`profile_compiled` runs a compiled program once under `jax.profiler.trace` (after warm-up calls),
+reads back the trace JAX wrote and charges every XLA op event to a phase (`draft`, `score`,
+`accept`, else `other`) through the op metadata of the same compiled HLO. `profile_speculative`
+does it for the SpS program (`speculative.Loop.run`).
+
+Files. `jax.profiler.trace(log_dir)` writes `log_dir/plugins/profile/<YYYY_MM_DD_HH_MM_SS>/` with
+`<host>.xplane.pb` (XSpace; open with XProf or TensorBoard `--logdir log_dir`) and
+`<host>.trace.json.gz` (Chrome trace JSON; open in ui.perfetto.dev). `PhaseProfile.trace_dir` is
+that directory. The xplane file is parsed with `jax.profiler.ProfileData` (ships with jaxlib).
+
+Events. On CPU (jaxlib 0.10.2) the thunk executor emits one event per executed thunk, with stats
+`hlo_op` (the HLO instruction name: `ynn_fusion.3`, `copy.6`, `while.638`), `hlo_module`
+(`jit_run`), `run_id` and `device_ordinal`. Thunks run on the PjRt client thread and the
+`tf_XLAEigen` pool, hopping between threads, and independent ones may run at the same time, so
+events are taken from every line of every plane. Only events with an `hlo_op` stat of this module
+are used: host events (Python, dispatch, `ThunkExecutor::Execute`, the `end: <op>` completion
+markers, thread-pool markers) carry none, and small programs JAX runs around ours
+(`jit__threefry_seed`) have another module. Durations are wall time on the thread, so they include
+any time the thread was preempted. GPU kernel events carry the same stats; on TPU the device
+planes' `XLA Ops` line is used, named by instruction, with modules from the `XLA Modules` line.
+Neither was run here: the reader fails loudly if it finds no op events rather than guessing.
+
+Control flow. A `while` (also `conditional`, or a `call` not compiled into one kernel) has an event
+spanning its sub-computations, whose thunks have events of their own. Only leaf events are summed:
+an event is a container if some instruction of a computation it calls has events in the same run.
+Fusions (fused instructions never have events) and small calls (one kernel) are leaves.
+
+Phases. An instruction's phase is, first found: (1) the innermost phase name that is a
+`/`-separated component of its own `op_name` (`jit(run)/while/body/draft/...`); (2) the majority
+over its own and its fused or called instructions' metadata (a fusion's `calls=`, a `call`'s
+`to_apply=`, recursively; unscoped code votes `other`; ties go to the earlier of `phases`, then
+`other`), so a fusion rooted outside the scopes but made mostly of `score` code is `score`; (3) for
+an instruction with no metadata at all (XLA's loop-carried `copy`s), the phase of the instruction
+running its computation (copies in the body of the draft's `fori_loop` are `draft`, those at the
+top of the main loop's body `other`); (4) `other`. A `while` or `conditional` takes no votes from
+its body or branches: their ops are charged by themselves. Reducers and comparators (a reduce's or
+sort's `to_apply=`) neither vote nor count: XLA shares identical ones between scopes. Ops whose own
+and fused metadata name two or more phases are counted as mixed (XLA fuses or CSEs across scopes);
+each still goes to exactly one phase.
+
+Invariants: `phase_s` sums leaf-op durations, so sum(phase_s) == busy_s + overlap_s, where `busy_s`
+is the time at least one op ran and `overlap_s` > 0 only if ops ran concurrently. `phase_wall_s`
+splits each instant of busy time equally among the ops running then, so sum(phase_wall_s) ==
+busy_s <= total_s; the rest is `idle_s` (dispatch, loop control, thread hand-offs, preemption).
+
+Loops. The main loop is the `while` whose body holds phased instructions (the outermost one; with no
+phases, the largest). Each top-level instruction of its body runs once per iteration, so the i-th
+event of each marks iteration i, which runs from its first body op to the next iteration's first
+body op (the last iteration to the loop's last op), loop condition included. XLA may hoist
+loop-invariant code out of the loop; it keeps its scope name, so it counts in the phase totals
+(and in total / loops) but in no iteration.
+"""
+
+import bisect
+import collections
+import dataclasses
+import glob
+import os
+import re
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from spsjax import sharding
+from spsjax.models import Model
+from spsjax.sampling import common, speculative
+from spsjax.sampling.processors import SamplingConfig
+
+PHASES = ('draft', 'score', 'accept')
+OTHER = 'other'
+
+
+class ProfileError(RuntimeError):
+  """The trace cannot give the numbers asked for (no op events, HLO and trace disagree, ...)."""
+
+
+# --- The compiled HLO ---------------------------------------------------------------------------
+
+_MODULE = re.compile(r'^HloModule\s+([^\s,]+)')
+_COMPUTATION = re.compile(r'^(ENTRY\s+)?%(\S+)\s.*\{$')
+_INSTRUCTION = re.compile(r'^\s+(?:ROOT\s+)?%(\S+)\s+=\s(.*)$')
+_OPCODE = re.compile(r'(?:^|\s)([a-z][\w\-]*)\(')  # The first `word(` after the shape.
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+_CALLED = re.compile(r'\b(calls|to_apply|called_computations|body|condition|true_computation|'
+                     r'false_computation|branch_computations)=(\{[^}]*\}|%[^\s,}]+)')
+_CONTROL = ('body', 'condition', 'true_computation', 'false_computation', 'branch_computations')
+_LENDS = ('calls', 'called_computations')  # And `to_apply` of a `call`, not of a reducer.
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  name: str
+  opcode: str
+  op_name: str | None  # From `metadata={op_name=...}`; None if XLA gave it no metadata.
+  called: tuple[str, ...]  # Code that lends its phase: `calls=`, a `call`'s `to_apply=`.
+  applied: tuple[str, ...]  # Reducers and comparators (`to_apply=` of reduce, scatter, sort, ...).
+  control: tuple[str, ...]  # Control flow: `body=`, `condition=`, branches.
+  body: str | None  # For a `while`: its body computation.
+
+
+@dataclasses.dataclass(frozen=True)
+class Hlo:
+  """A compiled module's instructions with their phases (see the module docstring)."""
+  module: str
+  phases: tuple[str, ...]
+  instructions: Mapping[str, Instruction]
+  computations: Mapping[str, tuple[str, ...]]  # Computation -> its instructions.
+  phase: Mapping[str, str]  # Instruction -> phase, for every instruction.
+  mixed: frozenset[str]  # Instructions whose own and fused metadata name several phases.
+
+  def subtree(self, computations: Sequence[str]) -> set[str]:
+    """Instructions in `computations` and, recursively, in everything they call."""
+    seen, names, todo = set(), set(), list(computations)
+    while todo:
+      c = todo.pop()
+      if c in seen:
+        continue
+      seen.add(c)
+      for name in self.computations.get(c, ()):
+        names.add(name)
+        i = self.instructions[name]
+        todo.extend(i.called + i.applied + i.control)
+    return names
+
+  def main_loop(self) -> Instruction | None:
+    """The outermost `while` holding phased instructions; with none, the largest `while`."""
+    def key(w):
+      names = self.subtree([w.body])
+      return any(self.phase[n] != OTHER for n in names), len(names)
+    whiles = [i for i in self.instructions.values() if i.body is not None]
+    return max(whiles, key=key, default=None)
+
+
+def parse_hlo(text: str, phases: Sequence[str] = PHASES) -> Hlo:
+  """Parses `compiled.as_text()`: instructions, what they call, and their phases."""
+  module = _MODULE.match(text)
+  if module is None:
+    raise ValueError('Not HLO text: no `HloModule` header (pass `compiled.as_text()`).')
+  instructions, computations, current = {}, {}, None
+  for line in text.splitlines():
+    if (header := _COMPUTATION.match(line)) is not None:
+      current = header.group(2)
+      computations[current] = []
+    elif current is not None and (m := _INSTRUCTION.match(line)) is not None:
+      op_name, opcode = _OP_NAME.search(line), _OPCODE.search(m.group(2))
+      opcode = opcode.group(1) if opcode else ''
+      called, applied, control, body = [], [], [], None
+      for kind, target in _CALLED.findall(line):
+        names = re.findall(r'%([^\s,}]+)', target)
+        lends = kind in _LENDS or (kind == 'to_apply' and opcode == 'call')
+        (control if kind in _CONTROL else called if lends else applied).extend(names)
+        body = names[0] if kind == 'body' else body
+      instructions[m.group(1)] = Instruction(m.group(1), opcode, op_name and op_name.group(1),
+                                             tuple(called), tuple(applied), tuple(control), body)
+      computations[current].append(m.group(1))
+  computations = {c: tuple(names) for c, names in computations.items()}
+
+  def scope(op_name):
+    found = [c for c in op_name.split('/') if c in phases]
+    return found[-1] if found else OTHER
+
+  votes_of = {}  # Computation -> Counter of the phases its instructions (recursively) name.
+
+  def votes(computation):
+    if computation not in votes_of:
+      votes_of[computation] = collections.Counter()  # Guards against recursion.
+      count = collections.Counter()
+      for name in computations.get(computation, ()):
+        i = instructions[name]
+        count.update([scope(i.op_name)] if i.op_name is not None else [])
+        for c in i.called:
+          count.update(votes(c))
+      votes_of[computation] = count
+    return votes_of[computation]
+
+  phase, mixed, order, silent = {}, set(), tuple(phases) + (OTHER,), []
+  for name, i in instructions.items():
+    count = collections.Counter([scope(i.op_name)] if i.op_name is not None else [])
+    for c in i.called:
+      count.update(votes(c))
+    own = scope(i.op_name) if i.op_name is not None else OTHER
+    best = max(order, key=lambda p: (count[p], -order.index(p)))
+    phase[name] = own if own != OTHER else best if count[best] else OTHER
+    if sum(count[p] > 0 for p in phases) > 1:
+      mixed.add(name)
+    if not count:
+      silent.append(name)
+
+  # No metadata at all (copies XLA adds): the phase of the instruction that runs the computation.
+  home = {n: c for c, names in computations.items() for n in names}
+  caller = {c: n for n, i in instructions.items() for c in i.called + i.control}
+
+  def context(computation, depth=0):
+    n = caller.get(computation)
+    if n is None or depth > len(computations):
+      return OTHER
+    return phase[n] if phase[n] != OTHER else context(home[n], depth + 1)
+
+  for name in silent:
+    phase[name] = context(home[name])
+  return Hlo(module.group(1), tuple(phases), instructions, computations, phase,
+             frozenset(mixed))
+
+
+def hlo_phases(text: str, phases: Sequence[str] = PHASES) -> dict[str, str]:
+  """{HLO instruction name: phase} for every instruction of `compiled.as_text()`."""
+  return dict(parse_hlo(text, phases).phase)
+
+
+# --- The trace ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class OpEvent:
+  name: str  # HLO instruction name.
+  start_ns: float
+  end_ns: float
+  device: str  # `device_ordinal` on CPU/GPU, the plane name on TPU.
+  run: str  # One execution of the module.
+
+
+def record(fn: Callable[[], Any], log_dir: str,
+           options: jax.profiler.ProfileOptions | None = None) -> tuple[Any, str]:
+  """Runs `fn()` under `jax.profiler.trace`, blocked on before the trace stops.
+
+  Returns (outputs, path of the `.xplane.pb` written). The Python tracer is off by default: it
+  records host calls, not the program, and can make traces large.
+  """
+  if options is None:
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+  log_dir = os.path.abspath(log_dir)
+  started = time.time()
+  with jax.profiler.trace(log_dir, profiler_options=options):
+    outputs = jax.block_until_ready(fn())
+  written = [p for p in glob.glob(os.path.join(log_dir, 'plugins', 'profile', '*', '*.xplane.pb'))
+             if os.path.getmtime(p) >= started - 1]
+  if not written:
+    raise ProfileError(f'jax.profiler.trace wrote no .xplane.pb under {log_dir}/plugins/profile.')
+  return outputs, max(written, key=os.path.getmtime)
+
+
+def _module_matches(name: str, module: str) -> bool:
+  return name == module or name.startswith(module + '(')
+
+
+def read_op_events(xplane_path: str, module: str) -> list[OpEvent]:
+  """The XLA op events of `module` in an XSpace file (see the module docstring for which)."""
+  data = jax.profiler.ProfileData.from_file(xplane_path)
+  events = []
+  for plane in data.planes:
+    lines = list(plane.lines)
+    tagged, by_line = [], []  # Events with `hlo_op` stats; else a device's `XLA Ops` line.
+    modules = [e for line in lines if line.name == 'XLA Modules' for e in line.events
+               if _module_matches(e.name, module)]
+    for line in lines:
+      for e in line.events:
+        stats = dict(e.stats)
+        if 'hlo_op' in stats:
+          if _module_matches(str(stats.get('hlo_module', '')), module):
+            tagged.append(OpEvent(str(stats['hlo_op']), e.start_ns, e.end_ns,
+                                  str(stats.get('device_ordinal', plane.name)),
+                                  str(stats.get('run_id', ''))))
+        elif line.name == 'XLA Ops' and plane.name.startswith('/device:'):
+          runs = [i for i, m in enumerate(modules) if m.start_ns <= e.start_ns <= m.end_ns]
+          if runs:
+            by_line.append(OpEvent(e.name, e.start_ns, e.end_ns, plane.name, str(runs[0])))
+    events += tagged or by_line
+  if not events:
+    raise ProfileError(f'No XLA op events of module {module} in {xplane_path}: this backend\'s '
+                       'trace names no HLO ops (no `hlo_op` stats, no `XLA Ops` line).')
+  return events
+
+
+# --- Attribution --------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Iteration:
+  """One iteration of the main loop: from its first body op to the next iteration's first."""
+  wall_s: float
+  phase_s: Mapping[str, float]  # Summed durations of the ops that started in it, per phase.
+  phase_wall_s: Mapping[str, float]  # Their shares of wall time (see `PhaseProfile`).
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseProfile:
+  """One run of one program on one device. Times in seconds, all read from the trace.
+
+  `phase_s` sums op durations: sum(phase_s) == busy_s + overlap_s. `phase_wall_s` splits the busy
+  time instead, each instant equally among the ops running then: sum(phase_wall_s) == busy_s.
+  The two differ only where ops ran concurrently (CPU thread pool).
+  """
+  trace_dir: str  # Holds `<host>.xplane.pb` and `<host>.trace.json.gz`.
+  module: str
+  device: str
+  phases: tuple[str, ...]  # The scopes, in order; `other` is everything else.
+  total_s: float  # First op start to last op end.
+  busy_s: float  # Time in which at least one op ran.
+  overlap_s: float  # Summed op time minus busy time: > 0 only if ops ran concurrently.
+  phase_s: Mapping[str, float]  # Summed leaf-op durations per phase, `other` included.
+  phase_wall_s: Mapping[str, float]
+  phase_ops: Mapping[str, int]  # Leaf-op events per phase.
+  loop_other_s: float  # The part of phase_s['other'] run by the main loop (body and condition).
+  mixed_s: float  # Op time of ops whose code comes from several phases (charged by the rules).
+  mixed_ops: int
+  num_loops: int | None  # Program loops as the caller counted them (None: not given).
+  iterations: tuple[Iteration, ...] | None  # Main-loop iterations found in the trace, or None,
+  iterations_note: str  # and then why.
+
+  @property
+  def idle_s(self) -> float:
+    return self.total_s - self.busy_s
+
+  @property
+  def loops(self) -> int | None:
+    """The caller's loop count, else the iterations found in the trace, else None."""
+    if self.num_loops is not None:
+      return self.num_loops
+    return len(self.iterations) if self.iterations is not None else None
+
+  def per_loop_s(self, phase: str) -> float:
+    """Phase total / `loops`; for `other`, only its part in the main loop."""
+    if not self.loops:
+      raise ProfileError('No loop count (none given, none found in the trace, or 0).')
+    return (self.loop_other_s if phase == OTHER else self.phase_s[phase]) / self.loops
+
+  def report(self) -> list[str]:
+    """Readable lines: totals, per-loop time and share per phase, the loop's spread, the rest."""
+    ms = lambda s: f'{s * 1e3:.3f} ms'
+    keys, its = self.phases + (OTHER,), self.iterations
+    lines = [f'{self.module} on device {self.device}: {ms(self.total_s)} from first to last op; '
+             f'ops ran {ms(self.busy_s)} ({self.busy_s / self.total_s:.0%}), '
+             f'{ms(self.idle_s)} between ops' +
+             (f'; ops overlapped for {ms(self.overlap_s)}' if self.overlap_s > 0 else ''),
+             'op time per phase: ' + ', '.join(
+                 f'{p} {ms(self.phase_s[p])} ({self.phase_ops[p]} ops)' for p in keys)]
+    if its is None:
+      lines.append(f'loop iterations not identified in the trace: {self.iterations_note}')
+    elif self.num_loops is not None and len(its) != self.num_loops:
+      lines.append(f'MISMATCH: the trace shows {len(its)} loop iterations, the caller counted '
+                   f'{self.num_loops}; per-loop times use the caller\'s count')
+    walls = [it.wall_s for it in its or ()]
+    if walls:
+      lines.append(f'main loop: {ms(sum(walls))} ({sum(walls) / self.total_s:.0%} of the run) in '
+                   f'{len(walls)} iterations; before and after it {ms(self.total_s - sum(walls))}')
+    if self.loops:
+      source = 'from the caller' if self.num_loops is not None else 'found in the trace'
+      lines.append(f'per loop ({self.loops} loops, {source}): op time' + (
+          ', share of loop wall time, range over iterations:' if walls else
+          ' (shares unknown: iterations not found):'))
+      for p in keys:
+        line = f'  {p if p != OTHER else "other (in loop)"}: {ms(self.per_loop_s(p))}/loop'
+        if walls:
+          each = [it.phase_s[p] for it in its]
+          line += (f', {sum(it.phase_wall_s[p] for it in its) / sum(walls):.0%}, '
+                   f'{ms(min(each))} to {ms(max(each))}')
+        lines.append(line)
+      if walls:
+        idle = sum(walls) - sum(sum(it.phase_wall_s.values()) for it in its)
+        std = statistics.stdev(walls) if len(walls) > 1 else 0.0
+        lines += [f'  between ops: {ms(idle / len(walls))}/loop, {idle / sum(walls):.0%}',
+                  f'  loop wall: mean {ms(statistics.mean(walls))}, std {ms(std)}, min '
+                  f'{ms(min(walls))}, max {ms(max(walls))}']
+    outside = self.phase_s[OTHER] - self.loop_other_s
+    lines += [f'outside the {"/".join(self.phases)} scopes: {ms(self.phase_s[OTHER])} in '
+              f'{self.phase_ops[OTHER]} ops; {ms(self.loop_other_s)} in the main loop (its '
+              f'condition, unscoped body code), {ms(outside)} outside it',
+              f'{self.mixed_ops} op events ({ms(self.mixed_s)}) hold code of several phases; each '
+              'is charged to its own metadata\'s phase, else to the majority of its code']
+    return lines
+
+
+def _wall_shares_ns(events: Sequence[OpEvent]) -> list[float]:
+  """Each event's share of wall time: every instant split equally among the events running."""
+  points = sorted([(e.start_ns, 0, i) for i, e in enumerate(events)] +
+                  [(e.end_ns, 1, i) for i, e in enumerate(events)])
+  shares, running, last = [0.0] * len(events), set(), None
+  for t, is_end, i in points:
+    if running:
+      for j in running:
+        shares[j] += (t - last) / len(running)
+    last = t
+    (running.discard if is_end else running.add)(i)
+  return shares
+
+
+def _iterations(hlo: Hlo, loop: Instruction | None, run: Sequence[OpEvent],
+                leaves: Sequence[OpEvent], wall_ns: Sequence[float]
+                ) -> tuple[tuple[Iteration, ...] | None, str]:
+  """(iterations, '') of the main loop, or (None, why not); see the module docstring."""
+  if loop is None:
+    return None, 'the program has no while loop'
+  body = set(hlo.computations.get(loop.body, ()))
+  by_name = collections.defaultdict(list)
+  for e in run:
+    if e.name in body:
+      by_name[e.name].append(e.start_ns)
+  counts = {len(v) for v in by_name.values()}
+  if len(counts) != 1:
+    return None, (f'the ops of {loop.name}\'s body ran different numbers of times ({counts})'
+                  if counts else f'no op of {loop.name}\'s body has events')
+  n = counts.pop()
+  starts = [min(ith) for ith in zip(*(sorted(v) for v in by_name.values()))]
+  if starts != sorted(starts):
+    return None, f'iterations of {loop.name} overlap in time'
+  inside = hlo.subtree(list(loop.control))
+  bounds = starts + [max(e.end_ns for e in run if e.name in inside)]
+  keys = hlo.phases + (OTHER,)
+  op_s = [dict.fromkeys(keys, 0.0) for _ in range(n)]
+  wall_s = [dict.fromkeys(keys, 0.0) for _ in range(n)]
+  for e, wall in zip(leaves, wall_ns):
+    if e.name in inside and e.start_ns >= starts[0]:
+      i, p = bisect.bisect_right(starts, e.start_ns) - 1, hlo.phase[e.name]
+      op_s[i][p] += (e.end_ns - e.start_ns) * 1e-9
+      wall_s[i][p] += wall * 1e-9
+  return tuple(Iteration((bounds[i + 1] - bounds[i]) * 1e-9, op_s[i], wall_s[i])
+               for i in range(n)), ''
+
+
+def attribute(events: Sequence[OpEvent], hlo: Hlo, *, num_loops: int | None = None,
+              trace_dir: str = '', device: str | None = None) -> PhaseProfile:
+  """Charges op events (one run, one device) to phases; see the module docstring for the rules."""
+  devices = sorted({e.device for e in events}, key=lambda d: (len(d), d))
+  device = devices[0] if device is None else device
+  events = [e for e in events if e.device == device]
+  if not events:
+    raise ProfileError(f'No op events on device {device}; devices in the trace: {devices}.')
+  runs = {e.run for e in events}
+  if len(runs) != 1:
+    raise ProfileError(f'The trace holds {len(runs)} runs of {hlo.module} on device {device}; '
+                       'profile a single call.')
+  traced = {e.name for e in events}
+  unknown = traced - set(hlo.instructions)
+  if unknown:
+    raise ProfileError(f'{len(unknown)} traced ops are not in the HLO of {hlo.module} (e.g. '
+                       f'{sorted(unknown)[:3]}): the trace and the HLO come from different '
+                       'compilations.')
+
+  def container(name):
+    i = hlo.instructions[name]
+    return any(n in traced for c in i.called + i.applied + i.control
+               for n in hlo.computations.get(c, ()))
+
+  leaves = sorted((e for e in events if not container(e.name)), key=lambda e: e.start_ns)
+  wall_ns = _wall_shares_ns(leaves)
+  keys = hlo.phases + (OTHER,)
+  phase_s, phase_wall_s, phase_ops = (dict.fromkeys(keys, 0.0), dict.fromkeys(keys, 0.0),
+                                      dict.fromkeys(keys, 0))
+  loop = hlo.main_loop()
+  in_loop = hlo.subtree(list(loop.control)) if loop is not None else set()
+  loop_other_s = mixed_s = 0.0
+  mixed_ops = 0
+  for e, wall in zip(leaves, wall_ns):
+    seconds, p = (e.end_ns - e.start_ns) * 1e-9, hlo.phase[e.name]
+    phase_s[p] += seconds
+    phase_wall_s[p] += wall * 1e-9
+    phase_ops[p] += 1
+    loop_other_s += seconds if p == OTHER and e.name in in_loop else 0.0
+    if e.name in hlo.mixed:
+      mixed_s, mixed_ops = mixed_s + seconds, mixed_ops + 1
+  busy_ns = sum(wall_ns)
+  overlap_ns = sum(e.end_ns - e.start_ns for e in leaves) - busy_ns
+  iterations, note = _iterations(hlo, loop, events, leaves, wall_ns)
+  return PhaseProfile(
+      trace_dir=trace_dir, module=hlo.module, device=device, phases=hlo.phases,
+      total_s=(max(e.end_ns for e in events) - min(e.start_ns for e in events)) * 1e-9,
+      busy_s=busy_ns * 1e-9, overlap_s=max(0.0, overlap_ns * 1e-9), phase_s=phase_s,
+      phase_wall_s=phase_wall_s, phase_ops=phase_ops, loop_other_s=loop_other_s,
+      mixed_s=mixed_s, mixed_ops=mixed_ops, num_loops=num_loops, iterations=iterations,
+      iterations_note=note)
+
+
+# --- Entry points -------------------------------------------------------------------------------
+
+def profile_compiled(compiled: jax.stages.Compiled, *args, log_dir: str,
+                     num_loops: int | Callable[[Any], int] | None = None,
+                     phases: Sequence[str] = PHASES, warmup: int = 1,
+                     device: str | None = None) -> tuple[Any, PhaseProfile]:
+  """Runs `compiled(*args)` `warmup` times, then once under the profiler; (outputs, profile).
+
+  `compiled` comes from `jitted.lower(...).compile()` and `args` are its non-static arguments; the
+  traced executable is exactly the one whose HLO is parsed. `num_loops` may be a function of the
+  outputs. `device`: which device's events to use (default: the lowest ordinal seen).
+  """
+  for _ in range(warmup):
+    jax.block_until_ready(compiled(*args))
+  outputs, xplane = record(lambda: compiled(*args), log_dir)
+  hlo = parse_hlo(compiled.as_text(), phases)
+  loops = num_loops(outputs) if callable(num_loops) else num_loops
+  return outputs, attribute(read_op_events(xplane, hlo.module), hlo, num_loops=loops,
+                            trace_dir=os.path.dirname(xplane), device=device)
+
+
+def profile_speculative(target: Model, draft: Model, prompts, prompt_lengths, rng: jax.Array, *,
+                        k: int, max_new_tokens: int, log_dir: str,
+                        sampling: SamplingConfig = SamplingConfig(),
+                        draft_sampling: SamplingConfig | None = None, eos_id: int | None = None,
+                        mesh: Mesh | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES,
+                        warmup: int = 1) -> tuple[common.SampleOutput, PhaseProfile]:
+  """`speculative_sample` (same checks and placement), profiled; loops = the program's iterations
+  (the most loops any row took part in)."""
+  loop, placed = speculative.prepare(
+      target, draft, prompts, prompt_lengths, k=k, max_new_tokens=max_new_tokens,
+      sampling=sampling, draft_sampling=draft_sampling, eos_id=eos_id, mesh=mesh, rules=rules)
+  args = placed + (rng,)
+  compiled = speculative.Loop.run.lower(loop, *args).compile()
+  return profile_compiled(compiled, *args, log_dir=log_dir, warmup=warmup,
+                          num_loops=lambda out: int(jnp.max(out.num_loops)))

@@ -1,0 +1,71 @@
+"""One process of the 2-process test (`test_multihost.py`): a 4-device mesh over 2 processes.
+
+  python tests/multihost_worker.py COORDINATOR_ADDRESS PROCESS_ID OUT_DIR
+
+Runs greedy ArS and SpS on a target and draft whose `model` axis spans both processes, saves and
+restores a checkpoint of the sharded parameters from both processes, and (process 0) writes what
+it saw to OUT_DIR/result.json.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from spsjax import distributed, models, sampling, sharding  # pylint: disable=wrong-import-position
+from spsjax.train import checkpoint  # pylint: disable=wrong-import-position
+
+TARGET = models.TransformerConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4,
+                                  num_kv_heads=4, d_ff=64, max_seq_len=48)
+DRAFT = models.TransformerConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4,
+                                 num_kv_heads=4, d_ff=48, max_seq_len=48)
+PROMPTS = np.array([[5, 9, 3, 7, 1, 0], [2, 4, 6, 8, 10, 12]], np.int32)
+LENGTHS = np.array([5, 6], np.int32)
+MAX_NEW, K = 10, 3
+GREEDY = sampling.SamplingConfig(temperature=0.0)
+
+
+def generate(mesh):
+  """(ArS tokens, SpS tokens, target params, draft params) on `mesh` (None: one device)."""
+  target = models.Model(TARGET, models.init_params(TARGET, jax.random.key(0), mesh=mesh))
+  draft = models.Model(DRAFT, models.init_params(DRAFT, jax.random.key(1), mesh=mesh))
+  ars = sampling.autoregressive_sample(target, PROMPTS, LENGTHS, jax.random.key(2),
+                                       max_new_tokens=MAX_NEW, sampling=GREEDY, mesh=mesh)
+  sps = sampling.speculative_sample(target, draft, PROMPTS, LENGTHS, jax.random.key(2), k=K,
+                                    max_new_tokens=MAX_NEW, sampling=GREEDY, mesh=mesh)
+  return ars.tokens, sps.tokens, target.params, draft.params
+
+
+def main(address: str, process_id: int, out_dir: str) -> None:
+  distributed.initialize(address, num_processes=2, process_id=process_id)
+  assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2
+  mesh = sharding.make_mesh(1, 4)  # The model axis spans both processes.
+  spans = {d.process_index for d in mesh.devices.ravel()}
+  ars, sps, target_params, _ = generate(mesh)
+  wq = target_params['layer_0']['attn']['wq']
+  assert not wq.is_fully_addressable  # Really split across the processes.
+
+  mngr = checkpoint.manager(os.path.join(out_dir, 'checkpoint'))
+  checkpoint.save(mngr, 1, target_params, {'position': 7}, {'note': 'multihost'}, force=True)
+  mngr.wait_until_finished()
+  restored, data_state, meta = checkpoint.restore(mngr, checkpoint.abstract_like(target_params))
+  mngr.close()
+  same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), distributed.gather(restored),
+                      distributed.gather(target_params))
+  restored_sharding = restored['layer_0']['attn']['wq'].sharding
+  result = dict(
+      mesh_processes=sorted(spans), ars=distributed.gather(ars).tolist(),
+      sps=distributed.gather(sps).tolist(), checkpoint_equal=all(jax.tree.leaves(same)),
+      restored_layout_kept=restored_sharding == wq.sharding, data_state=data_state, meta=meta)
+  if distributed.is_main():
+    with open(os.path.join(out_dir, 'result.json'), 'w', encoding='utf-8') as f:
+      json.dump(result, f)
+  distributed.print0('worker done')
+
+
+if __name__ == '__main__':
+  main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

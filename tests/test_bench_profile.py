@@ -1,0 +1,208 @@
+"""Profile parsing: HLO phase rules, a real SpS trace, and attribution that follows the work."""
+
+import functools
+import glob
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spsjax import models
+from spsjax.bench import profile
+from spsjax.sampling import SamplingConfig, speculative, speculative_sample
+
+# --- HLO rules on a hand-written module ---------------------------------------------------------
+
+HLO = """HloModule jit_f, entry_computation_layout={(f32[4]{0})->(s32[], f32[4]{0})}
+
+%fused_computation (param_0: f32[4]) -> f32[4] {
+  %param_0 = f32[4]{0} parameter(0)
+  %mul.1 = f32[4]{0} multiply(%param_0, %param_0), metadata={op_name="jit(f)/score/mul"}
+  %sin.1 = f32[4]{0} sine(%mul.1), metadata={op_name="jit(f)/score/sin"}
+  %cos.1 = f32[4]{0} cosine(%sin.1), metadata={op_name="jit(f)/score/cos"}
+  ROOT %add.1 = f32[4]{0} add(%cos.1, %param_0), metadata={op_name="jit(f)/add"}
+}
+
+%fused_computation.1 (param_1: f32[4]) -> f32[4] {
+  %param_1 = f32[4]{0} parameter(0)
+  %exp.1 = f32[4]{0} exponential(%param_1), metadata={op_name="jit(f)/draft/exp"}
+  ROOT %log.1 = f32[4]{0} log(%exp.1), metadata={op_name="jit(f)/accept/log"}
+}
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %add.2 = f32[] add(%a, %b), metadata={op_name="jit(f)/accept/reduce_sum"}
+}
+
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p = (s32[], f32[4]{0}) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%p), index=1
+  %copy.1 = f32[4]{0} copy(%x)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], f32[4]{0}) tuple(%i, %copy.1)
+}
+
+%cond (p.1: (s32[], f32[4])) -> pred[] {
+  %p.1 = (s32[], f32[4]{0}) parameter(0)
+  ROOT %c = pred[] constant(false)
+}
+
+ENTRY %main (x.1: f32[4]) -> (s32[], f32[4]) {
+  %x.1 = f32[4]{0} parameter(0), metadata={op_name="x"}
+  %fusion.1 = f32[4]{0} fusion(%x.1), calls=%fused_computation, metadata={op_name="jit(f)/add"}
+  %fusion.2 = f32[4]{0} fusion(%fusion.1), calls=%fused_computation.1, metadata={op_name="jit(f)/accept/log"}
+  %zero = f32[] constant(0)
+  %reduce.1 = f32[] reduce(%fusion.2, %zero), dimensions={0}, to_apply=%sum, metadata={op_name="jit(f)/draft/reduce_sum"}
+  %n = s32[] constant(0)
+  %tuple.1 = (s32[], f32[4]{0}) tuple(%n, %fusion.2)
+  ROOT %while.1 = (s32[], f32[4]{0}) while(%tuple.1), condition=%cond, body=%body, metadata={op_name="jit(f)/draft/while"}
+}
+"""
+
+
+def test_hlo_rules():
+  hlo = profile.parse_hlo(HLO)
+  assert hlo.module == 'jit_f'
+  phase = hlo.phase
+  assert phase['mul.1'] == 'score' and phase['add.1'] == 'other' and phase['x.1'] == 'other'
+  assert phase['fusion.1'] == 'score'  # Own metadata unscoped: 3 score ops outvote 2 unscoped.
+  assert phase['fusion.2'] == 'accept'  # Own metadata wins over the fused draft op,
+  assert 'fusion.2' in hlo.mixed and 'fusion.1' not in hlo.mixed  # and it is counted as mixed.
+  assert phase['reduce.1'] == 'draft' and 'reduce.1' not in hlo.mixed  # Reducers do not vote.
+  assert phase['copy.1'] == 'draft'  # No metadata: the phase of the while running its body.
+  assert phase['while.1'] == 'draft'
+  assert hlo.main_loop().name == 'while.1'
+  assert profile.hlo_phases(HLO) == dict(phase)
+
+
+# --- A real SpS profile -------------------------------------------------------------------------
+
+CONFIG = models.TransformerConfig(vocab_size=48, d_model=32, num_layers=2, num_heads=4,
+                                  num_kv_heads=2, d_ff=64, max_seq_len=64)
+DRAFT_CONFIG = models.TransformerConfig(vocab_size=48, d_model=32, num_layers=1, num_heads=4,
+                                        num_kv_heads=2, d_ff=64, max_seq_len=64)
+PROMPTS, LENGTHS = jnp.array([[1, 2, 3, 4], [5, 6, 7, 0]], jnp.int32), jnp.array([4, 3], jnp.int32)
+
+
+def random_model(config, seed):
+  """Gaussian weights of the right shapes, drawn by numpy: timing needs no trained values, and
+  this skips compiling `init_params` (seconds on a busy 2-core machine)."""
+  shapes = jax.eval_shape(functools.partial(models.init_params, config), jax.random.key(0))
+  rng = np.random.default_rng(seed)
+  return models.Model(config, jax.tree.map(
+      lambda s: jnp.asarray(rng.normal(0.0, 0.3, s.shape), s.dtype), shapes))
+
+
+@pytest.fixture(scope='module')
+def sps(tmp_path_factory):
+  target, draft = random_model(CONFIG, 0), random_model(DRAFT_CONFIG, 1)
+  log_dir = str(tmp_path_factory.mktemp('sps_trace'))
+  out, prof = profile.profile_speculative(target, draft, PROMPTS, LENGTHS, jax.random.key(2), k=3,
+                                          max_new_tokens=12, log_dir=log_dir)
+  return target, draft, log_dir, out, prof
+
+
+def test_sps_hlo_has_all_three_phases(sps):
+  target, draft, *_ = sps
+  loop = speculative.Loop(k=3, max_new_tokens=12, sampling=SamplingConfig(),
+                          draft_sampling=SamplingConfig())
+  text = speculative.Loop.run.lower(
+      loop, target, draft, PROMPTS, LENGTHS, jax.random.key(2)).compile().as_text()
+  hlo = profile.parse_hlo(text)
+  assert set(hlo.phase.values()) == {'draft', 'score', 'accept', 'other'}
+  body = hlo.subtree([hlo.main_loop().body])
+  assert {hlo.phase[n] for n in body} == {'draft', 'score', 'accept', 'other'}
+  for name, i in hlo.instructions.items():  # Own metadata decides whenever it names a phase.
+    if i.op_name and '/score/' in i.op_name:
+      assert hlo.phase[name] == 'score'
+
+
+def test_sps_profile(sps):
+  target, draft, log_dir, out, prof = sps
+  ref = speculative_sample(target, draft, PROMPTS, LENGTHS, jax.random.key(2), k=3,
+                           max_new_tokens=12)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)  # Profiling runs the same program.
+
+  assert os.path.dirname(prof.trace_dir) == os.path.join(log_dir, 'plugins', 'profile')
+  assert glob.glob(os.path.join(prof.trace_dir, '*.xplane.pb'))
+  assert glob.glob(os.path.join(prof.trace_dir, '*.trace.json.gz'))
+  assert prof.module == 'jit_run'
+
+  for p in ('draft', 'score', 'accept'):
+    assert prof.phase_s[p] > 0 and prof.phase_ops[p] > 0 and prof.per_loop_s(p) > 0
+  assert 0 < prof.busy_s <= prof.total_s
+  assert sum(prof.phase_wall_s.values()) == pytest.approx(prof.busy_s, rel=1e-9)
+  assert sum(prof.phase_s.values()) == pytest.approx(prof.busy_s + prof.overlap_s, rel=1e-9)
+  assert sum(prof.phase_wall_s[p] for p in ('draft', 'score', 'accept')) <= prof.total_s
+  assert 0 <= prof.loop_other_s <= prof.phase_s['other']
+
+  # Loops: the caller's count (the program's iterations) matches the iterations in the trace.
+  assert prof.num_loops == int(jnp.max(out.num_loops))
+  assert prof.iterations is not None and len(prof.iterations) == prof.num_loops
+  walls = [it.wall_s for it in prof.iterations]
+  assert min(walls) > 0 and sum(walls) <= prof.total_s
+  for p in ('draft', 'score', 'accept'):  # These run in the loop, but for what XLA hoists out.
+    in_iterations = sum(it.phase_s[p] for it in prof.iterations)
+    assert 0.5 * prof.phase_s[p] < in_iterations <= prof.phase_s[p] * (1 + 1e-9)
+  for it in prof.iterations:
+    assert sum(it.phase_wall_s.values()) <= it.wall_s * (1 + 1e-9)
+
+  lines = prof.report()
+  assert all(isinstance(line, str) for line in lines)
+  text = '\n'.join(lines)
+  assert 'MISMATCH' not in text and 'not identified' not in text
+  for p in ('draft', 'score', 'accept', 'other (in loop)', 'between ops', 'loop wall'):
+    assert f'  {p}' in text
+
+
+# --- Attribution follows the work ---------------------------------------------------------------
+
+@jax.jit
+def _toy(x_NxN, n):
+  """`light` (a scalar add) runs before `heavy` (a 256^3 matmul) in each of n loop iterations."""
+  def body(carry):
+    i, x_NxN, acc = carry
+    with jax.named_scope('light'):
+      acc = acc + x_NxN[0, 0]
+    with jax.named_scope('heavy'):
+      x_NxN = jnp.tanh(x_NxN @ x_NxN)
+    return i + 1, x_NxN, acc
+
+  return jax.lax.while_loop(lambda carry: carry[0] < n, body, (0, x_NxN, 0.0))
+
+
+@pytest.fixture(scope='module')
+def toy():
+  args = (jnp.full((256, 256), 0.01, jnp.float32), jnp.int32(3))
+  return _toy.lower(*args).compile(), args
+
+
+def test_heavy_scope_gets_the_time(toy, tmp_path):
+  compiled, args = toy
+  _, prof = profile.profile_compiled(compiled, *args, log_dir=str(tmp_path),
+                                     phases=('light', 'heavy'), num_loops=3)
+  assert prof.phase_ops['light'] == 3 and prof.phase_ops['heavy'] >= 3
+  assert prof.phase_s['heavy'] > 20 * prof.phase_s['light'] > 0
+  assert len(prof.iterations) == 3
+  for it in prof.iterations:
+    assert it.phase_s['heavy'] > 20 * it.phase_s['light'] > 0
+    assert it.phase_wall_s['heavy'] > 20 * it.phase_wall_s['light'] > 0
+
+
+def test_refuses_two_runs_and_foreign_hlo(toy, tmp_path):
+  compiled, args = toy
+  jax.block_until_ready(compiled(*args))
+  _, xplane = profile.record(lambda: (compiled(*args), compiled(*args)), str(tmp_path))
+  hlo = profile.parse_hlo(compiled.as_text(), ('light', 'heavy'))
+  events = profile.read_op_events(xplane, hlo.module)
+  with pytest.raises(profile.ProfileError, match='2 runs'):
+    profile.attribute(events, hlo)
+  one_run = [e for e in events if e.run == events[0].run]
+  other = profile.parse_hlo(HLO.replace('HloModule jit_f', f'HloModule {hlo.module}'))
+  with pytest.raises(profile.ProfileError, match='different compilations'):
+    profile.attribute(one_run, other)
+  with pytest.raises(profile.ProfileError, match='No XLA op events'):
+    profile.read_op_events(xplane, 'jit_not_run')
