@@ -13,7 +13,7 @@ import os
 from absl import app, flags
 import jax
 
-from spsjax import distributed, logs, models
+from spsjax import distributed, models
 from spsjax.bench import decode
 from spsjax.models import presets
 
@@ -31,10 +31,7 @@ print0 = distributed.print0
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  logs.quiet_libraries()
-  distributed.initialize()
+  distributed.start(argv)
   small = _SMALL.value
   preset = 'tiny_target' if small else _PRESET.value
   prompt_len, max_new_tokens = (16, 16) if small else (_PROMPT_LEN.value, _MAX_NEW_TOKENS.value)

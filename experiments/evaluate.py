@@ -13,7 +13,7 @@ from absl import app, logging
 import jax
 from ml_collections import config_flags
 
-from spsjax import distributed, logs, models
+from spsjax import distributed, models
 from spsjax.sampling import SamplingConfig
 from spsjax.train import evaluation, experiment, load
 
@@ -22,22 +22,12 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.', lock_c
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  logs.quiet_libraries()
-  distributed.initialize()
+  distributed.start(argv)
   c = _CONFIG.value
-  target, tok, meta = load.load_model(os.path.join(c.root, c.target))
-  drafts = {}
-  for name in c.drafts:
-    path = os.path.join(c.root, name)
-    if not os.path.isdir(path) and not c.require_drafts:
-      logging.info('No checkpoint %s: skipped.', path)
-      continue
-    draft, draft_tok, _ = load.load_model(path)
-    if draft_tok.to_bytes() != tok.to_bytes():
-      raise ValueError(f'{path} has another tokenizer than {c.target}: not a pair.')
-    drafts[name] = draft
+  present = [d for d in c.drafts if c.require_drafts or os.path.isdir(os.path.join(c.root, d))]
+  for name in sorted(set(c.drafts) - set(present)):
+    logging.info('No checkpoint %s: skipped.', os.path.join(c.root, name))
+  target, drafts, tok, meta = load.load_family(c.root, c.target, present)
   data = experiment.DataConfig(**meta['data'])
   source = experiment.load_docs(data, c.split)
   batches = list(itertools.islice(

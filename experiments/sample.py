@@ -7,7 +7,6 @@ With `root` the target and draft come from a trained family and the prompts are 
 it both models are randomly initialised (said in the output) and the prompts are random ids.
 """
 
-import os
 import time
 
 from absl import app
@@ -15,7 +14,7 @@ import jax
 import numpy as np
 from ml_collections import config_flags
 
-from spsjax import distributed, logs, models, sampling, sharding
+from spsjax import distributed, models, sampling, sharding
 from spsjax.data import humaneval, prompts as prompts_lib
 from spsjax.train import load
 
@@ -36,12 +35,9 @@ def _random_models(c, mesh, rng):
 
 
 def _trained_models(c, mesh):
-  target, tok, _ = load.load_model(os.path.join(c.root, c.target_name), mesh=mesh)
-  draft = None
-  if c.method == 'sps':
-    draft, draft_tok, _ = load.load_model(os.path.join(c.root, c.draft_name), mesh=mesh)
-    if draft_tok.to_bytes() != tok.to_bytes():
-      raise ValueError(f'{c.draft_name} and {c.target_name} in {c.root} use different tokenizers.')
+  names = [c.draft_name] if c.method == 'sps' else []
+  target, drafts, tok, _ = load.load_family(c.root, c.target_name, names, mesh=mesh)
+  draft = drafts.get(c.draft_name)
   print0(f'Trained target {c.root}/{c.target_name} ({models.num_params(target.params):,} '
          'parameters)' + (f' and draft {c.draft_name} ({models.num_params(draft.params):,})'
                           if draft else ''))
@@ -49,10 +45,7 @@ def _trained_models(c, mesh):
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  logs.quiet_libraries()
-  distributed.initialize()
+  distributed.start(argv)
   c = _CONFIG.value
   if c.method not in ('ars', 'sps'):
     raise app.UsageError(f'config.method must be "ars" or "sps", got {c.method!r}.')

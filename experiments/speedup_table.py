@@ -15,7 +15,7 @@ from absl import app, logging
 import jax
 from ml_collections import config_flags
 
-from spsjax import distributed, logs, models
+from spsjax import distributed, models
 from spsjax.bench import speedup
 from spsjax.sampling import SamplingConfig
 from spsjax.train import load
@@ -25,16 +25,11 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.', lock_c
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  logs.quiet_libraries()
-  distributed.initialize()
+  distributed.start(argv)
   c = _CONFIG.value
   started = time.time()
-  target, tok, _ = load.load_model(os.path.join(c.root, c.target))
-  draft, draft_tok, _ = load.load_model(os.path.join(c.root, c.draft))
-  if draft_tok.to_bytes() != tok.to_bytes():
-    raise ValueError(f'{c.draft} and {c.target} in {c.root} use different tokenizers.')
+  target, drafts, tok, _ = load.load_family(c.root, c.target, [c.draft])
+  draft = drafts[c.draft]
   c_hat = models.num_params(draft.params) / models.num_params(target.params)
   print0(f'{c.root}: target {models.num_params(target.params):,} parameters, draft {c.draft} '
          f'{models.num_params(draft.params):,}; k={c.k}; JAX {jax.__version__} on '

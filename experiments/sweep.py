@@ -11,7 +11,7 @@ import os
 from absl import app, logging
 from ml_collections import config_flags
 
-from spsjax import distributed, logs
+from spsjax import distributed
 from spsjax.bench import sweep
 from spsjax.data import humaneval, prompts as prompts_lib
 from spsjax.sampling import SamplingConfig
@@ -22,19 +22,10 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.', lock_c
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  logs.quiet_libraries()
-  distributed.initialize()
+  distributed.start(argv)
   c = _CONFIG.value
-  target, tok, _ = load.load_model(os.path.join(c.root, 'target'))
-  drafts = {}
-  for p in c.points:
-    if p['draft'] not in drafts:
-      draft, draft_tok, _ = load.load_model(os.path.join(c.root, p['draft']))
-      if draft_tok.to_bytes() != tok.to_bytes():
-        raise ValueError(f'{p["draft"]} and target in {c.root} use different tokenizers.')
-      drafts[p['draft']] = draft
+  target, drafts, tok, _ = load.load_family(c.root, 'target',
+                                            sorted({p['draft'] for p in c.points}))
   texts = [p['prompt'] for p in humaneval.read_problems()[:c.prompts]]
   max_k = max(p['k'] for p in c.points)
   prompts, lengths = prompts_lib.encode_prompts(

@@ -8,17 +8,14 @@
 from absl import app, logging
 from ml_collections import config_flags
 
-from spsjax import distributed, logs
+from spsjax import distributed
 from spsjax.train import experiment
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.', lock_config=True)
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  logs.quiet_libraries()
-  distributed.initialize()
+  distributed.start(argv)
   metrics = experiment.run(experiment.from_config(_CONFIG.value))
   logging.info('Final metrics: %s', {k: round(v, 4) for k, v in metrics.items()})
 

@@ -11,10 +11,12 @@ Invariant: after `initialize()`, only process 0 logs below ERROR and prints (`pr
 slice's log reads as one run.
 """
 
-from absl import flags, logging
+from absl import app, flags, logging
 import jax
 from jax.experimental import multihost_utils
 import numpy as np
+
+from spsjax import logs
 
 _COORDINATOR = flags.DEFINE_string(
     'coordinator_address', None, 'host:port of process 0 for jax.distributed (multi-process).')
@@ -52,6 +54,15 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   logging.info('JAX %s: process %d of %d, %d local of %d devices (%s).', jax.__version__,
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count(), jax.devices()[0].platform)
+
+
+def start(argv) -> None:
+  """What every binary's `main(argv)` does first: reject stray arguments, quiet the libraries' info
+  logs, start the multi-controller runtime if configured."""
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  logs.quiet_libraries()
+  initialize()
 
 
 def is_main() -> bool:

@@ -5,6 +5,9 @@ restore target (shapes, dtypes and, with a mesh, shardings by logical names) is 
 checkpoint alone; no config file has to agree with it.
 """
 
+import os
+from collections.abc import Sequence
+
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -45,3 +48,16 @@ def load_model(workdir: str, *, step: int | None = None, mesh: Mesh | None = Non
   finally:
     mngr.close()
   return models.Model(config, state.params), Tokenizer.from_bytes(tokenizer_bytes), meta
+
+
+def load_family(root: str, target: str, drafts: Sequence[str], *, mesh: Mesh | None = None
+                ) -> tuple[models.Model, dict[str, models.Model], Tokenizer, dict]:
+  """(target, {name: draft}, tokenizer, the target's meta) of one family (`<root>/<name>` each),
+  checked to share one tokenizer."""
+  target_model, tok, meta = load_model(os.path.join(root, target), mesh=mesh)
+  draft_models = {}
+  for name in drafts:
+    draft_models[name], draft_tok, _ = load_model(os.path.join(root, name), mesh=mesh)
+    if draft_tok.to_bytes() != tok.to_bytes():
+      raise ValueError(f'{name} and {target} in {root} use different tokenizers: not a pair.')
+  return target_model, draft_models, tok, meta
