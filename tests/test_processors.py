@@ -82,3 +82,34 @@ def test_sample_matches_distribution():
 def test_bad_settings_raise(kwargs, match):
   with pytest.raises(ValueError, match=match):
     SamplingConfig(**kwargs)
+
+
+def _reference_top_k_top_p(logits, temperature, top_k, top_p):
+  """A sort-based numpy reference: stable descending sort (ties by id), keep, renormalise."""
+  z = logits.astype(np.float64) / temperature
+  probs = np.exp(z - z.max())
+  probs /= probs.sum()
+  order = np.argsort(-z, kind='stable')
+  keep = np.zeros(z.shape, bool)
+  keep[order[:top_k or len(z)]] = True
+  kept = np.where(keep, probs, 0.0)
+  kept /= kept.sum()
+  before = np.cumsum(kept[order]) - kept[order]
+  nucleus = np.zeros(z.shape, bool)
+  nucleus[order[before < top_p]] = True
+  out = np.where(keep & nucleus, probs, 0.0)
+  return out / out.sum()
+
+
+@pytest.mark.parametrize('top_k, top_p', [(0, 0.9), (0, 0.5), (5, 1.0), (7, 0.8), (1, 0.3)])
+def test_masks_match_a_sort_based_reference_with_ties(top_k, top_p):
+  rng = np.random.default_rng(top_k * 10 + int(top_p * 10))
+  # Rounded logits make many exact ties, which must rank by id as in a stable sort.
+  logits = np.round(rng.normal(size=(64, 40)) * 2) / 2
+  got = np.asarray(probabilities(jnp.asarray(logits, jnp.float32),
+                                 SamplingConfig(temperature=1.0, top_k=top_k, top_p=top_p)))
+  for row in range(64):
+    expected = _reference_top_k_top_p(logits[row], 1.0, top_k, top_p)
+    # The same support, and the same values on it (float32 against float64).
+    np.testing.assert_array_equal(got[row] > 0, expected > 0, err_msg=f'row {row}')
+    np.testing.assert_allclose(got[row], expected, rtol=1e-5, atol=1e-7)
