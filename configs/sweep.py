@@ -1,7 +1,8 @@
 """Figure 1 sweeps: `--config=configs/sweep.py:root=checkpoints/reference,sweep=k`.
 
 Arguments: root (family), sweep (k | draft | temperature), draft (the draft of the k and temperature
-sweeps), k (of the draft and temperature sweeps), prompts (HumanEval prompts, one timed call each),
+sweeps), drafts (the draft sweep's checkpoints, '+'-separated; default all three topologies),
+k (of the draft and temperature sweeps), prompts (HumanEval prompts, one timed call each),
 max_new_tokens (128 as in the paper), temperature (of the k and draft sweeps), seed, results, runlocal.
 The swept points are `points(sweep, ...)` below: a list of overrides, one per point.
 """
@@ -15,11 +16,12 @@ from spsjax.config_args import parse_arg
 DRAFTS = ('draft_wide', 'draft_deep', 'draft_wide_distill')
 
 
-def points(sweep: str, k: int, draft: str, temperature: float) -> list[dict]:
+def points(sweep: str, k: int, draft: str, temperature: float,
+           drafts: tuple[str, ...] = DRAFTS) -> list[dict]:
   if sweep == 'k':
     return [dict(label=str(i), k=i, draft=draft, temperature=temperature) for i in range(1, 9)]
   if sweep == 'draft':
-    return [dict(label=d, k=k, draft=d, temperature=temperature) for d in DRAFTS]
+    return [dict(label=d, k=k, draft=d, temperature=temperature) for d in drafts]
   if sweep == 'temperature':
     return [dict(label=str(t), k=k, draft=draft, temperature=t) for t in (0.0, 0.5, 0.8, 1.0)]
   raise ValueError(f'sweep must be k, draft or temperature, got {sweep!r}.')
@@ -27,11 +29,15 @@ def points(sweep: str, k: int, draft: str, temperature: float) -> list[dict]:
 
 def get_config(arg=None):
   a = parse_arg(arg, root='checkpoints/tiny', sweep='k', draft='draft_wide', k=4, prompts=16,
-                max_new_tokens=128, temperature=0.8, seed=0, results='', runlocal=False)
+                max_new_tokens=128, temperature=0.8, seed=0, results='', runlocal=False,
+                drafts='+'.join(DRAFTS))
+  drafts = tuple(d for d in a.drafts.split('+') if d)
+  if not drafts:
+    raise ValueError('drafts names no checkpoint.')
   c = ml_collections.ConfigDict()
   c.root = a.root
   c.sweep = a.sweep
-  c.points = points(a.sweep, a.k, a.draft, a.temperature)
+  c.points = points(a.sweep, a.k, a.draft, a.temperature, drafts)
   if a.runlocal:
     c.points = c.points[:2]
   c.prompts = 2 if a.runlocal else a.prompts

@@ -13,11 +13,12 @@ from spsjax.bench import speedup, sweep, timing
 from tests import data_helpers
 
 
-def _fake_output(tokens_per_row, rows, loops=0, accepted=0):
+def _fake_output(tokens_per_row, rows, loops=0, accepted=0, histogram=None):
   n = np.full((rows,), tokens_per_row, np.int32)
   return sampling.SampleOutput(tokens=np.zeros((rows, tokens_per_row), np.int32), num_generated=n,
                                num_loops=np.full((rows,), loops, np.int32) if loops else None,
-                               num_accepted=np.full((rows,), accepted, np.int32) if loops else None)
+                               num_accepted=np.full((rows,), accepted, np.int32) if loops else None,
+                               accepted_histogram=histogram)
 
 
 def test_time_calls_warms_each_bucket_once_and_times_every_call():
@@ -26,7 +27,9 @@ def test_time_calls_warms_each_bucket_once_and_times_every_call():
   def run(i):
     runs.append(i)
     time.sleep(0.02 if i < 2 else 0.01)
-    return _fake_output(tokens_per_row=10, rows=2, loops=4, accepted=6)
+    # Per row 4 loops accepting 2, 2, 1, 1 drafts (k = 2): 2 full loops per row.
+    return _fake_output(tokens_per_row=10, rows=2, loops=4, accepted=6,
+                        histogram=np.array([0, 4, 4], np.int32))
 
   seen = []
   result = timing.time_calls(run, 4, bucket=lambda i: i % 2, k=2,
@@ -35,9 +38,11 @@ def test_time_calls_warms_each_bucket_once_and_times_every_call():
   assert len(result.compile_seconds) == 2 and len(result.calls) == 4
   call = result.calls[0]
   assert call.rows == 2 and call.tokens == 20 and call.loops == 8 and call.accepted == 12
+  assert call.full_loops == 4
   assert call.token_time == pytest.approx(call.seconds / 10)
   assert result.tokens_per_loop == pytest.approx((80 - 8) / 32)
   assert result.acceptance_rate == pytest.approx(48 / (2 * 32))
+  assert result.alpha == pytest.approx(48 / (48 + 32 - 16))  # Accepted / (accepted + rejections).
   s = result.summary()
   assert s['p50_ms'] <= s['p90_ms'] <= s['p99_ms'] and s['mean_ms_per_token'] > 0
 

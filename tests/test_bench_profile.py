@@ -31,6 +31,14 @@ HLO = """HloModule jit_f, entry_computation_layout={(f32[4]{0})->(s32[], f32[4]{
   ROOT %log.1 = f32[4]{0} log(%exp.1), metadata={op_name="jit(f)/accept/log"}
 }
 
+%fused_computation.2 (param_2: f32[4], param_3: f32[4,4]) -> f32[4] {
+  %param_2 = f32[4]{0} parameter(0)
+  %param_3 = f32[4,4]{1,0} parameter(1)
+  %dot.1 = f32[4]{0} dot(%param_2, %param_3), lhs_contracting_dims={0}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/score/dot_general"}
+  %exp.2 = f32[4]{0} exponential(%dot.1), metadata={op_name="jit(f)/accept/exp"}
+  ROOT %mul.2 = f32[4]{0} multiply(%exp.2, %exp.2), metadata={op_name="jit(f)/accept/mul"}
+}
+
 %sum (a: f32[], b: f32[]) -> f32[] {
   %a = f32[] parameter(0)
   %b = f32[] parameter(1)
@@ -54,6 +62,10 @@ ENTRY %main (x.1: f32[4]) -> (s32[], f32[4]) {
   %x.1 = f32[4]{0} parameter(0), metadata={op_name="x"}
   %fusion.1 = f32[4]{0} fusion(%x.1), calls=%fused_computation, metadata={op_name="jit(f)/add"}
   %fusion.2 = f32[4]{0} fusion(%fusion.1), calls=%fused_computation.1, metadata={op_name="jit(f)/accept/log"}
+  %w = f32[4,4]{1,0} constant({...})
+  %fusion.3 = f32[4]{0} fusion(%fusion.2, %w), kind=kCustom, calls=%fused_computation.2, metadata={op_name="jit(f)/accept/mul"}
+  %dot.2 = f32[4]{0} dot(%fusion.1, %w), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  %copy.2 = f32[4]{0} copy(%dot.2)
   %zero = f32[] constant(0)
   %reduce.1 = f32[] reduce(%fusion.2, %zero), dimensions={0}, to_apply=%sum, metadata={op_name="jit(f)/draft/reduce_sum"}
   %n = s32[] constant(0)
@@ -71,6 +83,11 @@ def test_hlo_rules():
   assert phase['fusion.1'] == 'score'  # Own metadata unscoped: 3 score ops outvote 2 unscoped.
   assert phase['fusion.2'] == 'accept'  # Own metadata wins over the fused draft op,
   assert 'fusion.2' in hlo.mixed and 'fusion.1' not in hlo.mixed  # and it is counted as mixed.
+  # A fusion holding a matrix product takes the product's phase, over its own metadata and the
+  # majority of its elementwise ops (the output layer fused with the softmax that follows it).
+  assert phase['fusion.3'] == 'score' and 'fusion.3' in hlo.mixed
+  # No metadata: the operands' phase (fusion.1 is score), passed along to copy.2.
+  assert phase['dot.2'] == 'score' and phase['copy.2'] == 'score'
   assert phase['reduce.1'] == 'draft' and 'reduce.1' not in hlo.mixed  # Reducers do not vote.
   assert phase['copy.1'] == 'draft'  # No metadata: the phase of the while running its body.
   assert phase['while.1'] == 'draft'

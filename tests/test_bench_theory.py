@@ -1,5 +1,6 @@
 """The speedup formulas against THEORY.md's worked values and their limiting cases."""
 
+import numpy as np
 import pytest
 
 from spsjax.bench import theory
@@ -38,3 +39,18 @@ def test_bad_arguments():
       theory.expected_tokens_per_loop(**bad)
   with pytest.raises(ValueError, match='s > 0'):
     theory.expected_speedup(0.5, 2, 0.1, s=0.0)
+
+
+def test_alpha_from_counts_recovers_iid_alpha_where_the_drafted_fraction_does_not():
+  rng = np.random.default_rng(0)
+  alpha, k, loops = 0.7, 4, 20_000
+  accepted_L = np.minimum(rng.geometric(1 - alpha, loops) - 1, k)  # Trials until a rejection.
+  full_loops = int(np.sum(accepted_L == k))
+  estimate = theory.alpha_from_counts(int(accepted_L.sum()), loops, full_loops)
+  assert estimate == pytest.approx(alpha, abs=0.01)
+  assert theory.expected_tokens_per_loop(estimate, k) == pytest.approx(
+      np.mean(accepted_L + 1), rel=0.01)
+  assert accepted_L.sum() / (k * loops) < alpha - 0.1  # The naive rate is biased low.
+  assert theory.alpha_from_counts(8, 2, 2) == 1.0 and theory.alpha_from_counts(0, 3, 0) == 0.0
+  with pytest.raises(ValueError, match='full_loops'):
+    theory.alpha_from_counts(4, 2, 3)

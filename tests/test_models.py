@@ -63,6 +63,27 @@ def test_rollback_is_moving_lengths():
                              rtol=1e-5, atol=1e-5)
 
 
+def test_logits_at_selects_positions_per_row():
+  """prefill(last_only) and extend(logits_at) give exactly the selected rows of the full logits."""
+  config = _config(2)
+  params = models.init_params(config, jax.random.key(0))
+  tokens_BxL = jax.random.randint(jax.random.key(4), (3, 10), 0, VOCAB)
+  reference_BxLxV = np.asarray(models.logits(config, params, tokens_BxL))
+  lengths = np.array([3, 7, 1])
+  last_Bx1xV, cache = models.prefill(config, params, tokens_BxL[:, :7], jnp.asarray(lengths),
+                                     capacity=12, last_only=True)
+  assert last_Bx1xV.shape == (3, 1, VOCAB)
+  for b, length in enumerate(lengths):
+    np.testing.assert_allclose(last_Bx1xV[b, 0], reference_BxLxV[b, length - 1], rtol=1e-5,
+                               atol=1e-5)
+  chunk_Bx3 = np.stack([np.asarray(tokens_BxL[b, l:l + 3]) for b, l in enumerate(lengths)])
+  at_Bx2 = jnp.array([[2, 0], [1, 1], [0, 2]], jnp.int32)
+  out_Bx2xV, _ = models.extend(config, params, cache, jnp.asarray(chunk_Bx3), at_Bx2)
+  for b, l in enumerate(lengths):
+    np.testing.assert_allclose(out_Bx2xV[b], reference_BxLxV[b, l + np.asarray(at_Bx2[b])],
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_config_validation():
   with pytest.raises(ValueError, match='num_kv_heads'):
     _config(4)  # 6 heads are not a multiple of 4 kv heads.

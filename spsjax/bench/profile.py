@@ -27,14 +27,21 @@ spanning its sub-computations, whose thunks have events of their own. Only leaf 
 an event is a container if some instruction of a computation it calls has events in the same run.
 Fusions (fused instructions never have events) and small calls (one kernel) are leaves.
 
-Phases. An instruction's phase is, first found: (1) the innermost phase name that is a
-`/`-separated component of its own `op_name` (`jit(run)/while/body/draft/...`); (2) the majority
+Phases. An instruction's phase is, first found: (0) for an instruction that calls code holding
+matrix products (`dot`, `convolution`; a fusion's `calls=`, recursively), the majority phase of
+those products: they dominate its time, and XLA fuses a phase's last product with the next
+phase's first elementwise ops (on CPU, YNNPACK fuses the target's output layer from `score` with
+the softmax of `accept`, which would otherwise charge a whole matrix product to `accept`); (1) the
+innermost phase name that is a `/`-separated component of its own `op_name`
+(`jit(run)/while/body/draft/...`); (2) the majority
 over its own and its fused or called instructions' metadata (a fusion's `calls=`, a `call`'s
 `to_apply=`, recursively; unscoped code votes `other`; ties go to the earlier of `phases`, then
 `other`), so a fusion rooted outside the scopes but made mostly of `score` code is `score`; (3) for
-an instruction with no metadata at all (XLA's loop-carried `copy`s), the phase of the instruction
-running its computation (copies in the body of the draft's `fori_loop` are `draft`, those at the
-top of the main loop's body `other`); (4) `other`. A `while` or `conditional` takes no votes from
+an instruction with no metadata at all (XLA's loop-carried `copy`s, and products XLA rewrote, such
+as the attention's batched dots), the majority phase of its operands, else of its users (through
+other such instructions), else the phase of the instruction running its computation (copies in
+the body of the draft's `fori_loop` are `draft`, those at the top of the main loop's body
+`other`); (4) `other`. A `while` or `conditional` takes no votes from
 its body or branches: their ops are charged by themselves. Reducers and comparators (a reduce's or
 sort's `to_apply=`) neither vote nor count: XLA shares identical ones between scopes. Ops whose own
 and fused metadata name two or more phases are counted as mixed (XLA fuses or CSEs across scopes);
@@ -92,6 +99,7 @@ _CALLED = re.compile(r'\b(calls|to_apply|called_computations|body|condition|true
                      r'false_computation|branch_computations)=(\{[^}]*\}|%[^\s,}]+)')
 _CONTROL = ('body', 'condition', 'true_computation', 'false_computation', 'branch_computations')
 _LENDS = ('calls', 'called_computations')  # And `to_apply` of a `call`, not of a reducer.
+_PRODUCTS = ('dot', 'convolution')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +111,7 @@ class Instruction:
   applied: tuple[str, ...]  # Reducers and comparators (`to_apply=` of reduce, scatter, sort, ...).
   control: tuple[str, ...]  # Control flow: `body=`, `condition=`, branches.
   body: str | None  # For a `while`: its body computation.
+  operands: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +147,18 @@ class Hlo:
     return max(whiles, key=key, default=None)
 
 
+def _operands(rest: str) -> tuple[str, ...]:
+  """The `%names` between the parentheses that follow the opcode of an instruction's text."""
+  opcode = _OPCODE.search(rest)
+  if opcode is None:
+    return ()
+  depth, end = 1, opcode.end()
+  while end < len(rest) and depth:
+    depth += {'(': 1, ')': -1}.get(rest[end], 0)
+    end += 1
+  return tuple(re.findall(r'%([^\s,()]+)', rest[opcode.end():end - 1]))
+
+
 def parse_hlo(text: str, phases: Sequence[str] = PHASES) -> Hlo:
   """Parses `compiled.as_text()`: instructions, what they call, and their phases."""
   module = _MODULE.match(text)
@@ -158,7 +179,8 @@ def parse_hlo(text: str, phases: Sequence[str] = PHASES) -> Hlo:
         (control if kind in _CONTROL else called if lends else applied).extend(names)
         body = names[0] if kind == 'body' else body
       instructions[m.group(1)] = Instruction(m.group(1), opcode, op_name and op_name.group(1),
-                                             tuple(called), tuple(applied), tuple(control), body)
+                                             tuple(called), tuple(applied), tuple(control), body,
+                                             _operands(m.group(2)))
       computations[current].append(m.group(1))
   computations = {c: tuple(names) for c, names in computations.items()}
 
@@ -166,34 +188,68 @@ def parse_hlo(text: str, phases: Sequence[str] = PHASES) -> Hlo:
     found = [c for c in op_name.split('/') if c in phases]
     return found[-1] if found else OTHER
 
-  votes_of = {}  # Computation -> Counter of the phases its instructions (recursively) name.
+  def tally(counts_of):
+    """Computation -> Counter of `counts_of(instruction)` over it and, recursively, what it calls."""
+    memo = {}
 
-  def votes(computation):
-    if computation not in votes_of:
-      votes_of[computation] = collections.Counter()  # Guards against recursion.
-      count = collections.Counter()
-      for name in computations.get(computation, ()):
-        i = instructions[name]
-        count.update([scope(i.op_name)] if i.op_name is not None else [])
-        for c in i.called:
-          count.update(votes(c))
-      votes_of[computation] = count
-    return votes_of[computation]
+    def count(computation):
+      if computation not in memo:
+        memo[computation] = collections.Counter()  # Guards against recursion.
+        total = collections.Counter()
+        for name in computations.get(computation, ()):
+          i = instructions[name]
+          total.update(counts_of(i))
+          for c in i.called:
+            total.update(count(c))
+        memo[computation] = total
+      return memo[computation]
+
+    return count
+
+  # The phases named by code's metadata, and by its matrix products only.
+  votes = tally(lambda i: [scope(i.op_name)] if i.op_name is not None else [])
+  products = tally(lambda i: [scope(i.op_name)] if i.op_name is not None and
+                   i.opcode in _PRODUCTS else [])
 
   phase, mixed, order, silent = {}, set(), tuple(phases) + (OTHER,), []
+  majority = lambda count: max(order, key=lambda p: (count[p], -order.index(p)))
   for name, i in instructions.items():
     count = collections.Counter([scope(i.op_name)] if i.op_name is not None else [])
+    fused_products = collections.Counter()
     for c in i.called:
       count.update(votes(c))
+      fused_products.update(products(c))
     own = scope(i.op_name) if i.op_name is not None else OTHER
-    best = max(order, key=lambda p: (count[p], -order.index(p)))
-    phase[name] = own if own != OTHER else best if count[best] else OTHER
+    best = majority(count)
+    phase[name] = (majority(fused_products) if fused_products else
+                   own if own != OTHER else best if count[best] else OTHER)
     if sum(count[p] > 0 for p in phases) > 1:
       mixed.add(name)
     if not count:
       silent.append(name)
 
-  # No metadata at all (copies XLA adds): the phase of the instruction that runs the computation.
+  # No metadata at all (copies and rewritten products XLA adds): the phases of the operands, else
+  # of the users, passed along chains of such instructions; else the instruction that runs the
+  # computation.
+  users = collections.defaultdict(list)
+  for name, i in instructions.items():
+    for o in i.operands:
+      users[o].append(name)
+  pending = dict.fromkeys(silent)
+  while True:
+    found = {}
+    for name in pending:
+      for neighbours in (instructions[name].operands, users[name]):
+        count = collections.Counter(phase[n] for n in neighbours
+                                    if n in phase and n not in pending and phase[n] != OTHER)
+        if count:
+          found[name] = majority(count)
+          break
+    if not found:
+      break
+    for name, p in found.items():
+      phase[name] = p
+      del pending[name]
   home = {n: c for c, names in computations.items() for n in names}
   caller = {c: n for n, i in instructions.items() for c in i.called + i.control}
 
@@ -203,7 +259,7 @@ def parse_hlo(text: str, phases: Sequence[str] = PHASES) -> Hlo:
       return OTHER
     return phase[n] if phase[n] != OTHER else context(home[n], depth + 1)
 
-  for name in silent:
+  for name in pending:
     phase[name] = context(home[name])
   return Hlo(module.group(1), tuple(phases), instructions, computations, phase,
              frozenset(mixed))

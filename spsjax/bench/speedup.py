@@ -9,10 +9,11 @@ A pair of rows (ArS, SpS) of the same task, decoding and batch gives the speedup
 token times measured in the same run) and says whether their metrics differ by more than their
 sampling noise (two combined standard errors).
 
-Theory (`theory.Prediction`) is computed from the same run: alpha measured (SpS acceptance) and
-model-based (mean of sum_x min(p, q) over the generated positions, p and q after the processors);
-c and s from jitted `extend` calls of the two models at the row's batch and cache size. One SpS
-call per row is also profiled (`bench.profile`): time per loop and per phase read from the trace.
+Theory (`theory.Prediction`) is computed from the same run: alpha measured (per-draft
+acceptance from the loop counts, `theory.alpha_from_counts`) and model-based (mean of
+sum_x min(p, q) over the generated positions, p and q after the processors); c and s from jitted
+`extend` calls of the two models at the row's batch and cache size. One SpS call per row is also
+profiled (`bench.profile`): time per loop and per phase read from the trace.
 """
 
 import dataclasses
@@ -202,7 +203,7 @@ class Comparison:
 
   @property
   def prediction(self) -> theory.Prediction:
-    return theory.Prediction(alpha=self.sps.timing['acceptance_rate'], k=self.k, c=self.costs.c,
+    return theory.Prediction(alpha=self.sps.timing['alpha'], k=self.k, c=self.costs.c,
                              s=self.costs.s, c_hat=self.c_hat)
 
   @property
@@ -217,7 +218,9 @@ class Comparison:
     return dict(**profiled, speedup=self.speedup, predicted_speedup=p.speedup,
                 predicted_speedup_free_scoring=p.speedup_free_scoring,
                 predicted_tokens_per_loop=p.tokens_per_loop, operations_factor=p.operations,
-                alpha_measured=p.alpha, alpha_model=self.sps.alpha_model, c=self.costs.c,
+                alpha_measured=p.alpha,
+                acceptance_rate=self.sps.timing['acceptance_rate'],
+                alpha_model=self.sps.alpha_model, c=self.costs.c,
                 s=self.costs.s, metrics_differ_beyond_noise=self.metrics_differ)
 
 
@@ -277,14 +280,15 @@ def markdown(comparisons: Sequence[Comparison]) -> str:
           f'{speed} | {accept} | {per_loop} |')
   lines += ['', '| task | decoding | batch | alpha (measured / model) | c | s | '
             'tokens/loop (measured / predicted) | speedup (measured / predicted / with s = 1) | '
-            'operations | results differ beyond noise |', '|---|---|---|---|---|---|---|---|---|---|']
+            'measured / predicted | operations | results differ beyond noise |',
+            '|---|---|---|---|---|---|---|---|---|---|---|']
   for cmp in comparisons:
     p, t = cmp.prediction, cmp.sps.timing
     lines.append(
         f'| {cmp.sps.task} | {cmp.sps.decoding} | {cmp.sps.batch} | {p.alpha:.3f} / '
         f'{cmp.sps.alpha_model:.3f} | {p.c:.3f} | {p.s:.2f} | {t["tokens_per_loop"]:.2f} / '
         f'{p.tokens_per_loop:.2f} | {cmp.speedup:.2f}x / {p.speedup:.2f}x / '
-        f'{p.speedup_free_scoring:.2f}x | {p.operations:.2f}x | '
+        f'{p.speedup_free_scoring:.2f}x | {cmp.speedup / p.speedup:.2f} | {p.operations:.2f}x | '
         f'{"yes" if cmp.metrics_differ else "no"} |')
   profiled = [cmp for cmp in comparisons if cmp.loop_profile is not None]
   if profiled:

@@ -29,7 +29,8 @@ class Point:
   std_seconds: float
   tokens_per_loop: float
   loop_seconds: float  # Wall time / loops (nan for ArS).
-  acceptance_rate: float
+  acceptance_rate: float  # Accepted drafts / drafted tokens.
+  alpha: float  # Per-draft acceptance (`theory.alpha_from_counts`).
 
   @property
   def accepted_fraction(self) -> float:
@@ -59,7 +60,7 @@ def run_point(label: str, target: models.Model, draft: models.Model | None, draf
                std_seconds=float(np.std(seconds, ddof=1)) if len(seconds) > 1 else 0.0,
                tokens_per_loop=result.tokens_per_loop,
                loop_seconds=sum(seconds) / loops if loops else float('nan'),
-               acceptance_rate=result.acceptance_rate)
+               acceptance_rate=result.acceptance_rate, alpha=result.alpha)
 
 
 def write_csv(points: Sequence[Point], path: str) -> None:

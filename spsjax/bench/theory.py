@@ -25,6 +25,22 @@ def expected_tokens_per_loop(alpha: float, k: int) -> float:
   return (1.0 - alpha**(k + 1)) / (1.0 - alpha)
 
 
+def alpha_from_counts(accepted: int, loops: int, full_loops: int) -> float:
+  """The per-draft acceptance alpha estimated from SpS loop counts (maximum likelihood).
+
+  Under the formulas' model each loop runs Bernoulli(alpha) trials left to right and stops at the
+  first rejection or after k acceptances, so a loop that accepted all k drafts had no failed trial
+  and every other loop had exactly one: alpha = accepted / (accepted + loops - full_loops).
+  Not the same as accepted / (k loops), the fraction of drafted tokens accepted, which is biased
+  low (E = alpha (1 - alpha^k) / (k (1 - alpha)) < alpha) and under-predicts tokens per loop.
+  """
+  if not 0 <= full_loops <= loops or accepted < 0:
+    raise ValueError(f'Need 0 <= full_loops <= loops and accepted >= 0, got '
+                     f'accepted={accepted}, loops={loops}, full_loops={full_loops}.')
+  trials = accepted + loops - full_loops
+  return accepted / trials if trials else float('nan')
+
+
 def expected_speedup(alpha: float, k: int, c: float, s: float = 1.0) -> float:
   """Wall-time improvement over ArS (Theorem 3.8), a loop costing k c + s target steps."""
   if c < 0 or s <= 0:

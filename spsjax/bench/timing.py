@@ -17,6 +17,7 @@ from collections.abc import Callable, Hashable, Sequence
 import jax
 import numpy as np
 
+from spsjax.bench import theory
 from spsjax.sampling import SampleOutput
 
 
@@ -28,6 +29,7 @@ class Call:
   tokens: int  # Generated tokens, all rows.
   loops: int = 0  # SpS loops, summed over rows (0 for ArS).
   accepted: int = 0  # Accepted draft tokens, summed over rows.
+  full_loops: int = 0  # Loops that accepted all k drafts, summed over rows.
 
   @property
   def token_time(self) -> float:
@@ -76,8 +78,18 @@ class Timing:
 
   @property
   def acceptance_rate(self) -> float:
+    """Accepted drafts / drafted tokens (k per loop)."""
     loops = sum(c.loops for c in self.calls)
     return sum(c.accepted for c in self.calls) / (self.k * loops) if loops else float('nan')
+
+  @property
+  def alpha(self) -> float:
+    """Per-draft acceptance alpha (`theory.alpha_from_counts`): what the formulas take."""
+    loops = sum(c.loops for c in self.calls)
+    if not loops:
+      return float('nan')
+    return theory.alpha_from_counts(sum(c.accepted for c in self.calls), loops,
+                                    sum(c.full_loops for c in self.calls))
 
   def summary(self) -> dict:
     ms = 1e3
@@ -87,15 +99,17 @@ class Timing:
         mean_ms_per_token=self.mean_token_time * ms, std_ms_per_token=self.std_token_time * ms,
         p50_ms=self.token_time_percentile(50) * ms, p90_ms=self.token_time_percentile(90) * ms,
         p99_ms=self.token_time_percentile(99) * ms, tokens_per_loop=self.tokens_per_loop,
-        acceptance_rate=self.acceptance_rate)
+        acceptance_rate=self.acceptance_rate, alpha=self.alpha)
 
 
 def call_record(seconds: float, out: SampleOutput) -> Call:
   num_generated = np.asarray(out.num_generated)
   loops = 0 if out.num_loops is None else int(np.sum(out.num_loops))
   accepted = 0 if out.num_accepted is None else int(np.sum(out.num_accepted))
+  histogram = out.accepted_histogram
+  full_loops = 0 if histogram is None else int(np.asarray(histogram)[-1])
   return Call(seconds=seconds, rows=len(num_generated), tokens=int(num_generated.sum()),
-              loops=loops, accepted=accepted)
+              loops=loops, accepted=accepted, full_loops=full_loops)
 
 
 def time_calls(run: Callable[[int], SampleOutput], num_calls: int,

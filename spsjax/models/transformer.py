@@ -86,7 +86,11 @@ class Attention(nn.Module):
     scores = jnp.where(mask_BxTxS[:, None, None], scores, _NEG_INF)
     probs_BxKxGxTxS = jax.nn.softmax(scores, axis=-1).astype(dt)
     out_BxTxKxGxH = jnp.einsum('BKGTS,BSKH->BTKGH', probs_BxKxGxTxS, values_BxSxKxH)
-    out_BxTxD = jnp.einsum('BTNH,NHD->BTD', out_BxTxKxGxH.reshape(B, T, N, H), wo)
+    # One contracting dim of N * H: wo is then only reshaped. With (N, H) contracted as two dims,
+    # XLA's CPU layout assignment transposes wo instead of the small activation, a copy of the
+    # weight on every call that it does not hoist out of the decode loop.
+    out_BxTxD = jnp.einsum('BTF,FD->BTD', out_BxTxKxGxH.reshape(B, T, N * H),
+                           wo.reshape(N * H, D))
     return out_BxTxD, (keys_BxSxKxH, values_BxSxKxH)
 
 
@@ -121,11 +125,14 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-  """tokens [B, T] at `positions` [B, T] -> float32 logits [B, T, V] and each layer's (k, v)."""
+  """tokens [B, T] at `positions` [B, T] -> float32 logits [B, T, V] and each layer's (k, v).
+
+  With `logits_at` (int32[B, L], indices into T) only those positions get logits: [B, L, V].
+  """
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, tokens_BxT, positions_BxT, cache=None):
+  def __call__(self, tokens_BxT, positions_BxT, cache=None, logits_at_BxL=None):
     c = self.config
     embedding_VxD = _param(self, 'embedding', (c.vocab_size, c.d_model), ('vocab', 'embed'),
                            c.d_model, c.jnp_dtype)
@@ -136,6 +143,8 @@ class Transformer(nn.Module):
       x_BxTxD, (k, v) = Block(c, name=f'layer_{i}')(x_BxTxD, positions_BxT, layer_cache)
       new_k.append(k)
       new_v.append(v)
+    if logits_at_BxL is not None:
+      x_BxTxD = jnp.take_along_axis(x_BxTxD, logits_at_BxL[:, :, None], axis=1)
     x_BxTxD = RMSNorm(c, name='final_norm')(x_BxTxD)
     if c.tie_embeddings:
       logits_BxTxV = jnp.einsum('BTD,VD->BTV', x_BxTxD, embedding_VxD,

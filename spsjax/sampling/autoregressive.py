@@ -53,11 +53,10 @@ def _program(model: Model, prompts_BxP, prompt_lengths_B, rng, *, max_new_tokens
   config, params = model.config, model.params
   B, P = prompts_BxP.shape
   prompts_BxP = common.clean_padding(prompts_BxP, prompt_lengths_B)
-  logits_BxPxV, cache = prefill(config, params, prompts_BxP, prompt_lengths_B,
-                                capacity=P + max_new_tokens)
+  last_logits_Bx1xV, cache = prefill(config, params, prompts_BxP, prompt_lengths_B,
+                                     capacity=P + max_new_tokens, last_only=True)
   cache = kv_cache.constrain(cache, mesh, rules)
-  last_logits_BxV = jnp.take_along_axis(logits_BxPxV, (prompt_lengths_B - 1)[:, None, None],
-                                        axis=1)[:, 0]
+  last_logits_BxV = last_logits_Bx1xV[:, 0]
   state = _State(
       tokens_BxW=common.output_buffer(B, max_new_tokens, 1),
       num_generated_B=jnp.zeros((B,), jnp.int32),

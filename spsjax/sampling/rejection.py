@@ -7,11 +7,13 @@ emitted tokens are then distributed exactly as sampling from p one token at a ti
 
 Numerics: acceptance compares u * q < p (no division, so no NaN for q = 0 or p = 0; u in [0, 1)
 never accepts a token with p = 0); a residual with zero mass (p equal to q up to rounding) falls back
-to p; draws use categorical over log-probabilities, so every id is in [0, V).
+to p; draws use `processors.draw`, which only returns ids of positive weight.
 """
 
 import jax
 import jax.numpy as jnp
+
+from spsjax.sampling.processors import draw
 
 
 def accept_and_resample(key: jax.Array, p_Kp1xV: jax.Array, q_KxV: jax.Array,
@@ -30,7 +32,7 @@ def accept_and_resample(key: jax.Array, p_Kp1xV: jax.Array, q_KxV: jax.Array,
   q_V = jnp.where(n < k, q_KxV[jnp.minimum(n, k - 1)], 0.0)
   residual_V = jnp.maximum(p_V - q_V, 0.0)
   residual_V = jnp.where(jnp.sum(residual_V) > 0, residual_V, p_V)
-  token = jax.random.categorical(token_key, jnp.log(residual_V))
+  token = draw(token_key, residual_V)
   return n.astype(jnp.int32), token.astype(jnp.int32)
 
 

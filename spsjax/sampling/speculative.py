@@ -56,10 +56,12 @@ def headroom(k: int) -> int:
 def _draft(draft: Model, cache: KVCache, committed_B, last2_Bx2, keys_BxK, k, sampling):
   """k draft tokens per row: (drafts int32[B, k], q float32[B, k, V], draft cache)."""
   cache = cache.with_lengths(committed_B - 2)
-  logits_Bx2xV, cache = extend(draft.config, draft.params, cache, last2_Bx2)
-  q_BxV = probabilities(logits_Bx2xV[:, 1], sampling)
+  B = last2_Bx2.shape[0]
+  logits_Bx1xV, cache = extend(draft.config, draft.params, cache, last2_Bx2,
+                               logits_at_BxL=jnp.ones((B, 1), jnp.int32))  # The second token's.
+  q_BxV = probabilities(logits_Bx1xV[:, 0], sampling)
   d_B = sample(keys_BxK[:, 0], q_BxV)
-  B, V = q_BxV.shape
+  V = q_BxV.shape[-1]
   drafts_BxK = jnp.zeros((B, k), jnp.int32).at[:, 0].set(d_B)
   q_BxKxV = jnp.zeros((B, k, V), jnp.float32).at[:, 0].set(q_BxV)
 
@@ -99,11 +101,11 @@ class Loop:
     B, P = prompts_BxP.shape
     capacity = P + self.max_new_tokens + k
     row_keys_B = common.row_keys(rng, B)
-    logits_BxPxV, target_cache = prefill(target.config, target.params, prompts_BxP,
-                                         prompt_lengths_B, capacity)
-    _, draft_cache = prefill(draft.config, draft.params, prompts_BxP, prompt_lengths_B, capacity)
-    first_logits_BxV = jnp.take_along_axis(logits_BxPxV, (prompt_lengths_B - 1)[:, None, None],
-                                           axis=1)[:, 0]
+    first_logits_Bx1xV, target_cache = prefill(target.config, target.params, prompts_BxP,
+                                               prompt_lengths_B, capacity, last_only=True)
+    _, draft_cache = prefill(draft.config, draft.params, prompts_BxP, prompt_lengths_B, capacity,
+                             last_only=True)
+    first_logits_BxV = first_logits_Bx1xV[:, 0]
     first_B = sample(jax.vmap(jax.random.fold_in)(row_keys_B, jnp.zeros((B,), jnp.uint32)),
                      probabilities(first_logits_BxV, self.sampling))
     zeros_B = jnp.zeros((B,), jnp.int32)
