@@ -38,8 +38,9 @@ over its own and its fused or called instructions' metadata (a fusion's `calls=`
 `to_apply=`, recursively; unscoped code votes `other`; ties go to the earlier of `phases`, then
 `other`), so a fusion rooted outside the scopes but made mostly of `score` code is `score`; (3) for
 an instruction with no metadata at all (XLA's loop-carried `copy`s, and products XLA rewrote, such
-as the attention's batched dots), the majority phase of its operands, else of its users (through
-other such instructions), else the phase of the instruction running its computation (copies in
+as the attention's batched dots), the phase of its operands if they have exactly one, else (none)
+that of its users likewise (through chains of such instructions; code that feeds or reads two
+phases is not guessed at), else the phase of the instruction running its computation (copies in
 the body of the draft's `fori_loop` are `draft`, those at the top of the main loop's body
 `other`); (4) `other`. A `while` or `conditional` takes no votes from
 its body or branches: their ops are charged by themselves. Reducers and comparators (a reduce's or
@@ -100,6 +101,7 @@ _CALLED = re.compile(r'\b(calls|to_apply|called_computations|body|condition|true
 _CONTROL = ('body', 'condition', 'true_computation', 'false_computation', 'branch_computations')
 _LENDS = ('calls', 'called_computations')  # And `to_apply` of a `call`, not of a reducer.
 _PRODUCTS = ('dot', 'convolution')
+_PLUMBING = ('parameter', 'get-tuple-element', 'tuple', 'constant')  # Pass values, run nothing.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,22 +230,24 @@ def parse_hlo(text: str, phases: Sequence[str] = PHASES) -> Hlo:
     if not count:
       silent.append(name)
 
-  # No metadata at all (copies and rewritten products XLA adds): the phases of the operands, else
-  # of the users, passed along chains of such instructions; else the instruction that runs the
-  # computation.
+  # No metadata at all (copies and rewritten products XLA adds): the one phase of the operands,
+  # else of the users, passed along chains of such instructions (never through tuple plumbing);
+  # else the phase of the instruction that runs the computation.
   users = collections.defaultdict(list)
   for name, i in instructions.items():
     for o in i.operands:
       users[o].append(name)
-  pending = dict.fromkeys(silent)
+  pending = dict.fromkeys(n for n in silent if instructions[n].opcode not in _PLUMBING)
   while True:
     found = {}
     for name in pending:
       for neighbours in (instructions[name].operands, users[name]):
-        count = collections.Counter(phase[n] for n in neighbours
-                                    if n in phase and n not in pending and phase[n] != OTHER)
-        if count:
-          found[name] = majority(count)
+        named = {phase[n] for n in neighbours
+                 if n in phase and n not in pending and phase[n] != OTHER and
+                 instructions[n].opcode not in _PLUMBING}
+        if len(named) == 1:
+          found[name] = named.pop()
+        if named:
           break
     if not found:
       break
@@ -259,8 +263,9 @@ def parse_hlo(text: str, phases: Sequence[str] = PHASES) -> Hlo:
       return OTHER
     return phase[n] if phase[n] != OTHER else context(home[n], depth + 1)
 
-  for name in pending:
-    phase[name] = context(home[name])
+  for name in silent:
+    if name in pending or instructions[name].opcode in _PLUMBING:
+      phase[name] = context(home[name])
   return Hlo(module.group(1), tuple(phases), instructions, computations, phase,
              frozenset(mixed))
 

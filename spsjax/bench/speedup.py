@@ -230,7 +230,7 @@ class LoopProfile:
   trace_dir: str
   loops: int
   loop: float  # Mean wall time of a main-loop iteration.
-  draft: float  # Op time per loop in each named scope.
+  draft: float  # Wall time per loop in each named scope (`PhaseProfile.phase_wall_s`).
   score: float
   accept: float
 
@@ -253,11 +253,16 @@ def profile_row(target: models.Model, draft: models.Model, tok: Tokenizer, task:
       eos_id=tok.eos_id)
   if not trace.loops:
     raise profile.ProfileError('The profiled call ran no loop.')
-  walls = [it.wall_s for it in trace.iterations or ()]
-  loop = sum(walls) / len(walls) if walls else trace.total_s / trace.loops
-  return LoopProfile(trace_dir=trace.trace_dir, loops=trace.loops, loop=loop,
-                     draft=trace.per_loop_s('draft'), score=trace.per_loop_s('score'),
-                     accept=trace.per_loop_s('accept'))
+  its = trace.iterations
+  if not its:
+    raise profile.ProfileError(f'Main-loop iterations not found in the trace: '
+                               f'{trace.iterations_note}')
+  # Wall-time shares, not summed op durations: ops that ran concurrently (XLA's CPU thunks do)
+  # would count twice and could add up to more than the loop.
+  per_loop = lambda phase: sum(it.phase_wall_s[phase] for it in its) / len(its)
+  return LoopProfile(trace_dir=trace.trace_dir, loops=len(its),
+                     loop=sum(it.wall_s for it in its) / len(its), draft=per_loop('draft'),
+                     score=per_loop('score'), accept=per_loop('accept'))
 
 
 def markdown(comparisons: Sequence[Comparison]) -> str:
