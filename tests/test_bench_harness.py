@@ -85,11 +85,12 @@ def test_rows_and_table_on_a_tiny_docstring_task(family, tmp_path):
   loop_profile = speedup.profile_row(target, draft, tok, task, greedy, 2, 3, 0, str(tmp_path))
   assert loop_profile.loops >= 1 and loop_profile.trace_dir.startswith(str(tmp_path))
   assert 0 < loop_profile.draft + loop_profile.score < loop_profile.loop
+  assert 0 <= loop_profile.forward_gaps < loop_profile.draft + loop_profile.score
   cmp = speedup.Comparison(ars=ars, sps=sps, costs=costs, k=3, c_hat=0.5,
                            loop_profile=loop_profile)
   summary = cmp.summary()
   assert summary['speedup'] > 0 and summary['metrics_differ_beyond_noise'] is False
-  assert 0 < summary['outside_forward_passes'] < 1
+  assert 0 < summary['outside_forward_passes'] <= summary['outside_forward_ops'] < 1
   table = speedup.markdown([cmp])
   assert '| docstrings | greedy | 2 | ArS |' in table and '| docstrings | greedy | 2 | SpS |' in table
   assert '| docstrings | greedy | 2 | 1 |' in table or 'outside draft and score' in table

@@ -165,7 +165,10 @@ def test_sps_profile(sps):
     in_iterations = sum(it.phase_s[p] for it in prof.iterations)
     assert 0.5 * prof.phase_s[p] < in_iterations <= prof.phase_s[p] * (1 + 1e-9)
   for it in prof.iterations:
-    assert sum(it.phase_wall_s.values()) <= it.wall_s * (1 + 1e-9)
+    assert sum(it.phase_wall_s.values()) + sum(it.phase_gap_s.values()) <= it.wall_s * (1 + 1e-9)
+  gaps = sum(prof.phase_gap_s.values())
+  assert 0 < gaps <= prof.idle_s * (1 + 1e-9)  # Thunks of one phase run with gaps between them.
+  assert sum(sum(it.phase_gap_s.values()) for it in prof.iterations) <= gaps * (1 + 1e-9)
 
   lines = prof.report()
   assert all(isinstance(line, str) for line in lines)
@@ -173,6 +176,20 @@ def test_sps_profile(sps):
   assert 'MISMATCH' not in text and 'not identified' not in text
   for p in ('draft', 'score', 'accept', 'other (in loop)', 'between ops', 'loop wall'):
     assert f'  {p}' in text
+
+
+def test_idle_gaps_go_to_the_phase_on_both_sides_else_to_none():
+  ev = lambda name, start, end: profile.OpEvent(name, start, end, '0', 'r')
+  phase_of = {'d1': 'draft', 'd2': 'draft', 'd3': 'draft', 's1': 'score', 's2': 'score'}
+  events = [ev('d1', 0, 10), ev('d2', 5, 20),  # Overlapping: no gap.
+            ev('d3', 25, 30),  # 5 idle after d2, both draft.
+            ev('s1', 40, 50),  # 10 idle at the change draft -> score: charged to none.
+            ev('s2', 42, 45),  # Inside s1's span: no gap, though it starts after a shorter op.
+            ev('d1', 47, 60),
+            ev('s2', 70, 71)]  # After d1 (ended last, at 60), not s2 (45): a change of phase.
+  assert profile._gaps_ns(events, phase_of) == [
+      (0.0, None), (0.0, None), (5.0, 'draft'), (10.0, None), (0.0, None), (0.0, None),
+      (10.0, None)]
 
 
 # --- Attribution follows the work ---------------------------------------------------------------
@@ -204,9 +221,12 @@ def test_heavy_scope_gets_the_time(toy, tmp_path):
   assert prof.phase_ops['light'] == 3 and prof.phase_ops['heavy'] >= 3
   assert prof.phase_s['heavy'] > 20 * prof.phase_s['light'] > 0
   assert len(prof.iterations) == 3
+  # Per iteration a preempted scalar add can take tens of microseconds: only the order is checked.
   for it in prof.iterations:
-    assert it.phase_s['heavy'] > 20 * it.phase_s['light'] > 0
-    assert it.phase_wall_s['heavy'] > 20 * it.phase_wall_s['light'] > 0
+    assert it.phase_s['heavy'] > it.phase_s['light'] > 0
+    assert it.phase_wall_s['heavy'] > it.phase_wall_s['light'] > 0
+  walls = lambda p: sum(it.phase_wall_s[p] for it in prof.iterations)
+  assert walls('heavy') > 20 * walls('light')
 
 
 def test_refuses_two_runs_and_foreign_hlo(toy, tmp_path):

@@ -52,6 +52,10 @@ Invariants: `phase_s` sums leaf-op durations, so sum(phase_s) == busy_s + overla
 is the time at least one op ran and `overlap_s` > 0 only if ops ran concurrently. `phase_wall_s`
 splits each instant of busy time equally among the ops running then, so sum(phase_wall_s) ==
 busy_s <= total_s; the rest is `idle_s` (dispatch, loop control, thread hand-offs, preemption).
+`phase_gap_s` charges an idle gap to a phase when the op that ended last before it and the op
+that starts it both belong to that phase (the dispatch gaps inside a forward pass are part of
+its wall time); a gap at a change of phase goes to none. So a phase's wall time is
+phase_wall_s + phase_gap_s, and sum over phases <= total_s.
 
 Loops. The main loop is the `while` whose body holds phased instructions (the outermost one; with no
 phases, the largest). Each top-level instruction of its body runs once per iteration, so the i-th
@@ -347,6 +351,7 @@ class Iteration:
   wall_s: float
   phase_s: Mapping[str, float]  # Summed durations of the ops that started in it, per phase.
   phase_wall_s: Mapping[str, float]  # Their shares of wall time (see `PhaseProfile`).
+  phase_gap_s: Mapping[str, float]  # Idle time between two consecutive ops of one phase.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,7 +360,10 @@ class PhaseProfile:
 
   `phase_s` sums op durations: sum(phase_s) == busy_s + overlap_s. `phase_wall_s` splits the busy
   time instead, each instant equally among the ops running then: sum(phase_wall_s) == busy_s.
-  The two differ only where ops ran concurrently (CPU thread pool).
+  The two differ only where ops ran concurrently (CPU thread pool). `phase_gap_s` charges idle
+  time to a phase when the ops on both sides of it belong to that phase (dispatch gaps inside a
+  forward pass); idle time at a change of phase is charged to none:
+  sum(phase_wall_s) + sum(phase_gap_s) <= total_s.
   """
   trace_dir: str  # Holds `<host>.xplane.pb` and `<host>.trace.json.gz`.
   module: str
@@ -366,6 +374,7 @@ class PhaseProfile:
   overlap_s: float  # Summed op time minus busy time: > 0 only if ops ran concurrently.
   phase_s: Mapping[str, float]  # Summed leaf-op durations per phase, `other` included.
   phase_wall_s: Mapping[str, float]
+  phase_gap_s: Mapping[str, float]
   phase_ops: Mapping[str, int]  # Leaf-op events per phase.
   loop_other_s: float  # The part of phase_s['other'] run by the main loop (body and condition).
   mixed_s: float  # Op time of ops whose code comes from several phases (charged by the rules).
@@ -424,8 +433,12 @@ class PhaseProfile:
         lines.append(line)
       if walls:
         idle = sum(walls) - sum(sum(it.phase_wall_s.values()) for it in its)
+        within = {p: sum(it.phase_gap_s[p] for it in its) for p in keys}
         std = statistics.stdev(walls) if len(walls) > 1 else 0.0
-        lines += [f'  between ops: {ms(idle / len(walls))}/loop, {idle / sum(walls):.0%}',
+        lines += [f'  between ops: {ms(idle / len(walls))}/loop, {idle / sum(walls):.0%}; within '
+                  'a phase (both neighbours in it): ' + ', '.join(
+                      f'{p} {within[p] / sum(walls):.0%}' for p in keys) +
+                  f'; at a change of phase: {(idle - sum(within.values())) / sum(walls):.0%}',
                   f'  loop wall: mean {ms(statistics.mean(walls))}, std {ms(std)}, min '
                   f'{ms(min(walls))}, max {ms(max(walls))}']
     outside = self.phase_s[OTHER] - self.loop_other_s
@@ -451,8 +464,28 @@ def _wall_shares_ns(events: Sequence[OpEvent]) -> list[float]:
   return shares
 
 
+def _gaps_ns(events: Sequence[OpEvent], phase_of: Mapping[str, str]
+             ) -> list[tuple[float, str | None]]:
+  """Per event (sorted by start): the idle time just before it, and the phase it is charged to.
+
+  The phase is the event's own if the op that ended last before the gap has the same phase (a gap
+  inside one phase's stretch of ops), else None (a change of phase).
+  """
+  gaps, last = [], None  # `last`: the event with the latest end so far.
+  for e in events:
+    if last is None or e.start_ns <= last.end_ns:
+      gaps.append((0.0, None))
+    else:
+      same = phase_of[last.name] == phase_of[e.name]
+      gaps.append((float(e.start_ns - last.end_ns), phase_of[e.name] if same else None))
+    if last is None or e.end_ns > last.end_ns:
+      last = e
+  return gaps
+
+
 def _iterations(hlo: Hlo, loop: Instruction | None, run: Sequence[OpEvent],
-                leaves: Sequence[OpEvent], wall_ns: Sequence[float]
+                leaves: Sequence[OpEvent], wall_ns: Sequence[float],
+                gaps: Sequence[tuple[float, str | None]]
                 ) -> tuple[tuple[Iteration, ...] | None, str]:
   """(iterations, '') of the main loop, or (None, why not); see the module docstring."""
   if loop is None:
@@ -475,12 +508,18 @@ def _iterations(hlo: Hlo, loop: Instruction | None, run: Sequence[OpEvent],
   keys = hlo.phases + (OTHER,)
   op_s = [dict.fromkeys(keys, 0.0) for _ in range(n)]
   wall_s = [dict.fromkeys(keys, 0.0) for _ in range(n)]
-  for e, wall in zip(leaves, wall_ns):
+  gap_s = [dict.fromkeys(keys, 0.0) for _ in range(n)]
+  for e, wall, (gap, gap_phase) in zip(leaves, wall_ns, gaps):
     if e.name in inside and e.start_ns >= starts[0]:
       i, p = bisect.bisect_right(starts, e.start_ns) - 1, hlo.phase[e.name]
       op_s[i][p] += (e.end_ns - e.start_ns) * 1e-9
       wall_s[i][p] += wall * 1e-9
-  return tuple(Iteration((bounds[i + 1] - bounds[i]) * 1e-9, op_s[i], wall_s[i])
+      # The gap ends at this op: it lies in the iteration where it starts (an iteration starts
+      # at an op, so a gap never straddles two).
+      j = bisect.bisect_right(starts, e.start_ns - gap) - 1
+      if gap_phase is not None and j >= 0:
+        gap_s[j][gap_phase] += gap * 1e-9
+  return tuple(Iteration((bounds[i + 1] - bounds[i]) * 1e-9, op_s[i], wall_s[i], gap_s[i])
                for i in range(n)), ''
 
 
@@ -510,29 +549,33 @@ def attribute(events: Sequence[OpEvent], hlo: Hlo, *, num_loops: int | None = No
 
   leaves = sorted((e for e in events if not container(e.name)), key=lambda e: e.start_ns)
   wall_ns = _wall_shares_ns(leaves)
+  gaps = _gaps_ns(leaves, hlo.phase)
   keys = hlo.phases + (OTHER,)
-  phase_s, phase_wall_s, phase_ops = (dict.fromkeys(keys, 0.0), dict.fromkeys(keys, 0.0),
-                                      dict.fromkeys(keys, 0))
+  phase_s, phase_wall_s, phase_gap_s, phase_ops = (
+      dict.fromkeys(keys, 0.0), dict.fromkeys(keys, 0.0), dict.fromkeys(keys, 0.0),
+      dict.fromkeys(keys, 0))
   loop = hlo.main_loop()
   in_loop = hlo.subtree(list(loop.control)) if loop is not None else set()
   loop_other_s = mixed_s = 0.0
   mixed_ops = 0
-  for e, wall in zip(leaves, wall_ns):
+  for e, wall, (gap, gap_phase) in zip(leaves, wall_ns, gaps):
     seconds, p = (e.end_ns - e.start_ns) * 1e-9, hlo.phase[e.name]
     phase_s[p] += seconds
     phase_wall_s[p] += wall * 1e-9
+    if gap_phase is not None:
+      phase_gap_s[gap_phase] += gap * 1e-9
     phase_ops[p] += 1
     loop_other_s += seconds if p == OTHER and e.name in in_loop else 0.0
     if e.name in hlo.mixed:
       mixed_s, mixed_ops = mixed_s + seconds, mixed_ops + 1
   busy_ns = sum(wall_ns)
   overlap_ns = sum(e.end_ns - e.start_ns for e in leaves) - busy_ns
-  iterations, note = _iterations(hlo, loop, events, leaves, wall_ns)
+  iterations, note = _iterations(hlo, loop, events, leaves, wall_ns, gaps)
   return PhaseProfile(
       trace_dir=trace_dir, module=hlo.module, device=device, phases=hlo.phases,
       total_s=(max(e.end_ns for e in events) - min(e.start_ns for e in events)) * 1e-9,
       busy_s=busy_ns * 1e-9, overlap_s=max(0.0, overlap_ns * 1e-9), phase_s=phase_s,
-      phase_wall_s=phase_wall_s, phase_ops=phase_ops, loop_other_s=loop_other_s,
+      phase_wall_s=phase_wall_s, phase_gap_s=phase_gap_s, phase_ops=phase_ops, loop_other_s=loop_other_s,
       mixed_s=mixed_s, mixed_ops=mixed_ops, num_loops=num_loops, iterations=iterations,
       iterations_note=note)
 

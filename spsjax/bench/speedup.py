@@ -214,7 +214,8 @@ class Comparison:
     p = self.prediction
     profiled = {} if self.loop_profile is None else dict(
         loop_profile=dataclasses.asdict(self.loop_profile),
-        outside_forward_passes=self.loop_profile.outside_forward_passes)
+        outside_forward_passes=self.loop_profile.outside_forward_passes,
+        outside_forward_ops=self.loop_profile.outside_forward_ops)
     return dict(**profiled, speedup=self.speedup, predicted_speedup=p.speedup,
                 predicted_speedup_free_scoring=p.speedup_free_scoring,
                 predicted_tokens_per_loop=p.tokens_per_loop, operations_factor=p.operations,
@@ -230,14 +231,22 @@ class LoopProfile:
   trace_dir: str
   loops: int
   loop: float  # Mean wall time of a main-loop iteration.
-  draft: float  # Wall time per loop in each named scope (`PhaseProfile.phase_wall_s`).
+  # Wall time per loop in each named scope: its ops' shares of wall time
+  # (`PhaseProfile.phase_wall_s`) plus the idle gaps between two of its ops (`phase_gap_s`).
+  draft: float
   score: float
   accept: float
+  forward_gaps: float  # The idle gaps inside drafting and scoring (included in draft and score).
 
   @property
   def outside_forward_passes(self) -> float:
     """Share of the loop spent neither drafting nor scoring: accept phase and bookkeeping."""
     return 1.0 - (self.draft + self.score) / self.loop
+
+  @property
+  def outside_forward_ops(self) -> float:
+    """The same with every idle gap counted outside: the share not running a draft or score op."""
+    return 1.0 - (self.draft + self.score - self.forward_gaps) / self.loop
 
 
 def profile_row(target: models.Model, draft: models.Model, tok: Tokenizer, task: Task,
@@ -259,10 +268,13 @@ def profile_row(target: models.Model, draft: models.Model, tok: Tokenizer, task:
                                f'{trace.iterations_note}')
   # Wall-time shares, not summed op durations: ops that ran concurrently (XLA's CPU thunks do)
   # would count twice and could add up to more than the loop.
-  per_loop = lambda phase: sum(it.phase_wall_s[phase] for it in its) / len(its)
+  # A phase's wall time also holds the dispatch gaps between its own ops.
+  gaps = lambda phase: sum(it.phase_gap_s[phase] for it in its) / len(its)
+  per_loop = lambda phase: sum(it.phase_wall_s[phase] for it in its) / len(its) + gaps(phase)
   return LoopProfile(trace_dir=trace.trace_dir, loops=len(its),
                      loop=sum(it.wall_s for it in its) / len(its), draft=per_loop('draft'),
-                     score=per_loop('score'), accept=per_loop('accept'))
+                     score=per_loop('score'), accept=per_loop('accept'),
+                     forward_gaps=gaps('draft') + gaps('score'))
 
 
 def markdown(comparisons: Sequence[Comparison]) -> str:
@@ -298,10 +310,11 @@ def markdown(comparisons: Sequence[Comparison]) -> str:
   profiled = [cmp for cmp in comparisons if cmp.loop_profile is not None]
   if profiled:
     lines += ['', '| task | decoding | batch | loops traced | ms per loop | draft | score | accept '
-              '| outside draft and score |', '|---|---|---|---|---|---|---|---|---|']
+              '| outside draft and score | not running draft or score ops |',
+              '|---|---|---|---|---|---|---|---|---|---|']
     for cmp in profiled:
       lp, ms = cmp.loop_profile, lambda x: f'{x * 1e3:.3f}'
       lines.append(f'| {cmp.sps.task} | {cmp.sps.decoding} | {cmp.sps.batch} | {lp.loops} | '
                    f'{ms(lp.loop)} | {ms(lp.draft)} | {ms(lp.score)} | {ms(lp.accept)} | '
-                   f'{lp.outside_forward_passes:.0%} |')
+                   f'{lp.outside_forward_passes:.1%} | {lp.outside_forward_ops:.1%} |')
   return '\n'.join(lines)
