@@ -575,7 +575,8 @@ def attribute(events: Sequence[OpEvent], hlo: Hlo, *, num_loops: int | None = No
       trace_dir=trace_dir, module=hlo.module, device=device, phases=hlo.phases,
       total_s=(max(e.end_ns for e in events) - min(e.start_ns for e in events)) * 1e-9,
       busy_s=busy_ns * 1e-9, overlap_s=max(0.0, overlap_ns * 1e-9), phase_s=phase_s,
-      phase_wall_s=phase_wall_s, phase_gap_s=phase_gap_s, phase_ops=phase_ops, loop_other_s=loop_other_s,
+      phase_wall_s=phase_wall_s, phase_gap_s=phase_gap_s, phase_ops=phase_ops,
+      loop_other_s=loop_other_s,
       mixed_s=mixed_s, mixed_ops=mixed_ops, num_loops=num_loops, iterations=iterations,
       iterations_note=note)
 

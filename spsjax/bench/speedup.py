@@ -266,9 +266,8 @@ def profile_row(target: models.Model, draft: models.Model, tok: Tokenizer, task:
   if not its:
     raise profile.ProfileError(f'Main-loop iterations not found in the trace: '
                                f'{trace.iterations_note}')
-  # Wall-time shares, not summed op durations: ops that ran concurrently (XLA's CPU thunks do)
-  # would count twice and could add up to more than the loop.
-  # A phase's wall time also holds the dispatch gaps between its own ops.
+  # Wall-time shares, not summed op durations (ops that ran concurrently, as XLA's CPU thunks do,
+  # would count twice), plus the dispatch gaps between a phase's own ops.
   gaps = lambda phase: sum(it.phase_gap_s[phase] for it in its) / len(its)
   per_loop = lambda phase: sum(it.phase_wall_s[phase] for it in its) / len(its) + gaps(phase)
   return LoopProfile(trace_dir=trace.trace_dir, loops=len(its),
