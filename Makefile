@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 
 .PHONY: demo test setup clean train-tiny
 
-$(VENV)/.installed: setup.py
+# pip builds the native CPU kernels (spsjax/native) too: rebuild when their sources change.
+$(VENV)/.installed: setup.py pyproject.toml $(wildcard spsjax/native/*.cc spsjax/native/*.h spsjax/native/*.inc)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'

@@ -1,6 +1,34 @@
 """spsjax: speculative sampling of transformer language models in JAX."""
 
+import os
+
 import setuptools
+from setuptools.command.build_ext import build_ext
+
+
+class BuildNative(build_ext):
+  """Compiles the native CPU kernel (spsjax/native) against the FFI headers that jaxlib ships."""
+
+  def build_extensions(self):
+    import jaxlib  # A build requirement (pyproject.toml).
+    include = os.path.join(os.path.dirname(jaxlib.__file__), 'include')
+    for ext in self.extensions:
+      ext.include_dirs.append(include)
+    super().build_extensions()
+
+
+# A plain shared library loaded with ctypes (no Python module inside): the kernels of
+# spsjax/native, each compiled for AVX-512, AVX2 and the baseline (spsjax/native/library.py).
+native = setuptools.Extension(
+    'spsjax.native._kernels',
+    sources=['spsjax/native/packed_matmul.cc', 'spsjax/native/decode_attention.cc'],
+    depends=['spsjax/native/parallel.h', 'spsjax/native/packed_matmul_kernel.inc',
+             'spsjax/native/decode_attention_kernel.inc'],
+    language='c++',
+    extra_compile_args=['-O3', '-std=c++17', '-fno-math-errno', '-Wno-attributes',
+                        '-Wno-return-type',
+                        '-Wno-aggressive-loop-optimizations'],
+)
 
 setuptools.setup(
     name='spsjax',
@@ -8,6 +36,8 @@ setuptools.setup(
     description='Speculative sampling (Chen et al., 2023) for JAX transformers.',
     packages=setuptools.find_packages(include=['spsjax', 'spsjax.*']),
     python_requires='>=3.11',
+    ext_modules=[native],
+    cmdclass={'build_ext': BuildNative},
     # Lower bounds are the versions the test suite was run with.
     install_requires=[
         'jax>=0.10.2',

@@ -1,11 +1,15 @@
-"""Decode benchmark at batch 1: per-token time, bytes read per token, effective and copy bandwidth.
+"""Decode benchmark at batch 1: step time, s, weight bandwidth against copy bandwidth, the ceiling.
 
-  python experiments/decode_benchmark.py --dtype=both --repeats=20
-  python experiments/decode_benchmark.py --small  # A tiny model: a quick smoke run.
   python experiments/decode_benchmark.py --preset=reference_target --dtype=float32
+  python experiments/decode_benchmark.py --preset=bench150m --dtype=float32 --ceiling=false
+  python experiments/decode_benchmark.py --small  # A tiny model: a quick smoke run.
 
-The model (preset `bench150m` by default, `tiny_target` with --small) is randomly initialised:
-decode time does not depend on the weights' values.
+For each dtype and path (`native`: packed for the CPU kernels, `models.pack`; `xla`: XLA's dots),
+one line each for: a 1-position `extend` and the bandwidth at which it reads the weights (as a
+share of the copy bandwidth measured first), s = `extend` on `block` positions / on 1, and ArS.
+With --ceiling, SpS with a perfect draft (`spsjax.bench.ceiling`: zero output layers, every draft
+accepted) against ArS of the same target, beside (k + 1) / (k c + s). Models are randomly
+initialised: decode time does not depend on the weights' values.
 """
 
 import os
@@ -14,10 +18,11 @@ from absl import app, flags
 import jax
 
 from spsjax import distributed, models
-from spsjax.bench import decode
+from spsjax.bench import ceiling, decode
 from spsjax.models import presets
 
 _DTYPE = flags.DEFINE_enum('dtype', 'both', ['float32', 'bfloat16', 'both'], 'Model dtype(s).')
+_PATHS = flags.DEFINE_list('paths', ['native', 'xla'], 'native (packed, float32 only) and/or xla.')
 _REPEATS = flags.DEFINE_integer('repeats', 20, 'Timed calls per extend step and per copy.')
 _ARS_REPEATS = flags.DEFINE_integer('ars_repeats', 3, 'Timed autoregressive_sample runs.')
 _SMALL = flags.DEFINE_bool('small', False, 'A tiny model and a small copy: a quick smoke run.')
@@ -27,7 +32,29 @@ _PROMPT_LEN = flags.DEFINE_integer('prompt_len', 128, 'Prompt tokens; cache capa
 _MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 128, 'Tokens per ArS run.')
 _BLOCK = flags.DEFINE_integer('block', 5, 'Tokens of the multi-token extend compared with T=1.')
 _COPY_MB = flags.DEFINE_integer('copy_mb', 1024, 'Size of the copied array in MiB.')
+_CEILING = flags.DEFINE_bool('ceiling', True, 'Also the perfect-draft SpS/ArS ceiling (float32).')
+_DRAFT_PRESET = flags.DEFINE_string('draft_preset', '', 'Draft of the ceiling; default: the '
+                                    'target preset\'s family draft (reference_draft, tiny_draft).')
+_K = flags.DEFINE_integer('k', 4, 'Lookahead of the ceiling.')
 print0 = distributed.print0
+
+
+def _draft_preset(preset: str) -> str:
+  if _DRAFT_PRESET.value:
+    return _DRAFT_PRESET.value
+  family = preset.rsplit('_', 1)[0]
+  if f'{family}_draft' not in presets.PRESETS:
+    raise app.UsageError(f'No family draft for preset {preset!r}: pass --draft_preset.')
+  return f'{family}_draft'
+
+
+def _place(model: models.Model, path: str) -> models.Model:
+  if path == 'xla':
+    return model
+  reason = models.packable(model)
+  if reason:
+    raise app.UsageError(f'The native path cannot run this model: {reason}.')
+  return models.pack(model)
 
 
 def main(argv):
@@ -40,17 +67,33 @@ def main(argv):
          f'model preset {preset}, batch 1, prompt {prompt_len}, {max_new_tokens} new tokens, '
          f'median of {_REPEATS.value} steps / {_ARS_REPEATS.value} ArS runs; load average '
          f'{os.getloadavg()[0]:.2f} (other processes on these cores skew every figure)')
-  for line in decode.copy_report(decode.copy_bandwidth(copy_mb * 2**20, repeats=_REPEATS.value)):
+  copy = decode.copy_bandwidth(copy_mb * 2**20, repeats=_REPEATS.value)
+  for line in decode.copy_report(copy):
     print0(line, flush=True)
   dtypes = ['float32', 'bfloat16'] if _DTYPE.value == 'both' else [_DTYPE.value]
   for dtype in dtypes:
     config = models.TransformerConfig(**presets.get(preset), dtype=dtype)
     model = models.Model(config, models.init_params(config, jax.random.key(0)))
-    result = decode.measure_decode(model, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                                   block=_BLOCK.value, repeats=_REPEATS.value,
-                                   ars_repeats=_ARS_REPEATS.value)
-    for line in decode.report(result):
-      print0(line, flush=True)
+    for path in _PATHS.value:
+      if path == 'native' and dtype != 'float32':
+        continue
+      result = decode.measure_decode(_place(model, path), prompt_len=prompt_len,
+                                     max_new_tokens=max_new_tokens, block=_BLOCK.value,
+                                     repeats=_REPEATS.value, ars_repeats=_ARS_REPEATS.value)
+      for line in decode.report(result, copy):
+        print0(line, flush=True)
+  if _CEILING.value:
+    draft_config = models.TransformerConfig(**presets.get(_draft_preset(preset)))
+    target_config = models.TransformerConfig(**presets.get(preset))
+    target, draft = ceiling.perfect_pair(
+        models.Model(target_config, models.init_params(target_config, jax.random.key(0))),
+        models.Model(draft_config, models.init_params(draft_config, jax.random.key(1))))
+    for path in _PATHS.value:
+      result = ceiling.measure(_place(target, path), _place(draft, path), k=_K.value,
+                               prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                               repeats=_ARS_REPEATS.value)
+      for line in ceiling.report(result, f'float32 {path}'):
+        print0(line, flush=True)
   print0(f'load average at the end: {os.getloadavg()[0]:.2f} (1 min)')
 
 

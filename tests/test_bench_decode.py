@@ -4,9 +4,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from spsjax import models
-from spsjax.bench import decode
+from spsjax.bench import ceiling, decode
 from spsjax.sampling import SamplingConfig
 
 
@@ -45,3 +46,23 @@ def test_copy_bandwidth_small():
   assert copy.nbytes == 1 << 20
   assert min(copy.jax_fresh, copy.jax_donated, copy.numpy) > 0
   assert len(decode.copy_report(copy)) == 1
+
+
+def test_perfect_pair_accepts_every_draft():
+  """Zero output layers: p = q = uniform, so every loop emits k + 1 tokens, packed or not."""
+  config = models.TransformerConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4,
+                                    num_kv_heads=2, d_ff=64, max_seq_len=64)
+  draft_config = models.TransformerConfig(vocab_size=64, d_model=16, num_layers=1, num_heads=2,
+                                          d_ff=32, max_seq_len=64)
+  target, draft = ceiling.perfect_pair(
+      models.Model(config, models.init_params(config, jax.random.key(0))),
+      models.Model(draft_config, models.init_params(draft_config, jax.random.key(1))))
+  for pack in (False, True):
+    t, d = (models.pack(target), models.pack(draft)) if pack else (target, draft)
+    r = ceiling.measure(t, d, k=3, prompt_len=5, max_new_tokens=17, repeats=1)
+    assert r.tokens_per_loop == 4.0  # 16 tokens after the prefill's: 4 loops of k + 1.
+    assert r.ars > 0 and r.sps > 0 and r.c > 0 and r.s > 0
+    assert abs(r.predicted - 4 / (3 * r.c + r.s)) < 1e-12
+    assert len(ceiling.report(r, 'x')) == 1
+  with pytest.raises(ValueError, match='before packing'):
+    ceiling.perfect_pair(models.pack(target), draft)

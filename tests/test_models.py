@@ -1,4 +1,10 @@
-"""The cached path equals the reference forward, for MHA, GQA and MQA, at ragged row offsets."""
+"""The cached path equals the reference forward, for MHA, GQA and MQA, at ragged row offsets.
+
+`packed` runs the cached path of the same model packed for the CPU kernels (`models.pack`: native
+products and the native cached attention) against the unpacked reference forward.
+"""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,14 +21,20 @@ def _config(num_kv_heads, **kw):
                                   num_kv_heads=num_kv_heads, d_ff=96, max_seq_len=64, **kw)
 
 
+def _decode_params(config, params, packed):
+  return models.pack(models.Model(config, params)).params if packed else params
+
+
 @pytest.mark.parametrize('num_kv_heads', [None, 2, 1], ids=['mha', 'gqa', 'mqa'])
 @pytest.mark.parametrize('chunk', [1, 5])
-def test_cached_extension_equals_reference(num_kv_heads, chunk):
+@pytest.mark.parametrize('packed', [False, True], ids=['xla', 'packed'])
+def test_cached_extension_equals_reference(num_kv_heads, chunk, packed):
   config = _config(num_kv_heads)
   params = models.init_params(config, jax.random.key(0))
   total = 30
   tokens_BxL = jax.random.randint(jax.random.key(1), (3, total), 0, VOCAB)
   reference_BxLxV = np.asarray(models.logits(config, params, tokens_BxL))
+  params = _decode_params(config, params, packed)
   prompt_lengths = np.array([4, 9, 1])
   width = int(prompt_lengths.max())
   extend = jax.jit(models.extend, static_argnums=0)
@@ -44,11 +56,13 @@ def test_cached_extension_equals_reference(num_kv_heads, chunk):
     np.testing.assert_array_equal(cache.lengths, lengths)
 
 
-def test_rollback_is_moving_lengths():
+@pytest.mark.parametrize('packed', [False, True], ids=['xla', 'packed'])
+def test_rollback_is_moving_lengths(packed):
   """Extending, rolling a row back and re-extending with other tokens matches the reference."""
   config = _config(2)
-  params = models.init_params(config, jax.random.key(0))
-  logits = jax.jit(models.logits, static_argnums=0)
+  reference_params = models.init_params(config, jax.random.key(0))
+  params = _decode_params(config, reference_params, packed)
+  logits = jax.jit(functools.partial(models.logits, config, reference_params))
   tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, VOCAB)
   other = jax.random.randint(jax.random.key(3), (2, 4), 0, VOCAB)
   _, cache = models.prefill(config, params, tokens[:, :8], jnp.array([8, 8]), capacity=16)
@@ -57,18 +71,19 @@ def test_rollback_is_moving_lengths():
   out_Bx4xV, cache = models.extend(config, params, cache, tokens[:, 8:12])
   seq0 = tokens[0]
   seq1 = jnp.concatenate([tokens[1, :8], other[1, :2], tokens[1, 8:12]])
-  np.testing.assert_allclose(out_Bx4xV[0], logits(config, params, seq0[None])[0, 8:12],
-                             rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(out_Bx4xV[1], logits(config, params, seq1[None])[0, 10:14],
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(out_Bx4xV[0], logits(seq0[None])[0, 8:12], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(out_Bx4xV[1], logits(seq1[None])[0, 10:14], rtol=1e-5, atol=1e-5)
 
 
-def test_logits_at_selects_positions_per_row():
+@pytest.mark.parametrize('overrides', [{}, dict(tie_embeddings=False, mlp='gelu')])
+@pytest.mark.parametrize('packed', [False, True], ids=['xla', 'packed'])
+def test_logits_at_selects_positions_per_row(overrides, packed):
   """prefill(last_only) and extend(logits_at) give exactly the selected rows of the full logits."""
-  config = _config(2)
+  config = _config(2, **overrides)
   params = models.init_params(config, jax.random.key(0))
   tokens_BxL = jax.random.randint(jax.random.key(4), (3, 10), 0, VOCAB)
   reference_BxLxV = np.asarray(models.logits(config, params, tokens_BxL))
+  params = _decode_params(config, params, packed)
   lengths = np.array([3, 7, 1])
   last_Bx1xV, cache = models.prefill(config, params, tokens_BxL[:, :7], jnp.asarray(lengths),
                                      capacity=12, last_only=True)

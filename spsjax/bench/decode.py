@@ -41,6 +41,11 @@ class CopyBandwidth:
   jax_donated: float  # jit copy into a donated buffer of the same shape: no new memory.
   numpy: float  # np.copyto into a preallocated array (one thread).
 
+  @property
+  def best(self) -> float:
+    """The fastest of the three: what the machine's memory can do here."""
+    return max(self.jax_fresh, self.jax_donated, self.numpy)
+
 
 def copy_bandwidth(nbytes: int, *, repeats: int) -> CopyBandwidth:
   n = nbytes // 4
@@ -67,60 +72,80 @@ def copy_bandwidth(nbytes: int, *, repeats: int) -> CopyBandwidth:
 
 
 def weight_bytes_per_token(config: models.TransformerConfig, params) -> int:
-  """Parameter bytes a batch-1 decode step reads: all but an untied input embedding (one row)."""
+  """Parameter bytes a batch-1 decode step reads.
+
+  All of them, but of the embedding table one row when the output layer is another array (an
+  untied head, or the packed copy of a tied table, `models.pack`).
+  """
   total = sum(x.nbytes for x in jax.tree.leaves(params))
-  if config.tie_embeddings:
+  if 'head' not in params:
     return total
   embedding = params['embedding']
   return total - embedding.nbytes + embedding.nbytes // config.vocab_size
 
 
-def _extend_at(config, params, cache, tokens_BxT, lengths_B):
-  """`extend` at fixed row lengths, so that repeated calls on the returned cache stay in bounds."""
-  return models.extend(config, params, cache.with_lengths(lengths_B), tokens_BxT)
+def _extend_steps(config, steps, params, cache, tokens_BxT, lengths_B):
+  """`steps` calls of `extend` in one program, each at the same row lengths (so in bounds)."""
+
+  def one(_, carry):
+    cache, checksum_B = carry
+    logits_BxTxV, cache = models.extend(config, params, cache.with_lengths(lengths_B), tokens_BxT)
+    return cache, checksum_B + logits_BxTxV[:, -1, 0]
+
+  return jax.lax.fori_loop(0, steps, one, (cache, jnp.zeros(tokens_BxT.shape[:1], jnp.float32)))
 
 
 def extend_seconds(model: models.Model, blocks: Sequence[int], capacity: int, *, repeats: int,
-                   batch: int = 1) -> tuple[dict[int, float], int, bool]:
-  """Median seconds of one jitted `extend` call appending T tokens per row, for each T in `blocks`.
+                   batch: int = 1, steps: int = 8) -> tuple[dict[int, float], int, bool]:
+  """Median seconds of one `extend` appending T tokens per row, for each T in `blocks`.
 
-  Returns ({T: seconds}, KV cache bytes, whether the donated cache came back in place). Every call
-  writes at fixed lengths (capacity - max T), so it stays in bounds; its cost does not depend on
-  the lengths, since attention reads every slot.
+  Each timed call runs `steps` extends in one jitted loop and counts a `steps`-th of its time:
+  the cost of a step inside a decoding program, without the per-call dispatch of a jitted call
+  from Python (about 0.1-0.2 ms here, which would swamp the step of a small model).
+  Returns ({T: seconds}, KV cache bytes, whether the donated cache came back in place). Every step
+  writes at fixed lengths (capacity - max T), so it stays in bounds and attends over (almost) the
+  whole cache. The blocks take turns within each repeat, so that a slow spell of the machine
+  falls on all of them and their ratios stay comparable.
   """
   config, params = model.config, model.params
   if max(blocks) > capacity:
     raise ValueError(f'A block of {max(blocks)} tokens does not fit in the cache capacity '
                      f'{capacity}.')
-  step = jax.jit(functools.partial(_extend_at, config), donate_argnums=1)
+  run = jax.jit(functools.partial(_extend_steps, config, steps), donate_argnums=1)
   lengths_B = jnp.full((batch,), capacity - max(blocks), jnp.int32)
   state = {'cache': models.init_cache(config, batch, capacity)}
   kv_bytes = sum(x.nbytes for x in state['cache'].k + state['cache'].v)
   buffer = state['cache'].k[0].unsafe_buffer_pointer()
 
-  def seconds(T):
-    tokens_BxT = jnp.ones((batch, T), jnp.int32)
+  def call(T):
+    state['cache'], checksum_B = run(params, state['cache'], jnp.ones((batch, T), jnp.int32),
+                                     lengths_B)
+    return checksum_B
 
-    def call():
-      logits, state['cache'] = step(params, state['cache'], tokens_BxT, lengths_B)
-      return logits, state['cache']
-
-    return median_seconds(call, repeats=repeats, warmup=2)
-
-  times = {T: seconds(T) for T in blocks}
+  for T in blocks:  # Compile and warm up.
+    for _ in range(2):
+      jax.block_until_ready(call(T))
+  samples = {T: [] for T in blocks}
+  for _ in range(repeats):
+    for T in blocks:
+      start = time.perf_counter()
+      jax.block_until_ready(call(T))
+      samples[T].append(time.perf_counter() - start)
+  times = {T: statistics.median(samples[T]) / steps for T in blocks}
   return times, kv_bytes, state['cache'].k[0].unsafe_buffer_pointer() == buffer
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeResult:
-  """One model and dtype at batch 1. Times in seconds; bytes per decoded token."""
+  """One model, dtype and path at batch 1. Times in seconds; bytes per decoded token."""
   dtype: str
+  path: str  # 'native' (packed for the CPU kernels, `models.pack`) or 'xla'.
   num_params: int
   param_bytes: int  # All parameters.
   weight_bytes: int  # Parameter bytes a step reads (`weight_bytes_per_token`).
   kv_bytes: int  # Keys and values of every layer at full capacity, all read by a step.
   capacity: int  # Cache slots: prompt_len + max_new_tokens.
-  step: float  # Median `extend` with T=1 (jitted, cache donated).
+  step: float  # Median `extend` with T=1 inside a jitted loop (`extend_seconds`).
   block: int  # T of the multi-token `extend`.
   block_step: float  # Median `extend` with T=block on the same cache.
   cache_in_place: bool  # The donated cache came back in the same buffers.
@@ -135,8 +160,13 @@ class DecodeResult:
 
   @property
   def step_bandwidth(self) -> float:
-    """GB/s read by the one-token step."""
+    """GB/s read by the one-token step (weights and the whole cache)."""
     return self.bytes_per_token / self.step / 1e9
+
+  @property
+  def weight_bandwidth(self) -> float:
+    """GB/s of weights read by the one-token step (the whole step's time charged to them)."""
+    return self.weight_bytes / self.step / 1e9
 
   @property
   def ars_per_token(self) -> float:
@@ -185,27 +215,33 @@ def measure_decode(model: models.Model, *, prompt_len: int, max_new_tokens: int,
   ars_s = median_seconds(ars, repeats=ars_repeats, warmup=0)
 
   return DecodeResult(
-      dtype=config.dtype, num_params=models.num_params(params),
+      dtype=config.dtype, path='native' if models.is_packed(model) else 'xla',
+      num_params=models.num_params(params),
       param_bytes=sum(x.nbytes for x in jax.tree.leaves(params)),
       weight_bytes=weight_bytes_per_token(config, params), kv_bytes=kv_bytes, capacity=capacity,
       step=one, block=block, block_step=many, cache_in_place=cache_in_place, prefill=prefill,
       max_new_tokens=max_new_tokens, ars_first_call=ars_first_call, ars=ars_s)
 
 
-def report(result: DecodeResult) -> list[str]:
+def report(result: DecodeResult, copy: 'CopyBandwidth | None' = None) -> list[str]:
+  """Lines for one result; with `copy`, the weights' bandwidth as a share of the copy's."""
   r, mb = result, 1e-6
+  tag = f'[{r.dtype} {r.path}]'
+  share = (f' = {r.weight_bandwidth / copy.best:.0%} of the copy bandwidth'
+           if copy is not None else '')
   return [
-      f'[{r.dtype}] {r.num_params:,} parameters = {r.param_bytes * mb:.1f} MB; a step reads '
-      f'{r.weight_bytes * mb:.1f} MB of weights + {r.kv_bytes * mb:.1f} MB of KV cache '
-      f'(capacity {r.capacity}) = {r.bytes_per_token * mb:.1f} MB per token',
-      f'[{r.dtype}] extend T=1 (jit, donated cache{"" if r.cache_in_place else " NOT in place"}): '
-      f'{r.step * 1e3:.2f} ms/token -> {r.step_bandwidth:.2f} GB/s effective',
-      f'[{r.dtype}] autoregressive_sample, {r.max_new_tokens} new tokens: first call (compile + '
+      f'{tag} {r.num_params:,} parameters = {r.param_bytes * mb:.1f} MB; a step reads '
+      f'{r.weight_bytes * mb:.1f} MB of weights + at most {r.kv_bytes * mb:.1f} MB of KV cache '
+      f'(capacity {r.capacity})',
+      f'{tag} extend T=1 (in a jitted loop, donated cache'
+      f'{"" if r.cache_in_place else " NOT in place"}): '
+      f'{r.step * 1e3:.2f} ms/token -> weights read at {r.weight_bandwidth:.2f} GB/s{share}',
+      f'{tag} extend T={r.block}: {r.block_step * 1e3:.2f} ms = {r.block_ratio:.2f}x extend T=1 '
+      f'(s)',
+      f'{tag} autoregressive_sample, {r.max_new_tokens} new tokens: first call (compile + '
       f'run) {r.ars_first_call:.1f} s; run {r.ars:.3f} s = {r.ars_per_token * 1e3:.2f} ms/token '
       f'end to end; without its prefill ({r.prefill * 1e3:.1f} ms) '
-      f'{r.ars_per_decode_step * 1e3:.2f} ms/step -> {r.ars_bandwidth:.2f} GB/s effective',
-      f'[{r.dtype}] extend T={r.block}: {r.block_step * 1e3:.2f} ms = {r.block_ratio:.2f}x '
-      f'extend T=1',
+      f'{r.ars_per_decode_step * 1e3:.2f} ms/step',
   ]
 
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from spsjax import sharding
+from spsjax import native, sharding
 from spsjax.models import kv_cache
 from spsjax.models.config import TransformerConfig
 from spsjax.models.transformer import Transformer
@@ -50,7 +50,9 @@ def init_params(config: TransformerConfig, rng: jax.Array, *, mesh: Mesh | None 
 
 
 def num_params(params) -> int:
-  return sum(x.size for x in jax.tree.leaves(params))
+  """Parameters of the model, packed or not (a packed copy of a tied table is not counted)."""
+  leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, native.PackedWeight))
+  return sum(0 if getattr(x, 'tied_to', None) else x.size for x in leaves)
 
 
 def logits(config: TransformerConfig, params, tokens_BxT: jax.Array) -> jax.Array:

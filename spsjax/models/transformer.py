@@ -8,6 +8,11 @@ Parameters carry logical axis names (`spsjax.sharding`); the forward has no shar
 with Megatron-sharded weights, XLA's partitioner splits heads and MLP units over `model` and inserts
 one all-reduce after each attention and MLP block.
 
+A model packed for CPU decoding (`spsjax.models.packing`) holds `native.PackedWeight`s in place of
+its projection weights, q, k and v as one (`wqkv`) and the gate and input of a gated MLP as one
+(`w_gate_in`): each block then asks for its product from `native.matmul` and attends with the
+native kernel; everything else is the same code.
+
 Invariant: a cached call at row offsets `lengths` computes exactly what the full causal forward
 computes at those positions (up to float reassociation).
 """
@@ -16,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from spsjax import native
 from spsjax.models import kv_cache
 from spsjax.models.config import TransformerConfig
 
@@ -25,6 +31,15 @@ _NEG_INF = jnp.finfo(jnp.float32).min
 def _param(module, name, shape, names, fan_in, dtype):
   init = nn.initializers.normal(stddev=fan_in**-0.5)
   return module.param(name, nn.with_logical_partitioning(init, names), shape, dtype)
+
+
+def _packed(module, name) -> native.PackedWeight | None:
+  """The packed weight `name` of a model packed for CPU decoding, else None."""
+  if module.has_variable('params', name):
+    value = module.get_variable('params', name)
+    if isinstance(value, native.PackedWeight):
+      return value
+  return None
 
 
 class RMSNorm(nn.Module):
@@ -60,15 +75,24 @@ class Attention(nn.Module):
   def __call__(self, x_BxTxD, positions_BxT, layer_cache):
     c = self.config
     D, N, K, H, dt = c.d_model, c.num_heads, c.kv_heads, c.dims_per_head, c.jnp_dtype
-    wq = _param(self, 'wq', (D, N, H), ('embed', 'heads', 'head_dim'), D, dt)
-    wk = _param(self, 'wk', (D, K, H), ('embed', 'kv_heads', 'head_dim'), D, dt)
-    wv = _param(self, 'wv', (D, K, H), ('embed', 'kv_heads', 'head_dim'), D, dt)
-    wo = _param(self, 'wo', (N, H, D), ('heads', 'head_dim', 'embed'), N * H, dt)
+    wqkv = _packed(self, 'wqkv')
+    if wqkv is None:
+      wq = _param(self, 'wq', (D, N, H), ('embed', 'heads', 'head_dim'), D, dt)
+      wk = _param(self, 'wk', (D, K, H), ('embed', 'kv_heads', 'head_dim'), D, dt)
+      wv = _param(self, 'wv', (D, K, H), ('embed', 'kv_heads', 'head_dim'), D, dt)
+      wo = _param(self, 'wo', (N, H, D), ('heads', 'head_dim', 'embed'), N * H, dt)
+      q_BxTxNxH = jnp.einsum('BTD,DNH->BTNH', x_BxTxD, wq)
+      k_BxTxKxH = jnp.einsum('BTD,DKH->BTKH', x_BxTxD, wk)
+      v_BxTxKxH = jnp.einsum('BTD,DKH->BTKH', x_BxTxD, wv)
+    else:  # Packed: one product for q, k and v.
+      qkv_BxTxMxH = native.matmul(x_BxTxD, wqkv).astype(dt)
+      q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = jnp.split(qkv_BxTxMxH, [N, N + K], axis=2)
+      wo = _packed(self, 'wo')
+    q_BxTxNxH = rope(q_BxTxNxH, positions_BxT, c.rope_base)
+    k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, c.rope_base)
 
-    q_BxTxNxH = rope(jnp.einsum('BTD,DNH->BTNH', x_BxTxD, wq), positions_BxT, c.rope_base)
-    k_BxTxKxH = rope(jnp.einsum('BTD,DKH->BTKH', x_BxTxD, wk), positions_BxT, c.rope_base)
-    v_BxTxKxH = jnp.einsum('BTD,DKH->BTKH', x_BxTxD, wv)
-
+    B, T = x_BxTxD.shape[:2]
+    q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, N // K, H)
     if layer_cache is None:  # Full causal pass: keys are the new positions themselves.
       keys_BxSxKxH, values_BxSxKxH, key_pos_BxS = k_BxTxKxH, v_BxTxKxH, positions_BxT
     else:  # Write this call's positions first, then attend over the whole cache.
@@ -77,20 +101,26 @@ class Attention(nn.Module):
       values_BxSxKxH = kv_cache.write_rows(cache_v, v_BxTxKxH, starts_B)
       key_pos_BxS = jnp.broadcast_to(jnp.arange(keys_BxSxKxH.shape[1]),
                                      keys_BxSxKxH.shape[:2])
-    mask_BxTxS = key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]
 
-    B, T = x_BxTxD.shape[:2]
-    q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, N // K, H)
-    scores = jnp.einsum('BTKGH,BSKH->BKGTS', q_BxTxKxGxH, keys_BxSxKxH,
-                        preferred_element_type=jnp.float32) * H**-0.5
-    scores = jnp.where(mask_BxTxS[:, None, None], scores, _NEG_INF)
-    probs_BxKxGxTxS = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out_BxTxKxGxH = jnp.einsum('BKGTS,BSKH->BTKGH', probs_BxKxGxTxS, values_BxSxKxH)
+    if layer_cache is not None and wqkv is not None:
+      # A model placed for CPU decoding: the native kernel reads only the slots in use.
+      out_BxTxKxGxH = native.decode_attention(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH,
+                                              starts_B).astype(dt)
+    else:
+      mask_BxTxS = key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]
+      scores = jnp.einsum('BTKGH,BSKH->BKGTS', q_BxTxKxGxH, keys_BxSxKxH,
+                          preferred_element_type=jnp.float32) * H**-0.5
+      scores = jnp.where(mask_BxTxS[:, None, None], scores, _NEG_INF)
+      probs_BxKxGxTxS = jax.nn.softmax(scores, axis=-1).astype(dt)
+      out_BxTxKxGxH = jnp.einsum('BKGTS,BSKH->BTKGH', probs_BxKxGxTxS, values_BxSxKxH)
     # One contracting dim of N * H: wo is then only reshaped. With (N, H) contracted as two dims,
     # XLA's CPU layout assignment transposes wo instead of the small activation, a copy of the
     # weight on every call that it does not hoist out of the decode loop.
-    out_BxTxD = jnp.einsum('BTF,FD->BTD', out_BxTxKxGxH.reshape(B, T, N * H),
-                           wo.reshape(N * H, D))
+    out_BxTxF = out_BxTxKxGxH.reshape(B, T, N * H)
+    if wqkv is None:
+      out_BxTxD = jnp.einsum('BTF,FD->BTD', out_BxTxF, wo.reshape(N * H, D))
+    else:
+      out_BxTxD = native.matmul(out_BxTxF, wo).astype(dt)
     return out_BxTxD, (keys_BxSxKxH, values_BxSxKxH)
 
 
@@ -101,6 +131,14 @@ class Mlp(nn.Module):
   def __call__(self, x_BxTxD):
     c = self.config
     D, F, dt = c.d_model, c.ff_dim, c.jnp_dtype
+    w_gate_in, w_in_packed = _packed(self, 'w_gate_in'), _packed(self, 'w_in')
+    if w_gate_in is not None:  # Packed gated MLP: one product for the gate and the input.
+      gate_in_BxTx2xF = native.matmul(x_BxTxD, w_gate_in).astype(dt)
+      h_BxTxF = jax.nn.silu(gate_in_BxTx2xF[:, :, 0]) * gate_in_BxTx2xF[:, :, 1]
+      return native.matmul(h_BxTxF, _packed(self, 'w_out')).astype(dt)
+    if w_in_packed is not None:  # Packed GELU MLP.
+      h_BxTxF = jax.nn.gelu(native.matmul(x_BxTxD, w_in_packed).astype(dt))
+      return native.matmul(h_BxTxF, _packed(self, 'w_out')).astype(dt)
     w_in = _param(self, 'w_in', (D, F), ('embed', 'mlp'), D, dt)
     w_out = _param(self, 'w_out', (F, D), ('mlp', 'embed'), F, dt)
     h_BxTxF = jnp.einsum('BTD,DF->BTF', x_BxTxD, w_in)
@@ -146,7 +184,10 @@ class Transformer(nn.Module):
     if logits_at_BxL is not None:
       x_BxTxD = jnp.take_along_axis(x_BxTxD, logits_at_BxL[:, :, None], axis=1)
     x_BxTxD = RMSNorm(c, name='final_norm')(x_BxTxD)
-    if c.tie_embeddings:
+    head = _packed(self, 'head')
+    if head is not None:  # Packed: an untied head, or a copy of a tied table.
+      logits_BxTxV = native.matmul(x_BxTxD, head)
+    elif c.tie_embeddings:
       logits_BxTxV = jnp.einsum('BTD,VD->BTV', x_BxTxD, embedding_VxD,
                                 preferred_element_type=jnp.float32)
     else:

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spsjax import sharding
-from spsjax.models import Model, param_shardings
+from spsjax.models import Model, param_shardings, unpack
 
 PAD_ID = -1  # Fills `SampleOutput.tokens` after each row's last generated token.
 
@@ -91,9 +91,13 @@ def place(model: Model, prompts, prompt_lengths, mesh: Mesh | None,
 
 def place_params(model: Model, mesh: Mesh | None,
                  rules: sharding.Rules = sharding.DEFAULT_RULES) -> Model:
-  """The model with its parameters laid out on `mesh` by their logical names."""
+  """The model with its parameters laid out on `mesh` by their logical names.
+
+  A model packed for the CPU kernel is unpacked first: on a mesh, XLA's dots do the products.
+  """
   if mesh is None:
     return model
+  model = unpack(model)
   return model.replace(params=sharding.put(model.params, param_shardings(model.config, mesh,
                                                                          rules)))
 

@@ -53,11 +53,17 @@ def load_model(workdir: str, *, step: int | None = None, mesh: Mesh | None = Non
 def load_family(root: str, target: str, drafts: Sequence[str], *, mesh: Mesh | None = None
                 ) -> tuple[models.Model, dict[str, models.Model], Tokenizer, dict]:
   """(target, {name: draft}, tokenizer, the target's meta) of one family (`<root>/<name>` each),
-  checked to share one tokenizer."""
+  checked to share one tokenizer.
+
+  Without a mesh the models come placed for decoding on this machine (`models.for_decoding`:
+  packed for the native CPU kernels where they can run); on a mesh they are sharded.
+  """
+  place = (lambda m: m) if mesh is not None else models.for_decoding
   target_model, tok, meta = load_model(os.path.join(root, target), mesh=mesh)
   draft_models = {}
   for name in drafts:
     draft_models[name], draft_tok, _ = load_model(os.path.join(root, name), mesh=mesh)
     if draft_tok.to_bytes() != tok.to_bytes():
       raise ValueError(f'{name} and {target} in {root} use different tokenizers: not a pair.')
-  return target_model, draft_models, tok, meta
+    draft_models[name] = place(draft_models[name])
+  return place(target_model), draft_models, tok, meta

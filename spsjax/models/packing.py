@@ -1,0 +1,111 @@
+"""A model's projection weights packed for the few-row CPU kernel (`spsjax.native`), and back.
+
+Packing is part of placing a model: done once, after loading, for a float32 model on one CPU
+device, and undone before sharding on a mesh (sharded models multiply with XLA's dots, which the
+partitioner splits the Megatron way). In a packed parameter tree each layer's attention holds
+`wqkv` (wq, wk, wv side by side: one product, output [N + 2K, H]) and `wo`; a gated MLP holds
+`w_gate_in` (gate and input: output [2, F]) and `w_out`, a GELU MLP `w_in` and `w_out`; the
+output layer is `head`, for tied embeddings a packed copy of the table (the lookup keeps reading
+rows of `embedding`). Everything else (norms, the embedding table) is unchanged.
+
+Invariant: `unpack(pack(model))` has exactly the parameters of `model`, and a packed model's
+forward equals the unpacked one's up to float reassociation.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from spsjax import native
+from spsjax.models.api import Model
+from spsjax.models.config import TransformerConfig
+
+
+def _is_packed_weight(x) -> bool:
+  return isinstance(x, native.PackedWeight)
+
+
+def is_packed(model: Model) -> bool:
+  return any(_is_packed_weight(x)
+             for x in jax.tree.leaves(model.params, is_leaf=_is_packed_weight))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _pack_layer(config: TransformerConfig, layer: dict) -> dict:
+  attn, mlp = dict(layer['attn']), dict(layer['mlp'])
+  wqkv_DxMxH = jnp.concatenate([attn.pop('wq'), attn.pop('wk'), attn.pop('wv')], axis=1)
+  attn.update(wqkv=native.pack(wqkv_DxMxH), wo=native.pack(attn['wo'], in_dims=2))
+  if config.mlp == 'gated_silu':
+    w_gate_in_Dx2xF = jnp.stack([mlp.pop('w_gate'), mlp.pop('w_in')], axis=1)
+    mlp['w_gate_in'] = native.pack(w_gate_in_Dx2xF)
+  else:
+    mlp['w_in'] = native.pack(mlp['w_in'])
+  mlp['w_out'] = native.pack(mlp['w_out'])
+  return dict(layer, attn=attn, mlp=mlp)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _unpack_layer(config: TransformerConfig, layer: dict) -> dict:
+  attn, mlp = dict(layer['attn']), dict(layer['mlp'])
+  N, K = config.num_heads, config.kv_heads
+  wq, wk, wv = jnp.split(native.unpack(attn.pop('wqkv')), [N, N + K], axis=1)
+  attn.update(wq=wq, wk=wk, wv=wv, wo=native.unpack(attn['wo']))
+  if config.mlp == 'gated_silu':
+    w_gate_in_Dx2xF = native.unpack(mlp.pop('w_gate_in'))
+    mlp.update(w_gate=w_gate_in_Dx2xF[:, 0], w_in=w_gate_in_Dx2xF[:, 1])
+  else:
+    mlp['w_in'] = native.unpack(mlp['w_in'])
+  mlp['w_out'] = native.unpack(mlp['w_out'])
+  return dict(layer, attn=attn, mlp=mlp)
+
+
+def _layer_names(config: TransformerConfig) -> list[str]:
+  return [f'layer_{i}' for i in range(config.num_layers)]
+
+
+def pack(model: Model) -> Model:
+  """The model with its projection weights packed (module docstring). Needs float32 weights."""
+  config = model.config
+  if config.dtype != 'float32':
+    raise ValueError(f'Only float32 models can be packed, got {config.dtype}.')
+  if is_packed(model):
+    return model
+  params = dict(model.params)
+  for name in _layer_names(config):
+    params[name] = _pack_layer(config, params[name])
+  if config.tie_embeddings:
+    params['head'] = jax.jit(lambda e: native.pack(e.T, tied_to='embedding'))(params['embedding'])
+  else:
+    params['head'] = jax.jit(native.pack)(params['head'])
+  return model.replace(params=params)
+
+
+def unpack(model: Model) -> Model:
+  """The model with plain parameters again (a tied model's packed head copy dropped)."""
+  if not is_packed(model):
+    return model
+  config, params = model.config, dict(model.params)
+  for name in _layer_names(config):
+    params[name] = _unpack_layer(config, params[name])
+  head = params.pop('head')
+  if not config.tie_embeddings:
+    params['head'] = jax.jit(native.unpack)(head)
+  return model.replace(params=params)
+
+
+def packable(model: Model) -> str | None:
+  """Why `model` is not packed for decoding on this machine, or None when it can be."""
+  if model.config.dtype != 'float32':
+    return f'its dtype is {model.config.dtype} (the kernels are float32)'
+  if not native.available():
+    return 'the native kernel library is not built'
+  devices = {d for x in jax.tree.leaves(model.params) for d in x.devices()}
+  if len(devices) != 1 or next(iter(devices)).platform != 'cpu':
+    return f'its parameters are on {sorted(str(d) for d in devices)}, not one CPU device'
+  return None
+
+
+def for_decoding(model: Model) -> Model:
+  """The model as decoding wants it here: packed where `packable`, unchanged otherwise."""
+  return model if packable(model) else pack(model)

@@ -1,0 +1,17 @@
+"""The native CPU path: C++ kernels for few-row products and cached attention, through `jax.ffi`.
+
+- `library`: finds the built library, registers its FFI targets, says which instruction sets run;
+- `packed`: weights packed in panels (`PackedWeight`) and the product against them;
+- `attention`: a few new positions attending over the KV cache.
+
+The model asks for a product or an attention and never for a kernel: each function falls back to
+XLA's ops for many rows, on other platforms and without the library. XLA's own ops stay the path
+on TPU/GPU and for sharded models.
+"""
+
+from spsjax.native.attention import decode_attention
+from spsjax.native.library import ISAS, available, isas
+from spsjax.native.packed import MAX_KERNEL_ROWS, PANEL, PackedWeight, matmul, pack, unpack
+
+__all__ = ['ISAS', 'MAX_KERNEL_ROWS', 'PANEL', 'PackedWeight', 'available', 'decode_attention',
+           'isas', 'matmul', 'pack', 'unpack']

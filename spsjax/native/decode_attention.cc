@@ -1,0 +1,130 @@
+// Attention of a few new positions over the KV cache, for XLA:CPU through the FFI.
+//
+// For each (row b, kv head k): the T * G queries of this call (T new positions, G query heads per
+// kv head) attend to the slots [0, starts[b] + T) of that row's keys and values (cache layout
+// [B, S, K, H]), each query only up to its own position starts[b] + t. Unlike XLA's dots over the
+// whole cache, it reads only the slots in use and never transposes the cache. Compiled for AVX-512, AVX2 and the baseline like
+// packed_matmul.cc.
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using HeadFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t,
+                        int64_t, int64_t, int64_t, float, float*, float*);
+
+namespace baseline {
+#define SPSJAX_LANES 4
+#include "decode_attention_kernel.inc"
+#undef SPSJAX_LANES
+}  // namespace baseline
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+#define SPSJAX_LANES 8
+#include "decode_attention_kernel.inc"
+#undef SPSJAX_LANES
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma")
+namespace avx512 {
+#define SPSJAX_LANES 16
+#include "decode_attention_kernel.inc"
+#undef SPSJAX_LANES
+}  // namespace avx512
+#pragma GCC pop_options
+#endif
+
+HeadFn Kernel(int32_t isa) {
+  switch (isa) {
+#if defined(__x86_64__)
+    case spsjax::kAvx512:
+      return avx512::AttendHead;
+    case spsjax::kAvx2:
+      return avx2::AttendHead;
+#endif
+    default:
+      return baseline::AttendHead;
+  }
+}
+
+bool SameDims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
+}
+
+// Below this many multiply-adds a call runs on the calling thread.
+constexpr int64_t kMinParallelWork = 1 << 15;
+
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                               ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
+                               ffi::Buffer<ffi::S32> starts, ffi::ResultBuffer<ffi::F32> out,
+                               int32_t groups, float scale, int32_t isa) {
+  const auto q_dims = q.dimensions();
+  const auto k_dims = keys.dimensions();
+  if (q_dims.size() != 4 || k_dims.size() != 4 || !SameDims(values.dimensions(), k_dims) ||
+      starts.dimensions().size() != 1 || !SameDims(out->dimensions(), q_dims)) {
+    return ffi::Error::InvalidArgument(
+        "decode_attention: want q [B, K, J, H], keys and values [B, S, K, H], starts [B], "
+        "out like q.");
+  }
+  const int64_t B = q_dims[0], K = q_dims[1], J = q_dims[2], H = q_dims[3], S = k_dims[1];
+  if (k_dims[0] != B || k_dims[2] != K || k_dims[3] != H || starts.dimensions()[0] != B ||
+      groups < 1 || J % groups) {
+    return ffi::Error::InvalidArgument("decode_attention: shapes do not agree.");
+  }
+  if (isa == spsjax::kBest) isa = spsjax::Best();
+  if (!spsjax::Supported(isa)) {
+    return ffi::Error::InvalidArgument(
+        "decode_attention: this CPU lacks the instruction set asked.");
+  }
+  const int32_t* starts_data = starts.typed_data();
+  for (int64_t b = 0; b < B; ++b) {
+    if (starts_data[b] < 0 || starts_data[b] + J / groups > S) {
+      return ffi::Error::InvalidArgument("decode_attention: a row's positions exceed the cache.");
+    }
+  }
+  const HeadFn kernel = Kernel(isa);
+  const float* q_data = q.typed_data();
+  const float* k_data = keys.typed_data();
+  const float* v_data = values.typed_data();
+  float* out_data = out->typed_data();
+  const int64_t work = B * K * J * S * H;
+  const int64_t threads = work < kMinParallelWork ? 1 : spsjax::MaxThreads(pool);
+  spsjax::ParallelFor(pool, B * K, threads, [=](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scores;
+    for (int64_t bk = begin; bk < end; ++bk) {
+      const int64_t b = bk / K;
+      const int64_t n = std::min<int64_t>(S, starts_data[b] + J / groups);
+      if (static_cast<int64_t>(scores.size()) < J * n) scores.resize(J * n);
+      const int64_t offset = (b * S * K + bk % K) * H;  // Slot 0 of row b, head k.
+      kernel(q_data + bk * J * H, k_data + offset, v_data + offset, K * H, J, groups, H, S,
+             starts_data[b], scale, scores.data(), out_data + bk * J * H);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxDecodeAttention, DecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("groups")
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("isa"));

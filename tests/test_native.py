@@ -1,0 +1,141 @@
+"""The native CPU kernels against XLA's ops, in every instruction-set variant this CPU runs.
+
+The library must be built (`pip install` builds it): a missing build fails here, not silently
+falls back. Each variant (AVX-512, AVX2 + FMA, baseline) runs on the same inputs; shapes cover
+partial panels, head dims that are not a multiple of the vector width and ragged row offsets.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spsjax import models, native, sampling, sharding
+from spsjax.native import attention
+
+ISAS = native.isas()
+
+
+def test_library_is_built_and_runs_the_baseline():
+  assert native.available(), 'spsjax/native was not built: reinstall with pip install -e .'
+  assert 'baseline' in ISAS
+
+
+@pytest.mark.parametrize('isa', ISAS)
+@pytest.mark.parametrize('d_in,d_out', [(96, 160), (40, 37), (7, 3), (1024, 48)])
+@pytest.mark.parametrize('rows', [1, 2, 3, 5, 6, 8, 9, 17, 64])
+def test_packed_matmul_equals_dot(isa, d_in, d_out, rows):
+  w_IxF = jax.random.normal(jax.random.key(0), (d_in, d_out))
+  x_RxI = jax.random.normal(jax.random.key(rows), (rows, d_in))
+  packed = native.pack(w_IxF)
+  got = jax.jit(lambda x, p: native.matmul(x, p, isa=isa, use_kernel=True))(x_RxI, packed)
+  want = jnp.dot(x_RxI, w_IxF, precision='highest')
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.sqrt(d_in))
+
+
+def test_packed_matmul_leading_and_output_dims_and_xla_path():
+  w = jax.random.normal(jax.random.key(0), (3, 8, 5, 6))  # in (3, 8), out (5, 6).
+  x = jax.random.normal(jax.random.key(1), (2, 4, 24))
+  packed = native.pack(w, in_dims=2)
+  assert packed.panels_PxIxC.shape == (2, 24, native.PANEL)
+  assert (packed.in_shape, packed.out_shape, packed.size) == ((3, 8), (5, 6), w.size)
+  want = jnp.einsum('BTI,IF->BTF', x, w.reshape(24, 30), precision='highest').reshape(2, 4, 5, 6)
+  for use_kernel in (True, False):
+    np.testing.assert_allclose(native.matmul(x, packed, use_kernel=use_kernel), want, rtol=2e-5,
+                               atol=1e-4)
+  np.testing.assert_array_equal(native.unpack(packed), w)
+
+
+def test_pack_rejects_what_it_cannot_do():
+  with pytest.raises(ValueError, match='float32'):
+    native.pack(jnp.zeros((4, 4), jnp.bfloat16))
+  with pytest.raises(ValueError, match='in_dims'):
+    native.pack(jnp.zeros((4, 4)), in_dims=2)
+  with pytest.raises(ValueError, match='width'):
+    native.matmul(jnp.zeros((2, 5)), native.pack(jnp.zeros((4, 4))))
+  with pytest.raises(ValueError, match='instruction set'):  # Caught before the library is called.
+    native.matmul(jnp.zeros((2, 4)), native.pack(jnp.zeros((4, 4))), isa='sse9', use_kernel=True)
+
+
+@pytest.mark.parametrize('isa', ISAS)
+@pytest.mark.parametrize('T,K,G,H', [(1, 2, 3, 64), (5, 2, 3, 64), (4, 1, 6, 24), (3, 3, 1, 36),
+                                     (16, 2, 4, 8)])
+def test_decode_attention_equals_reference(isa, T, K, G, H):
+  B, S = 3, 40
+  keys = jax.random.normal(jax.random.key(0), (B, S, K, H))
+  values = jax.random.normal(jax.random.key(1), (B, S, K, H))
+  q = 3 * jax.random.normal(jax.random.key(2), (B, T, K, G, H))  # Peaked softmaxes too.
+  starts = jnp.array([0, 17, S - T], jnp.int32)
+  assert attention.use_kernel(q, keys)
+  got = jax.jit(lambda *a: attention._kernel(*a, isa))(q, keys, values, starts)  # pylint: disable=protected-access
+  want = attention.reference(q, keys, values, starts)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_falls_back_for_many_queries():
+  q = jnp.zeros((1, attention.MAX_KERNEL_QUERIES + 1, 1, 1, 8))
+  assert not attention.use_kernel(q, jnp.zeros((1, 80, 1, 8)))
+  assert not attention.use_kernel(q[:, :1], jnp.zeros((1, 80, 1, 8), jnp.bfloat16))
+
+
+def _model(dtype='float32', **overrides):
+  config = models.TransformerConfig(vocab_size=61, d_model=40, num_layers=2, num_heads=4,
+                                    num_kv_heads=2, d_ff=72, max_seq_len=64, dtype=dtype,
+                                    **overrides)
+  return models.Model(config, models.init_params(config, jax.random.key(0)))
+
+
+@pytest.mark.parametrize('overrides', [{}, dict(tie_embeddings=False), dict(mlp='gelu')])
+def test_pack_unpack_model(overrides):
+  model = _model(**overrides)
+  packed = models.pack(model)
+  assert models.is_packed(packed) and not models.is_packed(model)
+  assert models.num_params(packed.params) == models.num_params(model.params)
+  assert ('head' in packed.params) == ('head' in model.params) or model.config.tie_embeddings
+  unpacked = models.unpack(packed)
+  assert jax.tree.structure(unpacked.params) == jax.tree.structure(model.params)
+  for got, want in zip(jax.tree.leaves(unpacked.params), jax.tree.leaves(model.params)):
+    np.testing.assert_array_equal(got, want)
+
+
+def test_for_decoding_packs_float32_on_one_cpu_device_only():
+  model = _model()
+  assert models.packable(model) is None
+  assert models.is_packed(models.for_decoding(model))
+  bf16 = _model('bfloat16')
+  assert 'bfloat16' in models.packable(bf16)
+  assert models.for_decoding(bf16) is bf16
+  with pytest.raises(ValueError, match='float32'):
+    models.pack(bf16)
+
+
+@pytest.mark.parametrize('method', ['ars', 'sps'])
+def test_greedy_decoding_of_packed_model_equals_unpacked(method):
+  """Same tokens from the packed and the unpacked pair (greedy: argmax of equal logits)."""
+  target = _model()
+  draft_config = models.TransformerConfig(vocab_size=61, d_model=24, num_layers=1, num_heads=2,
+                                          d_ff=48, max_seq_len=64)
+  draft = models.Model(draft_config, models.init_params(draft_config, jax.random.key(1)))
+  prompts = jax.random.randint(jax.random.key(2), (3, 6), 0, 61)
+  lengths = jnp.array([6, 2, 4])
+  greedy = sampling.SamplingConfig(temperature=0.0)
+
+  def run(t, d):
+    if method == 'ars':
+      return sampling.autoregressive_sample(t, prompts, lengths, jax.random.key(3),
+                                            max_new_tokens=20, sampling=greedy)
+    return sampling.speculative_sample(t, d, prompts, lengths, jax.random.key(3), k=3,
+                                       max_new_tokens=20, sampling=greedy)
+
+  want = run(target, draft)
+  got = run(models.pack(target), models.pack(draft))
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+
+
+def test_sharded_placement_unpacks():
+  """On a mesh XLA's dots do the products: placing a packed model unpacks it."""
+  model = models.pack(_model())
+  placed = sampling.common.place_params(model, sharding.make_mesh(1, 2, jax.devices()[:2]))
+  assert not models.is_packed(placed)
+  assert all(len(x.devices()) == 2 for x in jax.tree.leaves(placed.params))
+  assert 'not one CPU device' in models.packable(placed)
