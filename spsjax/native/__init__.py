@@ -11,7 +11,7 @@ on TPU/GPU and for sharded models.
 
 from spsjax.native.attention import decode_attention
 from spsjax.native.library import ISAS, available, isas
-from spsjax.native.packed import MAX_KERNEL_ROWS, PANEL, PackedWeight, matmul, pack, unpack
+from spsjax.native.packed import PANEL, PackedWeight, matmul, pack, unpack
 
-__all__ = ['ISAS', 'MAX_KERNEL_ROWS', 'PANEL', 'PackedWeight', 'available', 'decode_attention',
+__all__ = ['ISAS', 'PANEL', 'PackedWeight', 'available', 'decode_attention',
            'isas', 'matmul', 'pack', 'unpack']

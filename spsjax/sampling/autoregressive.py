@@ -33,7 +33,7 @@ class _State:
 def _emit(state: _State, logits_BxV, sampling, eos_id, max_new_tokens) -> _State:
   """Samples one token per active row and records it; stopped rows are left as they are."""
   keys_B = common.step_keys(state.row_keys_B, state.num_generated_B)
-  new_B = sample(keys_B, probabilities(logits_BxV, sampling))
+  new_B = sample(keys_B, probabilities(logits_BxV, sampling), greedy=sampling.greedy)
   tokens_BxW, num_generated_B, done_B, _ = common.commit(
       state.tokens_BxW, state.num_generated_B, state.done_B, new_B[:, None],
       jnp.ones_like(new_B), eos_id=eos_id, max_new_tokens=max_new_tokens)

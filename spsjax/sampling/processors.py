@@ -150,6 +150,12 @@ def draw(key: jax.Array, weights_V: jax.Array) -> jax.Array:
   return jnp.where(first < V, first, last).astype(jnp.int32)
 
 
-def sample(keys_B: jax.Array, probs_BxV: jax.Array) -> jax.Array:
-  """int32[B]: one draw per row from its distribution, each row with its own key."""
+def sample(keys_B: jax.Array, probs_BxV: jax.Array, *, greedy: bool = False) -> jax.Array:
+  """int32[B]: one draw per row from its distribution, each row with its own key.
+
+  `greedy`: the rows are one-hot (`probabilities` at temperature 0), so the draw is their argmax,
+  found without the prefix sums of a draw.
+  """
+  if greedy:
+    return jnp.argmax(probs_BxV, axis=-1).astype(jnp.int32)
   return jax.vmap(draw)(keys_B, probs_BxV)

@@ -60,7 +60,7 @@ def _draft(draft: Model, cache: KVCache, committed_B, last2_Bx2, keys_BxK, k, sa
   logits_Bx1xV, cache = extend(draft.config, draft.params, cache, last2_Bx2,
                                logits_at_BxL=jnp.ones((B, 1), jnp.int32))  # The second token's.
   q_BxV = probabilities(logits_Bx1xV[:, 0], sampling)
-  d_B = sample(keys_BxK[:, 0], q_BxV)
+  d_B = sample(keys_BxK[:, 0], q_BxV, greedy=sampling.greedy)
   V = q_BxV.shape[-1]
   drafts_BxK = jnp.zeros((B, k), jnp.int32).at[:, 0].set(d_B)
   q_BxKxV = jnp.zeros((B, k, V), jnp.float32).at[:, 0].set(q_BxV)
@@ -69,7 +69,7 @@ def _draft(draft: Model, cache: KVCache, committed_B, last2_Bx2, keys_BxK, k, sa
     drafts_BxK, q_BxKxV, cache = carry
     logits_Bx1xV, cache = extend(draft.config, draft.params, cache, drafts_BxK[:, i - 1, None])
     q_BxV = probabilities(logits_Bx1xV[:, 0], sampling)
-    d_B = sample(keys_BxK[:, i], q_BxV)
+    d_B = sample(keys_BxK[:, i], q_BxV, greedy=sampling.greedy)
     return drafts_BxK.at[:, i].set(d_B), q_BxKxV.at[:, i].set(q_BxV), cache
 
   return jax.lax.fori_loop(1, k, step, (drafts_BxK, q_BxKxV, cache))
@@ -107,7 +107,7 @@ class Loop:
                              last_only=True)
     first_logits_BxV = first_logits_Bx1xV[:, 0]
     first_B = sample(jax.vmap(jax.random.fold_in)(row_keys_B, jnp.zeros((B,), jnp.uint32)),
-                     probabilities(first_logits_BxV, self.sampling))
+                     probabilities(first_logits_BxV, self.sampling), greedy=self.sampling.greedy)
     zeros_B = jnp.zeros((B,), jnp.int32)
     tokens_BxW, num_generated_B, done_B, _ = common.commit(
         common.output_buffer(B, self.max_new_tokens, k + 1), zeros_B, jnp.zeros((B,), bool),
