@@ -21,9 +21,11 @@ class BuildNative(build_ext):
 # spsjax/native, each compiled for AVX-512, AVX2 and the baseline (spsjax/native/library.py).
 native = setuptools.Extension(
     'spsjax.native._kernels',
-    sources=['spsjax/native/packed_matmul.cc', 'spsjax/native/decode_attention.cc'],
-    depends=['spsjax/native/parallel.h', 'spsjax/native/packed_matmul_kernel.inc',
-             'spsjax/native/decode_attention_kernel.inc'],
+    sources=['spsjax/native/packed_matmul.cc', 'spsjax/native/decode_attention.cc',
+             'spsjax/native/sampling.cc'],
+    depends=['spsjax/native/parallel.h', 'spsjax/native/vector_math.inc',
+             'spsjax/native/packed_matmul_kernel.inc', 'spsjax/native/decode_attention_kernel.inc',
+             'spsjax/native/sampling_kernel.inc'],
     language='c++',
     extra_compile_args=['-O3', '-std=c++17', '-fno-math-errno', '-Wno-attributes',
                         '-Wno-return-type',

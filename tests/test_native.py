@@ -12,6 +12,7 @@ import pytest
 
 from spsjax import models, native, sampling, sharding
 from spsjax.native import attention
+from spsjax.sampling import processors
 
 ISAS = native.isas()
 
@@ -139,3 +140,27 @@ def test_sharded_placement_unpacks():
   assert not models.is_packed(placed)
   assert all(len(x.devices()) == 2 for x in jax.tree.leaves(placed.params))
   assert 'not one CPU device' in models.packable(placed)
+
+
+@pytest.mark.parametrize('isa', ISAS)
+@pytest.mark.parametrize('settings', [dict(temperature=1.0), dict(temperature=0.8, top_p=0.95),
+                                      dict(temperature=0.7, top_k=50, top_p=0.8),
+                                      dict(temperature=1.3, top_k=3), dict(temperature=0.0),
+                                      dict(temperature=2.0, top_p=0.3)])
+@pytest.mark.parametrize('V', [4096, 37])
+def test_probabilities_kernel_equals_processors(isa, settings, V):
+  """Same distribution (support exactly, values to float rounding) and the same draws from the
+  same uniforms as `spsjax.sampling.processors`, ties included (ranked by id)."""
+  sampling_config = sampling.SamplingConfig(**settings)
+  logits = 3 * jax.random.normal(jax.random.key(0), (40, V))
+  logits = logits.at[:20, :10].set(4.0).at[20:, 5:9].set(jnp.max(logits[20:], axis=1)[:, None])
+  uniforms = jax.random.uniform(jax.random.key(1), (40,))
+  probs, tokens = jax.jit(lambda l, u: native.probabilities_and_draw(
+      l, u, temperature=sampling_config.temperature, top_k=sampling_config.top_k,
+      top_p=sampling_config.top_p, isa=isa))(logits, uniforms)
+  want = processors.probabilities(logits, sampling_config)
+  np.testing.assert_array_equal(probs > 0, want > 0)
+  np.testing.assert_allclose(probs, want, rtol=1e-5, atol=1e-6)
+  want_tokens = jax.vmap(processors._draw_with)(uniforms, want)  # pylint: disable=protected-access
+  assert np.mean(np.asarray(tokens) == np.asarray(want_tokens)) >= 0.95
+  assert np.all(np.asarray(want)[np.arange(40), np.asarray(tokens)] > 0)

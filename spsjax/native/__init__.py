@@ -2,7 +2,8 @@
 
 - `library`: finds the built library, registers its FFI targets, says which instruction sets run;
 - `packed`: weights packed in panels (`PackedWeight`) and the product against them;
-- `attention`: a few new positions attending over the KV cache.
+- `attention`: a few new positions attending over the KV cache;
+- `distribution`: the sampling distribution (temperature, top-k, top-p) and a draw from it.
 
 The model asks for a product or an attention and never for a kernel: each function falls back to
 XLA's ops for many rows, on other platforms and without the library. XLA's own ops stay the path
@@ -10,8 +11,9 @@ on TPU/GPU and for sharded models.
 """
 
 from spsjax.native.attention import decode_attention
+from spsjax.native.distribution import probabilities_and_draw
 from spsjax.native.library import ISAS, available, isas
 from spsjax.native.packed import PANEL, PackedWeight, matmul, pack, unpack
 
 __all__ = ['ISAS', 'PANEL', 'PackedWeight', 'available', 'decode_attention',
-           'isas', 'matmul', 'pack', 'unpack']
+           'isas', 'matmul', 'pack', 'probabilities_and_draw', 'unpack']

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from spsjax import sharding
 from spsjax.models import KVCache, Model, extend, kv_cache, prefill
 from spsjax.sampling import common
-from spsjax.sampling.processors import SamplingConfig, probabilities, sample
+from spsjax.sampling.processors import SamplingConfig, probabilities_and_sample
 
 trace_count = 0  # Incremented each time the program is traced; tests assert it stays put.
 
@@ -30,10 +30,10 @@ class _State:
   row_keys_B: jax.Array
 
 
-def _emit(state: _State, logits_BxV, sampling, eos_id, max_new_tokens) -> _State:
+def _emit(state: _State, logits_BxV, sampling, eos_id, max_new_tokens, native_kernel) -> _State:
   """Samples one token per active row and records it; stopped rows are left as they are."""
   keys_B = common.step_keys(state.row_keys_B, state.num_generated_B)
-  new_B = sample(keys_B, probabilities(logits_BxV, sampling), greedy=sampling.greedy)
+  _, new_B = probabilities_and_sample(keys_B, logits_BxV, sampling, native_kernel=native_kernel)
   tokens_BxW, num_generated_B, done_B, _ = common.commit(
       state.tokens_BxW, state.num_generated_B, state.done_B, new_B[:, None],
       jnp.ones_like(new_B), eos_id=eos_id, max_new_tokens=max_new_tokens)
@@ -63,7 +63,8 @@ def _program(model: Model, prompts_BxP, prompt_lengths_B, rng, *, max_new_tokens
       done_B=jnp.zeros((B,), bool),
       cache=cache,
       row_keys_B=common.row_keys(rng, B))
-  state = _emit(state, last_logits_BxV, sampling, eos_id, max_new_tokens)
+  native_kernel = mesh is None  # The native sampling kernel runs on one device.
+  state = _emit(state, last_logits_BxV, sampling, eos_id, max_new_tokens, native_kernel)
 
   def cond(state):
     return ~jnp.all(state.done_B)
@@ -73,7 +74,8 @@ def _program(model: Model, prompts_BxP, prompt_lengths_B, rng, *, max_new_tokens
     logits_Bx1xV, cache = extend(config, params, state.cache, _last_tokens(state)[:, None])
     cache = kv_cache.constrain(cache.with_lengths(jnp.where(state.done_B, lengths_B,
                                                             cache.lengths)), mesh, rules)
-    return _emit(state.replace(cache=cache), logits_Bx1xV[:, 0], sampling, eos_id, max_new_tokens)
+    return _emit(state.replace(cache=cache), logits_Bx1xV[:, 0], sampling, eos_id, max_new_tokens,
+                 native_kernel)
 
   state = jax.lax.while_loop(cond, body, state)
   return common.SampleOutput(tokens=state.tokens_BxW[:, :max_new_tokens], num_generated=state.num_generated_B)

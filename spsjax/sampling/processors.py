@@ -9,12 +9,20 @@ Cost on CPUs matters here: SpS runs these on 2k + 1 vocabulary rows per loop. XL
 cumulative sum of a vocabulary row take 100s of microseconds (the sort ~1 ms), and
 `jax.random.categorical` makes V random numbers per draw. So nothing here sorts, prefix sums are
 two small triangular matrix products (`_cumsum`), and a draw uses one uniform number.
+
+`native=True` (a sampler on one CPU device) computes the same law with the native kernel
+(`spsjax.native.distribution`, one pass instead of XLA's tens of vocabulary-wide ops), from the
+same uniform number per draw, so both paths draw the same token but where float rounding puts a
+boundary between two.
 """
 
 import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from spsjax import native
+from spsjax.native import library
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,15 +147,57 @@ def draw(key: jax.Array, weights_V: jax.Array) -> jax.Array:
   Only tokens of positive weight can be drawn, whatever the rounding (if rounding leaves no prefix
   above u * total, the last token of positive weight).
   """
+  return _draw_with(jax.random.uniform(key, (), jnp.float32), weights_V)
+
+
+def _draw_with(u: jax.Array, weights_V: jax.Array) -> jax.Array:
+  """`draw` with its uniform number u given."""
   V = weights_V.shape[-1]
   weights_V = weights_V.astype(jnp.float32)
   cdf_V = _cumsum(weights_V)
-  u = jax.random.uniform(key, (), jnp.float32)
   ids_V = jnp.arange(V, dtype=jnp.int32)
   positive_V = weights_V > 0
   first = jnp.min(jnp.where(positive_V & (cdf_V > u * cdf_V[-1]), ids_V, V))
   last = jnp.max(jnp.where(positive_V, ids_V, -1))
   return jnp.where(first < V, first, last).astype(jnp.int32)
+
+
+def _uniforms(keys_B: jax.Array) -> jax.Array:
+  """The uniform number `draw` uses for each key."""
+  return jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys_B)
+
+
+def _native(logits_BxV, uniforms_B, sampling: SamplingConfig):
+  """The kernel on the CPU; XLA's ops (the same law) on any other platform."""
+  kernel = lambda ops: native.probabilities_and_draw(
+      ops[0], ops[1], temperature=sampling.temperature, top_k=sampling.top_k,
+      top_p=sampling.top_p)
+
+  def xla(ops):
+    probs_BxV = probabilities(ops[0], sampling)
+    return probs_BxV, jax.vmap(_draw_with)(ops[1], probs_BxV)
+
+  return library.on_cpu((logits_BxV.astype(jnp.float32), uniforms_B), kernel, xla)
+
+
+def probabilities_and_sample(keys_B: jax.Array, logits_BxV: jax.Array, sampling: SamplingConfig,
+                             *, native_kernel: bool = False) -> tuple[jax.Array, jax.Array]:
+  """(float32[B, V] `probabilities`, int32[B] one draw per row with its key), by the native
+  kernel when `native_kernel` and it is built, else by XLA's ops."""
+  if native_kernel and library.available():
+    return _native(logits_BxV, _uniforms(keys_B), sampling)
+  probs_BxV = probabilities(logits_BxV, sampling)
+  return probs_BxV, sample(keys_B, probs_BxV, greedy=sampling.greedy)
+
+
+def native_probabilities(logits_xV: jax.Array, sampling: SamplingConfig) -> jax.Array:
+  """`probabilities` by the native kernel where it is built (any leading shape)."""
+  if not library.available():
+    return probabilities(logits_xV, sampling)
+  lead, V = logits_xV.shape[:-1], logits_xV.shape[-1]
+  logits_RxV = logits_xV.reshape(-1, V)
+  probs_RxV, _ = _native(logits_RxV, jnp.zeros(logits_RxV.shape[:1], jnp.float32), sampling)
+  return probs_RxV.reshape(lead + (V,))
 
 
 def sample(keys_B: jax.Array, probs_BxV: jax.Array, *, greedy: bool = False) -> jax.Array:

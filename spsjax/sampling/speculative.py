@@ -29,7 +29,8 @@ from jax.sharding import Mesh
 from spsjax import sharding
 from spsjax.models import KVCache, Model, extend, kv_cache, prefill
 from spsjax.sampling import common
-from spsjax.sampling.processors import SamplingConfig, probabilities, sample
+from spsjax.sampling.processors import (SamplingConfig, native_probabilities, probabilities,
+                                        probabilities_and_sample)
 from spsjax.sampling.rejection import accept_and_resample_rows
 
 trace_count = 0  # Incremented each time the program is traced; tests assert it stays put.
@@ -53,14 +54,15 @@ def headroom(k: int) -> int:
   return k - 1
 
 
-def _draft(draft: Model, cache: KVCache, committed_B, last2_Bx2, keys_BxK, k, sampling):
+def _draft(draft: Model, cache: KVCache, committed_B, last2_Bx2, keys_BxK, k, sampling,
+           native_kernel):
   """k draft tokens per row: (drafts int32[B, k], q float32[B, k, V], draft cache)."""
   cache = cache.with_lengths(committed_B - 2)
   B = last2_Bx2.shape[0]
   logits_Bx1xV, cache = extend(draft.config, draft.params, cache, last2_Bx2,
                                logits_at_BxL=jnp.ones((B, 1), jnp.int32))  # The second token's.
-  q_BxV = probabilities(logits_Bx1xV[:, 0], sampling)
-  d_B = sample(keys_BxK[:, 0], q_BxV, greedy=sampling.greedy)
+  q_BxV, d_B = probabilities_and_sample(keys_BxK[:, 0], logits_Bx1xV[:, 0], sampling,
+                                        native_kernel=native_kernel)
   V = q_BxV.shape[-1]
   drafts_BxK = jnp.zeros((B, k), jnp.int32).at[:, 0].set(d_B)
   q_BxKxV = jnp.zeros((B, k, V), jnp.float32).at[:, 0].set(q_BxV)
@@ -68,8 +70,8 @@ def _draft(draft: Model, cache: KVCache, committed_B, last2_Bx2, keys_BxK, k, sa
   def step(i, carry):
     drafts_BxK, q_BxKxV, cache = carry
     logits_Bx1xV, cache = extend(draft.config, draft.params, cache, drafts_BxK[:, i - 1, None])
-    q_BxV = probabilities(logits_Bx1xV[:, 0], sampling)
-    d_B = sample(keys_BxK[:, i], q_BxV, greedy=sampling.greedy)
+    q_BxV, d_B = probabilities_and_sample(keys_BxK[:, i], logits_Bx1xV[:, 0], sampling,
+                                          native_kernel=native_kernel)
     return drafts_BxK.at[:, i].set(d_B), q_BxKxV.at[:, i].set(q_BxV), cache
 
   return jax.lax.fori_loop(1, k, step, (drafts_BxK, q_BxKxV, cache))
@@ -95,6 +97,11 @@ class Loop:
   mesh: Mesh | None = None
   rules: sharding.Rules = sharding.DEFAULT_RULES
 
+  @property
+  def native_kernel(self) -> bool:
+    """Whether the native sampling kernel computes the distributions (one device: no mesh)."""
+    return self.mesh is None
+
   def init(self, target: Model, draft: Model, prompts_BxP, prompt_lengths_B, rng) -> _State:
     """Prefills both models; the first token comes from the target's prefill logits."""
     k, mesh, rules = self.k, self.mesh, self.rules
@@ -106,8 +113,9 @@ class Loop:
     _, draft_cache = prefill(draft.config, draft.params, prompts_BxP, prompt_lengths_B, capacity,
                              last_only=True)
     first_logits_BxV = first_logits_Bx1xV[:, 0]
-    first_B = sample(jax.vmap(jax.random.fold_in)(row_keys_B, jnp.zeros((B,), jnp.uint32)),
-                     probabilities(first_logits_BxV, self.sampling), greedy=self.sampling.greedy)
+    _, first_B = probabilities_and_sample(
+        jax.vmap(jax.random.fold_in)(row_keys_B, jnp.zeros((B,), jnp.uint32)), first_logits_BxV,
+        self.sampling, native_kernel=self.native_kernel)
     zeros_B = jnp.zeros((B,), jnp.int32)
     tokens_BxW, num_generated_B, done_B, _ = common.commit(
         common.output_buffer(B, self.max_new_tokens, k + 1), zeros_B, jnp.zeros((B,), bool),
@@ -134,7 +142,7 @@ class Loop:
     with jax.named_scope('draft'):
       drafts_BxK, q_BxKxV, draft_cache = _draft(
           draft, state.draft_cache, committed_B, jnp.stack([second_last_B, last_B], axis=1),
-          draft_keys_BxK, k, self.draft_sampling)
+          draft_keys_BxK, k, self.draft_sampling, self.native_kernel)
 
     with jax.named_scope('score'):  # The target cache holds committed - 1 tokens.
       logits_BxKp1xV, target_cache = extend(
@@ -142,7 +150,8 @@ class Loop:
           jnp.concatenate([last_B[:, None], drafts_BxK], axis=1))
 
     with jax.named_scope('accept'):
-      p_BxKp1xV = probabilities(logits_BxKp1xV, self.sampling)
+      p_BxKp1xV = (native_probabilities(logits_BxKp1xV, self.sampling) if self.native_kernel
+                   else probabilities(logits_BxKp1xV, self.sampling))
       n_B, token_B = accept_and_resample_rows(accept_keys_B, p_BxKp1xV, q_BxKxV, drafts_BxK)
       block_BxKp1 = jnp.where(jnp.arange(k + 1)[None, :] < n_B[:, None],
                               jnp.pad(drafts_BxK, ((0, 0), (0, 1))), token_B[:, None])
