@@ -154,6 +154,7 @@ def test_probabilities_kernel_equals_processors(isa, settings, V):
   sampling_config = sampling.SamplingConfig(**settings)
   logits = 3 * jax.random.normal(jax.random.key(0), (40, V))
   logits = logits.at[:20, :10].set(4.0).at[20:, 5:9].set(jnp.max(logits[20:], axis=1)[:, None])
+  logits = logits.at[39].set(0.0)  # A flat row: the whole vocabulary ties.
   uniforms = jax.random.uniform(jax.random.key(1), (40,))
   probs, tokens = jax.jit(lambda l, u: native.probabilities_and_draw(
       l, u, temperature=sampling_config.temperature, top_k=sampling_config.top_k,
