@@ -31,13 +31,11 @@ def reference(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, starts_B):
 
 
 def _kernel(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, starts_B, isa):
-  B, T, K, G, H = q_BxTxKxGxH.shape
-  q_BxKxJxH = q_BxTxKxGxH.transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)
-  out = jax.ShapeDtypeStruct(q_BxKxJxH.shape, jnp.float32)
-  out_BxKxJxH = jax.ffi.ffi_call('spsjax_decode_attention', out, vmap_method='sequential')(
-      q_BxKxJxH.astype(jnp.float32), keys_BxSxKxH, values_BxSxKxH, starts_B.astype(jnp.int32),
-      groups=np.int32(G), scale=np.float32(H**-0.5), isa=np.int32(library.isa_code(isa)))
-  return out_BxKxJxH.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4)
+  H = q_BxTxKxGxH.shape[-1]
+  out = jax.ShapeDtypeStruct(q_BxTxKxGxH.shape, jnp.float32)
+  return jax.ffi.ffi_call('spsjax_decode_attention', out, vmap_method='sequential')(
+      q_BxTxKxGxH.astype(jnp.float32), keys_BxSxKxH, values_BxSxKxH, starts_B.astype(jnp.int32),
+      scale=np.float32(H**-0.5), isa=np.int32(library.isa_code(isa)))
 
 
 def use_kernel(q_BxTxKxGxH, keys_BxSxKxH) -> bool:

@@ -69,18 +69,18 @@ constexpr int64_t kMinParallelWork = 1 << 15;
 ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
                                ffi::Buffer<ffi::S32> starts, ffi::ResultBuffer<ffi::F32> out,
-                               int32_t groups, float scale, int32_t isa) {
+                               float scale, int32_t isa) {
   const auto q_dims = q.dimensions();
   const auto k_dims = keys.dimensions();
-  if (q_dims.size() != 4 || k_dims.size() != 4 || !SameDims(values.dimensions(), k_dims) ||
+  if (q_dims.size() != 5 || k_dims.size() != 4 || !SameDims(values.dimensions(), k_dims) ||
       starts.dimensions().size() != 1 || !SameDims(out->dimensions(), q_dims)) {
     return ffi::Error::InvalidArgument(
-        "decode_attention: want q [B, K, J, H], keys and values [B, S, K, H], starts [B], "
+        "decode_attention: want q [B, T, K, G, H], keys and values [B, S, K, H], starts [B], "
         "out like q.");
   }
-  const int64_t B = q_dims[0], K = q_dims[1], J = q_dims[2], H = q_dims[3], S = k_dims[1];
-  if (k_dims[0] != B || k_dims[2] != K || k_dims[3] != H || starts.dimensions()[0] != B ||
-      groups < 1 || J % groups) {
+  const int64_t B = q_dims[0], T = q_dims[1], K = q_dims[2], G = q_dims[3], H = q_dims[4];
+  const int64_t S = k_dims[1], J = T * G;
+  if (k_dims[0] != B || k_dims[2] != K || k_dims[3] != H || starts.dimensions()[0] != B) {
     return ffi::Error::InvalidArgument("decode_attention: shapes do not agree.");
   }
   if (isa == spsjax::kBest) isa = spsjax::Best();
@@ -90,7 +90,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   }
   const int32_t* starts_data = starts.typed_data();
   for (int64_t b = 0; b < B; ++b) {
-    if (starts_data[b] < 0 || starts_data[b] + J / groups > S) {
+    if (starts_data[b] < 0 || starts_data[b] + T > S) {
       return ffi::Error::InvalidArgument("decode_attention: a row's positions exceed the cache.");
     }
   }
@@ -102,14 +102,26 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int64_t work = B * K * J * S * H;
   const int64_t threads = work < kMinParallelWork ? 1 : spsjax::MaxThreads(pool);
   spsjax::ParallelFor(pool, B * K, threads, [=](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scores;
+    // One (row, kv head)'s queries are G consecutive rows of H at each of the T positions:
+    // gathered into [J, H] (j = t * G + g) for the kernel, and its outputs scattered back.
+    thread_local std::vector<float> scores, q_rows, out_rows;
+    q_rows.resize(J * H);
+    out_rows.resize(J * H);
     for (int64_t bk = begin; bk < end; ++bk) {
-      const int64_t b = bk / K;
-      const int64_t n = std::min<int64_t>(S, starts_data[b] + J / groups);
+      const int64_t b = bk / K, k = bk % K;
+      const int64_t n = std::min<int64_t>(S, starts_data[b] + T);
       if (static_cast<int64_t>(scores.size()) < J * n) scores.resize(J * n);
-      const int64_t offset = (b * S * K + bk % K) * H;  // Slot 0 of row b, head k.
-      kernel(q_data + bk * J * H, k_data + offset, v_data + offset, K * H, J, groups, H, S,
-             starts_data[b], scale, scores.data(), out_data + bk * J * H);
+      for (int64_t t = 0; t < T; ++t) {
+        const float* src = q_data + ((b * T + t) * K + k) * G * H;
+        std::copy(src, src + G * H, q_rows.data() + t * G * H);
+      }
+      const int64_t offset = (b * S * K + k) * H;  // Slot 0 of row b, head k.
+      kernel(q_rows.data(), k_data + offset, v_data + offset, K * H, J, G, H, S,
+             starts_data[b], scale, scores.data(), out_rows.data());
+      for (int64_t t = 0; t < T; ++t) {
+        std::copy(out_rows.data() + t * G * H, out_rows.data() + (t + 1) * G * H,
+                  out_data + ((b * T + t) * K + k) * G * H);
+      }
     }
   });
   return ffi::Error::Success();
@@ -125,6 +137,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxDecodeAttention, DecodeAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("groups")
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("isa"));
