@@ -20,44 +20,11 @@ namespace {
 using HeadFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t,
                         int64_t, int64_t, int64_t, float, float*, float*);
 
-namespace baseline {
-#define SPSJAX_LANES 4
-#include "decode_attention_kernel.inc"
-#undef SPSJAX_LANES
-}  // namespace baseline
+#define SPSJAX_KERNEL_FILE "decode_attention_kernel.inc"
+#include "variants.inc"
+#undef SPSJAX_KERNEL_FILE
 
-#if defined(__x86_64__)
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-namespace avx2 {
-#define SPSJAX_LANES 8
-#include "decode_attention_kernel.inc"
-#undef SPSJAX_LANES
-}  // namespace avx2
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx2,fma")
-namespace avx512 {
-#define SPSJAX_LANES 16
-#include "decode_attention_kernel.inc"
-#undef SPSJAX_LANES
-}  // namespace avx512
-#pragma GCC pop_options
-#endif
-
-HeadFn Kernel(int32_t isa) {
-  switch (isa) {
-#if defined(__x86_64__)
-    case spsjax::kAvx512:
-      return avx512::AttendHead;
-    case spsjax::kAvx2:
-      return avx2::AttendHead;
-#endif
-    default:
-      return baseline::AttendHead;
-  }
-}
+HeadFn Kernel(int32_t isa) { return SPSJAX_BY_ISA(isa, AttendHead); }
 
 bool SameDims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
   return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
@@ -83,8 +50,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   if (k_dims[0] != B || k_dims[2] != K || k_dims[3] != H || starts.dimensions()[0] != B) {
     return ffi::Error::InvalidArgument("decode_attention: shapes do not agree.");
   }
-  if (isa == spsjax::kBest) isa = spsjax::Best();
-  if (!spsjax::Supported(isa)) {
+  if (!spsjax::Resolve(&isa)) {
     return ffi::Error::InvalidArgument(
         "decode_attention: this CPU lacks the instruction set asked.");
   }

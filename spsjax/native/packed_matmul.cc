@@ -24,50 +24,11 @@ constexpr int kPanel = 16;
 using PanelsFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*, int64_t,
                           int64_t);
 
-namespace baseline {
-#define SPSJAX_LANES 4
-#define SPSJAX_MAX_ROWS 3
-#include "packed_matmul_kernel.inc"
-#undef SPSJAX_LANES
-#undef SPSJAX_MAX_ROWS
-}  // namespace baseline
+#define SPSJAX_KERNEL_FILE "packed_matmul_kernel.inc"
+#include "variants.inc"
+#undef SPSJAX_KERNEL_FILE
 
-#if defined(__x86_64__)
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-namespace avx2 {
-#define SPSJAX_LANES 8
-#define SPSJAX_MAX_ROWS 6
-#include "packed_matmul_kernel.inc"
-#undef SPSJAX_LANES
-#undef SPSJAX_MAX_ROWS
-}  // namespace avx2
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx2,fma")
-namespace avx512 {
-#define SPSJAX_LANES 16
-#define SPSJAX_MAX_ROWS 8
-#include "packed_matmul_kernel.inc"
-#undef SPSJAX_LANES
-#undef SPSJAX_MAX_ROWS
-}  // namespace avx512
-#pragma GCC pop_options
-#endif
-
-PanelsFn Kernel(int32_t isa) {
-  switch (isa) {
-#if defined(__x86_64__)
-    case spsjax::kAvx512:
-      return avx512::Panels;
-    case spsjax::kAvx2:
-      return avx2::Panels;
-#endif
-    default:
-      return baseline::Panels;
-  }
-}
+PanelsFn Kernel(int32_t isa) { return SPSJAX_BY_ISA(isa, Panels); }
 
 // Below this many weight floats a call runs on the calling thread: waking a pool thread costs more.
 constexpr int64_t kMinParallelWeights = 1 << 16;
@@ -85,8 +46,7 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (w_dims[0] != num_panels || w_dims[1] != d_in || w_dims[2] != kPanel || y_dims[0] != rows) {
     return ffi::Error::InvalidArgument("packed_matmul: shapes of x, w and y do not agree.");
   }
-  if (isa == spsjax::kBest) isa = spsjax::Best();
-  if (!spsjax::Supported(isa)) {
+  if (!spsjax::Resolve(&isa)) {
     return ffi::Error::InvalidArgument("packed_matmul: this CPU lacks the instruction set asked.");
   }
   const PanelsFn kernel = Kernel(isa);

@@ -40,6 +40,12 @@ inline int32_t Best() {
   return kBaseline;
 }
 
+// Replaces kBest by the best instruction set; false if this CPU lacks the one asked.
+inline bool Resolve(int32_t* isa) {
+  if (*isa == kBest) *isa = Best();
+  return Supported(*isa);
+}
+
 // Threads a call may use: XLA's intra-op pool, capped by SPSJAX_NATIVE_THREADS when it is set.
 inline int64_t MaxThreads(xla::ffi::ThreadPool& pool) {
   static const int64_t cap = [] {

@@ -17,44 +17,11 @@ namespace {
 using RowFn = int32_t (*)(const float*, int64_t, float, int64_t, float, float, float*,
                           std::vector<float>&, std::vector<float>&, std::vector<int32_t>&);
 
-namespace baseline {
-#define SPSJAX_LANES 4
-#include "sampling_kernel.inc"
-#undef SPSJAX_LANES
-}  // namespace baseline
+#define SPSJAX_KERNEL_FILE "sampling_kernel.inc"
+#include "variants.inc"
+#undef SPSJAX_KERNEL_FILE
 
-#if defined(__x86_64__)
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-namespace avx2 {
-#define SPSJAX_LANES 8
-#include "sampling_kernel.inc"
-#undef SPSJAX_LANES
-}  // namespace avx2
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx2,fma")
-namespace avx512 {
-#define SPSJAX_LANES 16
-#include "sampling_kernel.inc"
-#undef SPSJAX_LANES
-}  // namespace avx512
-#pragma GCC pop_options
-#endif
-
-RowFn Kernel(int32_t isa) {
-  switch (isa) {
-#if defined(__x86_64__)
-    case spsjax::kAvx512:
-      return avx512::ProcessRow;
-    case spsjax::kAvx2:
-      return avx2::ProcessRow;
-#endif
-    default:
-      return baseline::ProcessRow;
-  }
-}
+RowFn Kernel(int32_t isa) { return SPSJAX_BY_ISA(isa, ProcessRow); }
 
 // Below this many logits a call runs on the calling thread.
 constexpr int64_t kMinParallelLogits = 1 << 14;
@@ -74,8 +41,7 @@ ffi::Error ProbabilitiesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
   if (!(temperature >= 0.0f) || top_k < 0 || !(top_p > 0.0f && top_p <= 1.0f)) {
     return ffi::Error::InvalidArgument("probabilities: bad sampling settings.");
   }
-  if (isa == spsjax::kBest) isa = spsjax::Best();
-  if (!spsjax::Supported(isa)) {
+  if (!spsjax::Resolve(&isa)) {
     return ffi::Error::InvalidArgument("probabilities: this CPU lacks the instruction set asked.");
   }
   const int64_t R = dims[0], V = dims[1];
