@@ -27,6 +27,7 @@ _PRESET = {'target': 'target', 'draft_wide': 'draft', 'draft_deep': 'draft_deep'
 # Per size: batch (sequences), sequence length, steps, warm-up, peak learning rate.
 _SIZES = {
     'tiny': dict(batch_size=16, seq_len=128, steps=600, warmup_steps=60, learning_rate=3e-3),
+    'demo': dict(batch_size=16, seq_len=128, steps=300, warmup_steps=30, learning_rate=2e-3),
     # Reference: 600 steps (~35 min for the target alone on 2 cores, so that target, draft and
     # the README's tables fit one working session); peak 1e-3, since at 2e-3 the held-out loss of
     # an earlier 1200-step run stalled near 4.99 for 240 steps.

@@ -25,3 +25,21 @@ def test_bad_prompts():
     prompts.encode_prompts(tok, [])
   with pytest.raises(ValueError, match=r'Prompts \[1\] encode to no tokens'):
     prompts.encode_prompts(tok, ['x', ''])
+
+
+def test_bucket_widths_are_few_and_hold_the_prompt():
+  widths = [prompts.bucket_width(n) for n in range(1, 600)]
+  assert all(w >= n for n, w in zip(range(1, 600), widths))
+  assert all(w - n < 64 for n, w in zip(range(129, 600), widths[128:]))  # At most 63 padding.
+  assert sorted(set(widths[:128])) == [16, 32, 64, 128]
+  assert len(set(widths)) == 4 + (600 - 128 + 63) // 64
+
+
+def test_for_call_cuts_a_call_to_its_own_width():
+  ids = np.arange(3 * 300, dtype=np.int32).reshape(3, 300)
+  lengths = np.array([20, 290, 40], np.int32)
+  cut, cut_lengths = prompts.for_call(ids, lengths, [0, 2])
+  assert cut.shape == (2, 64) and cut_lengths.tolist() == [20, 40]
+  np.testing.assert_array_equal(cut, ids[[0, 2], :64])
+  assert prompts.for_call(ids, lengths, [1])[0].shape == (1, 300)  # Never wider than the input.
+  assert prompts.for_call(ids, lengths, [0])[0].shape == (1, 32)

@@ -24,4 +24,4 @@ def test_sample_sps_on_random_models():
 
 def test_bad_config_argument_is_a_clear_error():
   run = _run('experiments/train.py', '--config=configs/train.py:size=huge')
-  assert run.returncode != 0 and "size must be one of ['reference', 'tiny']" in run.stderr
+  assert run.returncode != 0 and "size must be one of ['demo', 'reference', 'tiny']" in run.stderr

@@ -34,6 +34,35 @@ def test_packed_matmul_equals_dot(isa, d_in, d_out, rows):
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.sqrt(d_in))
 
 
+@pytest.mark.parametrize('isa', ISAS)
+@pytest.mark.parametrize('d_in,d_out', [(96, 160), (40, 37)])
+@pytest.mark.parametrize('rows', [1, 5, 9])
+def test_packed_matmul_prologues_and_residual(isa, d_in, d_out, rows):
+  """rms_norm(x) @ w, silu_gate(x) @ w, and + residual, against the same XLA ops."""
+  keys = jax.random.split(jax.random.key(rows), 4)
+  w_IxF = jax.random.normal(keys[0], (d_in, d_out))
+  packed = native.pack(w_IxF)
+  x_RxI = 3 * jax.random.normal(keys[1], (rows, d_in))
+  scale_I = 1 + jax.random.normal(keys[2], (d_in,))
+  residual_RxF = jax.random.normal(keys[3], (rows, d_out))
+  # Gates far in both tails too: the kernel's sigmoid must not overflow.
+  gate_in_Rx2xI = jnp.stack([x_RxI.at[:, 0].set(-100.0).at[:, 1].set(100.0), x_RxI[::-1]], axis=1)
+  dot = lambda a, b: jnp.dot(a, b, precision='highest')
+  cases = [
+      (x_RxI, dict(norm=(scale_I, 1e-5)), dot(native.rms_norm(x_RxI, scale_I, 1e-5), w_IxF)),
+      (gate_in_Rx2xI, dict(gated=True), dot(native.silu_gate(gate_in_Rx2xI), w_IxF)),
+      (x_RxI, dict(residual=residual_RxF), residual_RxF + dot(x_RxI, w_IxF)),
+      (gate_in_Rx2xI, dict(gated=True, residual=residual_RxF),
+       residual_RxF + dot(native.silu_gate(gate_in_Rx2xI), w_IxF)),
+  ]
+  for x, options, want in cases:
+    for use_kernel in (True, False):
+      got = jax.jit(lambda x, p, o=options, k=use_kernel: native.matmul(
+          x, p, isa=isa, use_kernel=k, **o))(x, packed)
+      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(d_in),
+                                 err_msg=f'{sorted(options)} kernel={use_kernel}')
+
+
 def test_packed_matmul_leading_and_output_dims_and_xla_path():
   w = jax.random.normal(jax.random.key(0), (3, 8, 5, 6))  # in (3, 8), out (5, 6).
   x = jax.random.normal(jax.random.key(1), (2, 4, 24))
@@ -54,6 +83,15 @@ def test_pack_rejects_what_it_cannot_do():
     native.pack(jnp.zeros((4, 4)), in_dims=2)
   with pytest.raises(ValueError, match='width'):
     native.matmul(jnp.zeros((2, 5)), native.pack(jnp.zeros((4, 4))))
+  with pytest.raises(ValueError, match='width'):  # gated wants [..., 2, I].
+    native.matmul(jnp.zeros((2, 3, 4)), native.pack(jnp.zeros((4, 4))), gated=True)
+  with pytest.raises(ValueError, match='one prologue'):
+    native.matmul(jnp.zeros((2, 2, 4)), native.pack(jnp.zeros((4, 4))), gated=True,
+                  norm=(jnp.ones(4), 1e-6))
+  with pytest.raises(ValueError, match='Norm scale'):
+    native.matmul(jnp.zeros((2, 4)), native.pack(jnp.zeros((4, 4))), norm=(jnp.ones(3), 1e-6))
+  with pytest.raises(ValueError, match='Residual'):
+    native.matmul(jnp.zeros((2, 4)), native.pack(jnp.zeros((4, 3))), residual=jnp.zeros((2, 4)))
   with pytest.raises(ValueError, match='instruction set'):  # Caught before the library is called.
     native.matmul(jnp.zeros((2, 4)), native.pack(jnp.zeros((4, 4))), isa='sse9', use_kernel=True)
 

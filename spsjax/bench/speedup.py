@@ -159,13 +159,12 @@ def run_row(target: models.Model, draft: models.Model | None, tok: Tokenizer, ta
   beta = [0.0, 0]
 
   def run(i):
-    rows = rows_of(i)
+    prompts_BxP, lengths_B = prompts_lib.for_call(prompts_NxP, lengths_N, rows_of(i))
     key = jax.random.fold_in(jax.random.key(seed), i)
     kw = dict(max_new_tokens=task.max_new_tokens, sampling=sampling_config, eos_id=tok.eos_id)
     if draft is None:
-      return sampling.autoregressive_sample(target, prompts_NxP[rows], lengths_N[rows], key, **kw)
-    return sampling.speculative_sample(target, draft, prompts_NxP[rows], lengths_N[rows], key,
-                                       k=k, **kw)
+      return sampling.autoregressive_sample(target, prompts_BxP, lengths_B, key, **kw)
+    return sampling.speculative_sample(target, draft, prompts_BxP, lengths_B, key, k=k, **kw)
 
   def collect(i, out):
     rows = rows_of(i)
@@ -178,7 +177,9 @@ def run_row(target: models.Model, draft: models.Model | None, tok: Tokenizer, ta
       beta[0] += total
       beta[1] += count
 
-  result = timing.time_calls(run, num_calls, bucket=lambda i: 'all', k=k if draft else 0,
+  # One compiled program per padded width (`prompts.for_call`), compiled before it is timed.
+  width = lambda i: prompts_lib.for_call(prompts_NxP, lengths_N, rows_of(i))[0].shape[1]
+  result = timing.time_calls(run, num_calls, bucket=width, k=k if draft else 0,
                              on_output=collect)
   metric, values, extra = score(task, completions)
   return Row(task=task.name, decoding=decoding, batch=batch, method='SpS' if draft else 'ArS',

@@ -17,6 +17,7 @@ import numpy as np
 
 from spsjax import models, sampling
 from spsjax.bench import timing
+from spsjax.data import prompts as prompts_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,14 +46,16 @@ def run_point(label: str, target: models.Model, draft: models.Model | None, draf
 
   def run(i):
     key = jax.random.fold_in(jax.random.key(seed), i)
-    args = (prompts_NxP[i:i + 1], lengths_N[i:i + 1], key)
+    args = prompts_lib.for_call(prompts_NxP, lengths_N, [i]) + (key,)
     if draft is None:
       return sampling.autoregressive_sample(target, *args, max_new_tokens=max_new_tokens,
                                             sampling=sampling_config)
     return sampling.speculative_sample(target, draft, *args, k=k, max_new_tokens=max_new_tokens,
                                        sampling=sampling_config)
 
-  result = timing.time_calls(run, len(prompts_NxP), bucket=lambda i: 'all', k=k if draft else 0)
+  # One compiled program per padded width (`prompts.for_call`), compiled before it is timed.
+  width = lambda i: prompts_lib.for_call(prompts_NxP, lengths_N, [i])[0].shape[1]
+  result = timing.time_calls(run, len(prompts_NxP), bucket=width, k=k if draft else 0)
   seconds = [c.seconds for c in result.calls]
   loops = sum(c.loops for c in result.calls)
   return Point(label=label, k=k if draft else 0, draft=draft_name if draft else '',

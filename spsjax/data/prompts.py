@@ -4,6 +4,10 @@ Invariant: row b holds the ids of prompt b in positions [0, lengths[b]) and `pad
 a prompt longer than `max_len` keeps its last `max_len` ids (the end is what the model continues).
 P is the longest row rounded up to a multiple of `bucket`, so prompts of similar lengths share one
 compiled program.
+
+`for_call` cuts the rows of one sampler call to their own padded width (`bucket_width` of their
+longest prompt): a prefill costs every position of the padded width, so padding a short prompt to
+the longest of a whole task would charge each call the prefill of that longest prompt.
 """
 
 import numpy as np
@@ -28,3 +32,19 @@ def encode_prompts(tok: Tokenizer, texts: list[str], *, max_len: int | None = No
   for row, x in enumerate(ids):
     prompts[row, :len(x)] = x
   return prompts, lengths
+
+
+def bucket_width(length: int) -> int:
+  """Padded width for prompts of up to `length` tokens: a power of two (at least 16) up to 128,
+  then a multiple of 64. Few widths, so few compiled programs, and at most 63 padding positions."""
+  if length <= 128:
+    return max(16, 1 << (max(1, length) - 1).bit_length())
+  return -(-length // 64) * 64
+
+
+def for_call(prompts_NxP: np.ndarray, lengths_N: np.ndarray,
+             rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
+  """The prompts of `rows`, cut to `bucket_width` of their longest (never below its length)."""
+  lengths = np.asarray(lengths_N)[rows]
+  width = min(prompts_NxP.shape[1], bucket_width(int(lengths.max())))
+  return np.asarray(prompts_NxP)[rows, :width], lengths

@@ -43,16 +43,20 @@ def _packed(module, name) -> native.PackedWeight | None:
 
 
 class RMSNorm(nn.Module):
+  """Pre-norm: x / rms(x) * scale. A packed product applies it itself (`native.matmul(norm=)`)."""
   config: TransformerConfig
 
-  @nn.compact
+  def setup(self):
+    self.scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
+                            (self.config.d_model,), self.config.jnp_dtype)
+
   def __call__(self, x_BxTxD):
-    c = self.config
-    scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
-                       (c.d_model,), c.jnp_dtype)
-    x = x_BxTxD.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + c.norm_eps)
-    return (x * scale.astype(jnp.float32)[None, None, :]).astype(c.jnp_dtype)
+    return native.rms_norm(x_BxTxD, self.scale, self.config.norm_eps).astype(self.config.jnp_dtype)
+
+  @property
+  def fused(self) -> tuple[jax.Array, float]:
+    """What a packed product needs to apply this norm to its input."""
+    return self.scale, self.config.norm_eps
 
 
 def rope(x_BxTxNxH, positions_BxT, base):
@@ -68,11 +72,14 @@ def rope(x_BxTxNxH, positions_BxT, base):
 
 
 class Attention(nn.Module):
-  """Multi-head attention with K kv heads shared by groups of G query heads (MHA, GQA, MQA)."""
+  """Multi-head attention with K kv heads shared by groups of G query heads (MHA, GQA, MQA).
+
+  Takes the residual stream and its pre-norm, returns the stream with the attention added.
+  """
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, layer_cache):
+  def __call__(self, x_BxTxD, norm: RMSNorm, positions_BxT, layer_cache):
     c = self.config
     D, N, K, H, dt = c.d_model, c.num_heads, c.kv_heads, c.dims_per_head, c.jnp_dtype
     wqkv = _packed(self, 'wqkv')
@@ -81,11 +88,12 @@ class Attention(nn.Module):
       wk = _param(self, 'wk', (D, K, H), ('embed', 'kv_heads', 'head_dim'), D, dt)
       wv = _param(self, 'wv', (D, K, H), ('embed', 'kv_heads', 'head_dim'), D, dt)
       wo = _param(self, 'wo', (N, H, D), ('heads', 'head_dim', 'embed'), N * H, dt)
-      q_BxTxNxH = jnp.einsum('BTD,DNH->BTNH', x_BxTxD, wq)
-      k_BxTxKxH = jnp.einsum('BTD,DKH->BTKH', x_BxTxD, wk)
-      v_BxTxKxH = jnp.einsum('BTD,DKH->BTKH', x_BxTxD, wv)
-    else:  # Packed: one product for q, k and v.
-      qkv_BxTxMxH = native.matmul(x_BxTxD, wqkv).astype(dt)
+      h_BxTxD = norm(x_BxTxD)
+      q_BxTxNxH = jnp.einsum('BTD,DNH->BTNH', h_BxTxD, wq)
+      k_BxTxKxH = jnp.einsum('BTD,DKH->BTKH', h_BxTxD, wk)
+      v_BxTxKxH = jnp.einsum('BTD,DKH->BTKH', h_BxTxD, wv)
+    else:  # Packed: one product for q, k and v, the norm applied by the kernel.
+      qkv_BxTxMxH = native.matmul(x_BxTxD, wqkv, norm=norm.fused).astype(dt)
       q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = jnp.split(qkv_BxTxMxH, [N, N + K], axis=2)
       wo = _packed(self, 'wo')
     q_BxTxNxH = rope(q_BxTxNxH, positions_BxT, c.rope_base)
@@ -118,36 +126,39 @@ class Attention(nn.Module):
     # weight on every call that it does not hoist out of the decode loop.
     out_BxTxF = out_BxTxKxGxH.reshape(B, T, N * H)
     if wqkv is None:
-      out_BxTxD = jnp.einsum('BTF,FD->BTD', out_BxTxF, wo.reshape(N * H, D))
+      x_BxTxD = x_BxTxD + jnp.einsum('BTF,FD->BTD', out_BxTxF, wo.reshape(N * H, D))
     else:
-      out_BxTxD = native.matmul(out_BxTxF, wo).astype(dt)
-    return out_BxTxD, (keys_BxSxKxH, values_BxSxKxH)
+      x_BxTxD = native.matmul(out_BxTxF, wo, residual=x_BxTxD).astype(dt)
+    return x_BxTxD, (keys_BxSxKxH, values_BxSxKxH)
 
 
 class Mlp(nn.Module):
+  """Gated SiLU or GELU MLP; like `Attention`, takes the stream and its norm, returns the stream."""
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD):
+  def __call__(self, x_BxTxD, norm: RMSNorm):
     c = self.config
     D, F, dt = c.d_model, c.ff_dim, c.jnp_dtype
     w_gate_in, w_in_packed = _packed(self, 'w_gate_in'), _packed(self, 'w_in')
     if w_gate_in is not None:  # Packed gated MLP: one product for the gate and the input.
-      gate_in_BxTx2xF = native.matmul(x_BxTxD, w_gate_in).astype(dt)
-      h_BxTxF = jax.nn.silu(gate_in_BxTx2xF[:, :, 0]) * gate_in_BxTx2xF[:, :, 1]
-      return native.matmul(h_BxTxF, _packed(self, 'w_out')).astype(dt)
+      gate_in_BxTx2xF = native.matmul(x_BxTxD, w_gate_in, norm=norm.fused)
+      return native.matmul(gate_in_BxTx2xF, _packed(self, 'w_out'), gated=True,
+                           residual=x_BxTxD).astype(dt)
     if w_in_packed is not None:  # Packed GELU MLP.
-      h_BxTxF = jax.nn.gelu(native.matmul(x_BxTxD, w_in_packed).astype(dt))
-      return native.matmul(h_BxTxF, _packed(self, 'w_out')).astype(dt)
+      h_BxTxF = jax.nn.gelu(native.matmul(x_BxTxD, w_in_packed, norm=norm.fused).astype(dt))
+      return native.matmul(h_BxTxF, _packed(self, 'w_out'), residual=x_BxTxD).astype(dt)
     w_in = _param(self, 'w_in', (D, F), ('embed', 'mlp'), D, dt)
     w_out = _param(self, 'w_out', (F, D), ('mlp', 'embed'), F, dt)
-    h_BxTxF = jnp.einsum('BTD,DF->BTF', x_BxTxD, w_in)
+    h_BxTxD = norm(x_BxTxD)
+    h_BxTxF = jnp.einsum('BTD,DF->BTF', h_BxTxD, w_in)
     if c.mlp == 'gated_silu':
       w_gate = _param(self, 'w_gate', (D, F), ('embed', 'mlp'), D, dt)
-      h_BxTxF = jax.nn.silu(jnp.einsum('BTD,DF->BTF', x_BxTxD, w_gate)) * h_BxTxF
+      h_BxTxF = native.silu_gate(
+          jnp.stack([jnp.einsum('BTD,DF->BTF', h_BxTxD, w_gate), h_BxTxF], axis=-2))
     else:
       h_BxTxF = jax.nn.gelu(h_BxTxF)
-    return jnp.einsum('BTF,FD->BTD', h_BxTxF, w_out)
+    return x_BxTxD + jnp.einsum('BTF,FD->BTD', h_BxTxF, w_out)
 
 
 class Block(nn.Module):
@@ -155,10 +166,9 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, layer_cache):
-    attn_BxTxD, new_kv = Attention(self.config, name='attn')(
-        RMSNorm(self.config, name='attn_norm')(x_BxTxD), positions_BxT, layer_cache)
-    x_BxTxD = x_BxTxD + attn_BxTxD
-    x_BxTxD = x_BxTxD + Mlp(self.config, name='mlp')(RMSNorm(self.config, name='mlp_norm')(x_BxTxD))
+    x_BxTxD, new_kv = Attention(self.config, name='attn')(
+        x_BxTxD, RMSNorm(self.config, name='attn_norm'), positions_BxT, layer_cache)
+    x_BxTxD = Mlp(self.config, name='mlp')(x_BxTxD, RMSNorm(self.config, name='mlp_norm'))
     return x_BxTxD, new_kv
 
 
@@ -183,11 +193,12 @@ class Transformer(nn.Module):
       new_v.append(v)
     if logits_at_BxL is not None:
       x_BxTxD = jnp.take_along_axis(x_BxTxD, logits_at_BxL[:, :, None], axis=1)
-    x_BxTxD = RMSNorm(c, name='final_norm')(x_BxTxD)
+    final_norm = RMSNorm(c, name='final_norm')
     head = _packed(self, 'head')
     if head is not None:  # Packed: an untied head, or a copy of a tied table.
-      logits_BxTxV = native.matmul(x_BxTxD, head)
-    elif c.tie_embeddings:
+      return native.matmul(x_BxTxD, head, norm=final_norm.fused), (tuple(new_k), tuple(new_v))
+    x_BxTxD = final_norm(x_BxTxD)
+    if c.tie_embeddings:
       logits_BxTxV = jnp.einsum('BTD,VD->BTV', x_BxTxD, embedding_VxD,
                                 preferred_element_type=jnp.float32)
     else:

@@ -13,7 +13,7 @@ on TPU/GPU and for sharded models.
 from spsjax.native.attention import decode_attention
 from spsjax.native.distribution import probabilities_and_draw
 from spsjax.native.library import ISAS, available, isas
-from spsjax.native.packed import PANEL, PackedWeight, matmul, pack, unpack
+from spsjax.native.packed import PANEL, PackedWeight, matmul, pack, rms_norm, silu_gate, unpack
 
 __all__ = ['ISAS', 'PANEL', 'PackedWeight', 'available', 'decode_attention',
-           'isas', 'matmul', 'pack', 'probabilities_and_draw', 'unpack']
+           'isas', 'matmul', 'pack', 'probabilities_and_draw', 'rms_norm', 'silu_gate', 'unpack']

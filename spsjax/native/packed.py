@@ -2,7 +2,10 @@
 
 `pack(w)` lays a weight `[*in_shape, *out_shape]` out as panels of `PANEL` output columns,
 `float32[P, I, PANEL]` with I = prod(in_shape), P = ceil(F / PANEL), F = prod(out_shape), the last
-panel zero-padded. `matmul(x, packed)` computes `x[..., I] @ w -> [..., *out_shape]`:
+panel zero-padded. `matmul(x, packed)` computes `x[..., I] @ w -> [..., *out_shape]`, optionally
+`rms_norm(x) @ w`, `silu_gate(x) @ w` and `+ residual`: the elementwise work around a decoder's
+products, done by the kernel as it reads its input and writes its output (each XLA op it replaces
+costs a dispatch and a pass over memory, a fifth of a small model's decode step):
 
 - on the CPU, with the native library built, through the C++ kernel (`packed_matmul.cc`, called
   by `jax.ffi`), which reads each panel front to back once per call, so 1 to 8 rows cost about
@@ -75,37 +78,84 @@ def unpack(packed: PackedWeight) -> jax.Array:
   return w_IxF.reshape(packed.in_shape + packed.out_shape)
 
 
-def _xla_matmul(x_RxI: jax.Array, packed: PackedWeight) -> jax.Array:
+def rms_norm(x_xD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm in float32: x / sqrt(mean(x^2) + eps) * scale (the model's, and the kernel's)."""
+  x_xD = x_xD.astype(jnp.float32)
+  x_xD = x_xD * jax.lax.rsqrt(jnp.mean(x_xD * x_xD, axis=-1, keepdims=True) + eps)
+  return x_xD * scale_D.astype(jnp.float32).reshape((1,) * (x_xD.ndim - 1) + scale_D.shape)
+
+
+def silu_gate(gate_in_xx2xF: jax.Array) -> jax.Array:
+  """A gated MLP's hidden units from its gate and input, stacked on the next-to-last axis."""
+  return jax.nn.silu(gate_in_xx2xF[..., 0, :]) * gate_in_xx2xF[..., 1, :]
+
+
+# Prologue codes of the kernel (packed_matmul.cc).
+_NONE, _RMS_NORM, _SILU_GATE = 0, 1, 2
+
+
+def _xla_matmul(x_RxI, packed, scale_I, residual_RxF, prologue, eps) -> jax.Array:
+  if prologue == _RMS_NORM:
+    x_RxI = rms_norm(x_RxI, scale_I, eps)
+  elif prologue == _SILU_GATE:
+    x_RxI = silu_gate(x_RxI.reshape(x_RxI.shape[0], 2, -1))
   y_RxPxC = jnp.einsum('RI,PIC->RPC', x_RxI, packed.panels_PxIxC)
-  return y_RxPxC.reshape(x_RxI.shape[0], -1)[:, :packed.out_dim]
+  y_RxF = y_RxPxC.reshape(x_RxI.shape[0], -1)[:, :packed.out_dim]
+  return y_RxF if residual_RxF.size == 0 else residual_RxF + y_RxF
 
 
-def _kernel_matmul(x_RxI: jax.Array, packed: PackedWeight, isa: str) -> jax.Array:
+def _kernel_matmul(x_RxI, packed, scale_I, residual_RxF, prologue, eps, isa) -> jax.Array:
   out = jax.ShapeDtypeStruct((x_RxI.shape[0], packed.out_dim), jnp.float32)
   return jax.ffi.ffi_call('spsjax_packed_matmul', out, vmap_method='sequential')(
-      x_RxI, packed.panels_PxIxC, isa=np.int32(library.isa_code(isa)))
+      x_RxI, scale_I, residual_RxF, packed.panels_PxIxC, isa=np.int32(library.isa_code(isa)),
+      prologue=np.int32(prologue), eps=np.float32(eps))
 
 
-def matmul(x: jax.Array, packed: PackedWeight, *, isa: str = 'best',
+def matmul(x: jax.Array, packed: PackedWeight, *, norm: tuple[jax.Array, float] | None = None,
+           gated: bool = False, residual: jax.Array | None = None, isa: str = 'best',
            use_kernel: bool | None = None) -> jax.Array:
-  """`x[..., I] @ w -> float32[..., *out_shape]` (module docstring for the path taken).
+  """`f(x)[..., I] @ w (+ residual) -> float32[..., *out_shape]` (module docstring for the path).
 
+  `norm=(scale[I], eps)`: f = `rms_norm`; `gated`: x is `[..., 2, I]` (gate, input) and f =
+  `silu_gate`; else f is the identity. `residual` (shaped like the output) is added to it.
   `use_kernel`: force the kernel (True; an error where it cannot run) or the XLA dot (False);
-  None: the kernel wherever it is built. `isa` picks the kernel's instruction set (`library.ISAS`), for
-  tests.
+  None: the kernel wherever it is built. `isa` picks the kernel's instruction set
+  (`library.ISAS`), for tests.
   """
-  if x.shape[-1] != packed.in_dim:
-    raise ValueError(f'Input of width {x.shape[-1]} for a packed weight of input shape '
-                     f'{packed.in_shape}.')
-  lead = x.shape[:-1]
-  x_RxI = x.reshape(-1, packed.in_dim).astype(jnp.float32)
+  if norm is not None and gated:
+    raise ValueError('A product takes one prologue: norm or gated, not both.')
+  width = x.shape[-1] * (x.shape[-2] if gated else 1)
+  if width != packed.in_dim * (2 if gated else 1) or (gated and x.shape[-2] != 2):
+    raise ValueError(f'Input of shape {x.shape} (width {width}, gated={gated}) for a packed '
+                     f'weight of input shape {packed.in_shape}.')
+  lead = x.shape[:-2] if gated else x.shape[:-1]
+  x_RxI = x.reshape(-1, width).astype(jnp.float32)
+  R = x_RxI.shape[0]
+  prologue, scale_I, eps = _NONE, jnp.zeros((0,), jnp.float32), 0.0
+  if norm is not None:
+    prologue, (scale_I, eps) = _RMS_NORM, norm
+    scale_I = scale_I.astype(jnp.float32)
+    if scale_I.shape != (packed.in_dim,):
+      raise ValueError(f'Norm scale of shape {scale_I.shape} for an input of width '
+                       f'{packed.in_dim}.')
+  elif gated:
+    prologue = _SILU_GATE
+  residual_RxF = jnp.zeros((0, 0), jnp.float32)
+  if residual is not None:
+    if residual.shape != lead + packed.out_shape:
+      raise ValueError(f'Residual of shape {residual.shape} for an output of shape '
+                       f'{lead + packed.out_shape}.')
+    residual_RxF = residual.reshape(R, packed.out_dim).astype(jnp.float32)
   if use_kernel is None:
     use_kernel = library.available()
   elif use_kernel and not library.available():
     raise RuntimeError('The native kernel library is not built (see spsjax/native/library.py).')
+  operands = (x_RxI, scale_I, residual_RxF)
+  xla = lambda ops: _xla_matmul(ops[0], packed, ops[1], ops[2], prologue, eps)
   if use_kernel:
-    y_RxF = library.on_cpu(x_RxI, lambda x: _kernel_matmul(x, packed, isa),
-                           lambda x: _xla_matmul(x, packed))
+    y_RxF = library.on_cpu(
+        operands, lambda ops: _kernel_matmul(ops[0], packed, ops[1], ops[2], prologue, eps, isa),
+        xla)
   else:
-    y_RxF = _xla_matmul(x_RxI, packed)
+    y_RxF = xla(operands)
   return y_RxF.reshape(lead + packed.out_shape)

@@ -1,5 +1,7 @@
-// Few-row float32 matrix products y[R, F] = x[R, D] @ W[D, F] with W packed in panels of 16 output
-// columns ([ceil(F / 16), D, 16], see packed.py), for XLA:CPU through the FFI.
+// Few-row float32 matrix products y[R, F] = f(x)[R, D] @ W[D, F] (+ residual[R, F]) with W packed
+// in panels of 16 output columns ([ceil(F / 16), D, 16], see packed.py), for XLA:CPU through the
+// FFI. The prologue f is the identity, an RMSNorm (x [R, D], scale [D]) or a gated SiLU (x [R, 2D]:
+// gate then input); both run on the calling thread before the product, into a scratch copy.
 //
 // XLA's CPU dot costs 2-4x as much for 5 rows as for 1 at decoder sizes; this kernel streams each
 // panel once per call, keeping every row's 16 accumulators in registers, so 1 to 8 rows cost about
@@ -10,7 +12,9 @@
 // serves any x86-64 (or, baseline only, any other) CPU.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -22,41 +26,73 @@ namespace {
 constexpr int kPanel = 16;
 
 using PanelsFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*, int64_t,
-                          int64_t);
+                          int64_t, const float*);
+using NormFn = void (*)(const float*, int64_t, int64_t, const float*, float, float*);
+using GateFn = void (*)(const float*, int64_t, int64_t, float*);
+
+// What happens to the input rows before the product (packed.py names them the same way).
+enum Prologue : int32_t { kNone = 0, kRmsNorm = 1, kSiluGate = 2 };
 
 #define SPSJAX_KERNEL_FILE "packed_matmul_kernel.inc"
 #include "variants.inc"
 #undef SPSJAX_KERNEL_FILE
 
 PanelsFn Kernel(int32_t isa) { return SPSJAX_BY_ISA(isa, Panels); }
+NormFn NormKernel(int32_t isa) { return SPSJAX_BY_ISA(isa, RmsNormRows); }
+GateFn GateKernel(int32_t isa) { return SPSJAX_BY_ISA(isa, SiluGateRows); }
 
 // Below this many weight floats a call runs on the calling thread: waking a pool thread costs more.
 constexpr int64_t kMinParallelWeights = 1 << 16;
 
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y, int32_t isa) {
+                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> residual,
+                            ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y, int32_t isa,
+                            int32_t prologue, float eps) {
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
   const auto y_dims = y->dimensions();
   if (x_dims.size() != 2 || w_dims.size() != 3 || y_dims.size() != 2) {
     return ffi::Error::InvalidArgument("packed_matmul: want x [R, D], w [P, D, 16], y [R, F].");
   }
-  const int64_t rows = x_dims[0], d_in = x_dims[1], d_out = y_dims[1];
+  const int64_t rows = x_dims[0], d_in = w_dims[1], d_out = y_dims[1];
   const int64_t num_panels = (d_out + kPanel - 1) / kPanel;
-  if (w_dims[0] != num_panels || w_dims[1] != d_in || w_dims[2] != kPanel || y_dims[0] != rows) {
+  const int64_t x_width = prologue == kSiluGate ? 2 * d_in : d_in;
+  if (w_dims[0] != num_panels || x_dims[1] != x_width || w_dims[2] != kPanel ||
+      y_dims[0] != rows) {
     return ffi::Error::InvalidArgument("packed_matmul: shapes of x, w and y do not agree.");
+  }
+  if (prologue < kNone || prologue > kSiluGate) {
+    return ffi::Error::InvalidArgument("packed_matmul: unknown prologue.");
+  }
+  if (prologue == kRmsNorm && scale.element_count() != d_in) {
+    return ffi::Error::InvalidArgument("packed_matmul: the norm scale must have D elements.");
+  }
+  const bool add_residual = residual.element_count() != 0;
+  if (add_residual && residual.element_count() != rows * d_out) {
+    return ffi::Error::InvalidArgument("packed_matmul: the residual must be [R, F] like y.");
   }
   if (!spsjax::Resolve(&isa)) {
     return ffi::Error::InvalidArgument("packed_matmul: this CPU lacks the instruction set asked.");
   }
   const PanelsFn kernel = Kernel(isa);
   const float* x_data = x.typed_data();
+  std::vector<float> scratch;
+  if (prologue != kNone) {
+    scratch.resize(rows * d_in);
+    if (prologue == kRmsNorm) {
+      NormKernel(isa)(x_data, rows, d_in, scale.typed_data(), eps, scratch.data());
+    } else {
+      GateKernel(isa)(x_data, rows, d_in, scratch.data());
+    }
+    x_data = scratch.data();
+  }
   const float* w_data = w.typed_data();
+  const float* residual_data = add_residual ? residual.typed_data() : nullptr;
   float* y_data = y->typed_data();
   const int64_t threads =
       num_panels * d_in * kPanel < kMinParallelWeights ? 1 : spsjax::MaxThreads(pool);
   spsjax::ParallelFor(pool, num_panels, threads, [=](int64_t p0, int64_t p1) {
-    kernel(x_data, rows, d_in, w_data, d_out, y_data, p0, p1);
+    kernel(x_data, rows, d_in, w_data, d_out, y_data, p0, p1, residual_data);
   });
   return ffi::Error::Success();
 }
@@ -66,10 +102,14 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxPackedMatmul, PackedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // norm scale, or empty
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // residual, or empty
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w, packed
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("isa"));
+                                  .Attr<int32_t>("isa")
+                                  .Attr<int32_t>("prologue")
+                                  .Attr<float>("eps"));
 
 extern "C" {
 // For the Python side (ctypes): whether this CPU runs `isa`, and the best one it runs.
