@@ -4,7 +4,7 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: demo test setup clean train-tiny
+.PHONY: demo test setup clean train-tiny train-demo
 
 # pip builds the native CPU kernels (spsjax/native) too: rebuild when their sources change.
 $(VENV)/.installed: setup.py pyproject.toml $(wildcard spsjax/native/*.cc spsjax/native/*.h spsjax/native/*.inc)
@@ -15,10 +15,10 @@ $(VENV)/.installed: setup.py pyproject.toml $(wildcard spsjax/native/*.cc spsjax
 
 setup: $(VENV)/.installed
 
-# The main job: datasets, tokenizer, tiny target and draft (skipped when their checkpoints are
-# complete), then a short speedup table (results/speedup_tiny/).
-demo: train-tiny
-	$(PY) experiments/speedup_table.py --config=configs/speedup.py:root=checkpoints/tiny,demo
+# The main job: datasets, tokenizer, the demo target and its distilled draft (skipped when their
+# checkpoints are complete), then a short speedup table (results/speedup_demo/).
+demo: train-demo
+	$(PY) experiments/speedup_table.py --config=configs/speedup.py:root=checkpoints/demo,draft=draft_wide_distill,demo
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests
@@ -27,6 +27,11 @@ test: $(VENV)/.installed
 train-tiny: $(VENV)/.installed
 	$(PY) experiments/train.py --config=configs/train.py:size=tiny,model=target
 	$(PY) experiments/train.py --config=configs/train.py:size=tiny,model=draft_wide
+
+# The demo family (tokenizer, target, wide-shallow draft distilled from it) in checkpoints/demo.
+train-demo: $(VENV)/.installed
+	$(PY) experiments/train.py --config=configs/train.py:size=demo,model=target
+	$(PY) experiments/train.py --config=configs/train.py:size=demo,model=draft_wide,distill=1
 
 clean:
 	rm -rf $(VENV) *.egg-info

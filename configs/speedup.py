@@ -3,7 +3,7 @@
 Arguments: root (family directory), draft (checkpoint name of the draft), k, humaneval /
 docstrings (number of examples; 0: all), batches ('+'-separated, e.g. 1+8), seed, results (output
 directory; default results/speedup_<family>), runlocal (a few examples, for a smoke run), demo
-(the README's main job: 8 examples per task, batch 1, 64 HumanEval tokens).
+(the README's main job: 8 examples per task, batch 1).
 Paper settings by default: k = 4; HumanEval at temperature 0.8, top_p 0.95; summarisation
 (docstrings) at top_p 0.8; greedy for both.
 """
@@ -28,7 +28,7 @@ def get_config(arg=None):
   c.seed = a.seed
   c.batches = [int(b) for b in a.batches.split('+') if b]
   c.tasks = dict(
-      humaneval=dict(num=4 if a.runlocal else a.humaneval, max_new_tokens=64 if a.demo else 128,
+      humaneval=dict(num=4 if a.runlocal else a.humaneval, max_new_tokens=128,
                      nucleus=dict(temperature=0.8, top_k=0, top_p=0.95)),
       docstrings=dict(num=8 if a.runlocal else a.docstrings, max_new_tokens=24,
                       nucleus=dict(temperature=1.0, top_k=0, top_p=0.8)),

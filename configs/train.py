@@ -1,11 +1,14 @@
 """Training a target or a draft: `--config=configs/train.py:size=tiny,model=target`.
 
 Arguments:
-  size: tiny | reference. `tiny` trains each model in a few minutes on a 2-core CPU (the README's
-    main job and the tests); `reference` is the pair the README's tables are measured on.
+  size: tiny | demo | reference. `tiny` trains each model in a few minutes on a 2-core CPU (the
+    tests); `demo` is the README's main job (`make demo`: a 5M target of ~6 minutes, whose decode
+    step outweighs the fixed costs of a step, and a one-layer draft distilled from it in ~2);
+    `reference` is the pair the README's tables are measured on.
   model: target | draft_wide | draft_deep (presets `<size>_target`, `<size>_draft`,
-    `<size>_draft_deep`): the wide-shallow draft is ~0.75 of the target's width and 1/4 (tiny) or
-    1/8 (reference) of its depth; the deep draft has about the wide one's parameter count.
+    `<size>_draft_deep`): the wide-shallow draft is ~0.75 of the target's width (0.5 for demo)
+    and 1/4 (tiny), 1/6 (demo) or 1/8 (reference) of its depth; the deep draft has about the wide
+    one's parameter count.
   distill: 0 trains on the language-model loss; a value in (0, 1] is the weight of distillation
     from the family's trained target (KL(p_target || q_draft)), the rest the LM loss.
   root: the family directory (tokenizer and checkpoints); default checkpoints/<size>.
@@ -27,6 +30,8 @@ _PRESET = {'target': 'target', 'draft_wide': 'draft', 'draft_deep': 'draft_deep'
 # Per size: batch (sequences), sequence length, steps, warm-up, peak learning rate.
 _SIZES = {
     'tiny': dict(batch_size=16, seq_len=128, steps=600, warmup_steps=60, learning_rate=3e-3),
+    # Demo: 300 steps (~6 min for the target on 2 cores), so that `make demo` stays well within 20
+    # minutes from a fresh clone.
     'demo': dict(batch_size=16, seq_len=128, steps=300, warmup_steps=30, learning_rate=2e-3),
     # Reference: 600 steps (~35 min for the target alone on 2 cores, so that target, draft and
     # the README's tables fit one working session); peak 1e-3, since at 2e-3 the held-out loss of

@@ -43,8 +43,8 @@ def main(argv):
     for decoding, settings in (('nucleus', task_config.nucleus), ('greedy', c.greedy)):
       sampling_config = SamplingConfig(**settings)
       for batch in c.batches:
-        rows = [speedup.run_row(target, model, tok, task, decoding, sampling_config, batch, c.k,
-                                c.seed) for model in (None, draft)]
+        rows = speedup.run_rows(target, draft, tok, task, decoding, sampling_config, batch, c.k,
+                                c.seed)
         costs = speedup.measure_costs(target, draft, c.k, batch, capacity, c.cost_repeats)
         loop_profile = speedup.profile_row(
             target, draft, tok, task, sampling_config, batch, c.k, c.seed,

@@ -47,6 +47,26 @@ def test_time_calls_warms_each_bucket_once_and_times_every_call():
   assert s['p50_ms'] <= s['p90_ms'] <= s['p99_ms'] and s['mean_ms_per_token'] > 0
 
 
+def test_time_interleaved_takes_turns_call_by_call():
+  order = []
+
+  def run(name, i):
+    order.append((name, i))
+    return _fake_output(tokens_per_row=4, rows=1)
+
+  seen = []
+  timings = timing.time_interleaved(
+      {'a': lambda i: run('a', i), 'b': lambda i: run('b', i)}, 3, bucket=lambda i: i // 2,
+      ks={'b': 4}, on_output=lambda name, i, out: seen.append((name, i)))
+  # Each new bucket compiles (an untimed call) for both methods before either is timed.
+  assert order == [('a', 0), ('b', 0), ('a', 0), ('b', 0), ('a', 1), ('b', 1),
+                   ('a', 2), ('b', 2), ('a', 2), ('b', 2)]
+  assert seen == [('a', 0), ('b', 0), ('a', 1), ('b', 1), ('a', 2), ('b', 2)]
+  assert [len(t.calls) for t in timings.values()] == [3, 3]
+  assert [len(t.compile_seconds) for t in timings.values()] == [2, 2]
+  assert (timings['a'].k, timings['b'].k) == (0, 4)
+
+
 @pytest.fixture(scope='module', name='family')
 def fixture_family():
   tok = data_helpers.small_tokenizer()
@@ -74,8 +94,8 @@ def test_rows_and_table_on_a_tiny_docstring_task(family, tmp_path):
   task = speedup.Task('docstrings', ('def add(a, b):\n    """', 'def f():\n    """', 'x = 1\n'),
                       ('Add two numbers.', 'Do f.', 'Set x.'), max_new_tokens=6)
   greedy = sampling.SamplingConfig(temperature=0.0)
-  ars = speedup.run_row(target, None, tok, task, 'greedy', greedy, batch=2, k=3, seed=0)
-  sps = speedup.run_row(target, draft, tok, task, 'greedy', greedy, batch=2, k=3, seed=0)
+  ars, sps = speedup.run_rows(target, draft, tok, task, 'greedy', greedy, batch=2, k=3, seed=0)
+  assert (ars.method, sps.method) == ('ArS', 'SpS') and np.isnan(ars.alpha_model)
   assert ars.completions == sps.completions  # Greedy SpS is greedy ArS.
   assert len(ars.values) == 3 and all(0.0 <= v <= 1.0 for v in ars.values)
   assert ars.timing['calls'] == 2 and 0.0 <= sps.alpha_model <= 1.0

@@ -98,7 +98,7 @@ def test_pack_rejects_what_it_cannot_do():
 
 @pytest.mark.parametrize('isa', ISAS)
 @pytest.mark.parametrize('T,K,G,H', [(1, 2, 3, 64), (5, 2, 3, 64), (4, 1, 6, 24), (3, 3, 1, 36),
-                                     (16, 2, 4, 8)])
+                                     (16, 2, 4, 8), (20, 2, 3, 16)])
 def test_decode_attention_equals_reference(isa, T, K, G, H):
   B, S = 3, 40
   keys = jax.random.normal(jax.random.key(0), (B, S, K, H))

@@ -145,47 +145,56 @@ class Row:
     return metrics.mean_and_stderr(self.values)[1]
 
 
-def run_row(target: models.Model, draft: models.Model | None, tok: Tokenizer, task: Task,
-            decoding: str, sampling_config: sampling.SamplingConfig, batch: int, k: int,
-            seed: int) -> Row:
-  """Generates for every prompt of `task` (in calls of `batch` rows) and scores the result."""
+def run_rows(target: models.Model, draft: models.Model, tok: Tokenizer, task: Task,
+             decoding: str, sampling_config: sampling.SamplingConfig, batch: int, k: int,
+             seed: int) -> tuple[Row, Row]:
+  """ArS and SpS on every prompt of `task` (in calls of `batch` rows), scored: (ArS, SpS).
+
+  The two take turns call by call (`timing.time_interleaved`), so that the machine's drift falls on
+  both alike.
+  """
   capacity_room = task.max_new_tokens + k
   prompts_NxP, lengths_N = prompts_lib.encode_prompts(
       tok, list(task.prompts), max_len=target.config.max_seq_len - capacity_room)
   num = len(task.prompts)
   num_calls = -(-num // batch)
   rows_of = lambda i: [min(j, num - 1) for j in range(i * batch, (i + 1) * batch)]  # Pad: repeat.
-  completions = [''] * num
+  completions = {'ArS': [''] * num, 'SpS': [''] * num}
   beta = [0.0, 0]
 
-  def run(i):
+  def run(method, i):
     prompts_BxP, lengths_B = prompts_lib.for_call(prompts_NxP, lengths_N, rows_of(i))
     key = jax.random.fold_in(jax.random.key(seed), i)
     kw = dict(max_new_tokens=task.max_new_tokens, sampling=sampling_config, eos_id=tok.eos_id)
-    if draft is None:
+    if method == 'ArS':
       return sampling.autoregressive_sample(target, prompts_BxP, lengths_B, key, **kw)
     return sampling.speculative_sample(target, draft, prompts_BxP, lengths_B, key, k=k, **kw)
 
-  def collect(i, out):
+  def collect(method, i, out):
     rows = rows_of(i)
     tokens, n = np.asarray(out.tokens), np.asarray(out.num_generated)
     for r, row in enumerate(rows[:num - i * batch]):
-      completions[row] = tok.decode(tokens[r, :n[r]])
-    if draft is not None:
-      total, count = model_alpha(target, draft, sampling_config, prompts_NxP[rows],
-                                 lengths_N[rows], out)
+      completions[method][row] = tok.decode(tokens[r, :n[r]])
+    if method == 'SpS':
+      prompts_BxP, lengths_B = prompts_lib.for_call(prompts_NxP, lengths_N, rows)
+      total, count = model_alpha(target, draft, sampling_config, prompts_BxP, lengths_B, out)
       beta[0] += total
       beta[1] += count
 
   # One compiled program per padded width (`prompts.for_call`), compiled before it is timed.
   width = lambda i: prompts_lib.for_call(prompts_NxP, lengths_N, rows_of(i))[0].shape[1]
-  result = timing.time_calls(run, num_calls, bucket=width, k=k if draft else 0,
-                             on_output=collect)
-  metric, values, extra = score(task, completions)
-  return Row(task=task.name, decoding=decoding, batch=batch, method='SpS' if draft else 'ArS',
-             metric=metric, values=values, extra=extra, timing=result.summary(),
-             completions=completions,
-             alpha_model=beta[0] / beta[1] if beta[1] else float('nan'))
+  timings = timing.time_interleaved(
+      {m: functools.partial(run, m) for m in ('ArS', 'SpS')}, num_calls, bucket=width,
+      ks={'SpS': k}, on_output=collect)
+  out = []
+  for method in ('ArS', 'SpS'):
+    metric, values, extra = score(task, completions[method])
+    out.append(Row(task=task.name, decoding=decoding, batch=batch, method=method, metric=metric,
+                   values=values, extra=extra, timing=timings[method].summary(),
+                   completions=completions[method],
+                   alpha_model=(beta[0] / beta[1] if beta[1] else float('nan'))
+                   if method == 'SpS' else float('nan')))
+  return out[0], out[1]
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ host wall time around one whole generation, the figure a user waits for.
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -119,17 +119,38 @@ def time_calls(run: Callable[[int], SampleOutput], num_calls: int,
 
   `on_output(i, out)` sees every timed output (for scoring the generations).
   """
-  compile_seconds, warmed, calls = [], set(), []
+  seen = None if on_output is None else (lambda _, i, out: on_output(i, out))
+  return time_interleaved({'': run}, num_calls, bucket, ks={'': k}, on_output=seen)['']
+
+
+def time_interleaved(runs: Mapping[str, Callable[[int], SampleOutput]], num_calls: int,
+                     bucket: Callable[[int], Hashable], *, ks: Mapping[str, int] | None = None,
+                     on_output: Callable[[str, int, SampleOutput], None] | None = None
+                     ) -> dict[str, Timing]:
+  """Times several methods on the same calls, taking turns call by call: call i of every method
+  runs before call i + 1 of any. This machine's speed drifts by tens of percent over minutes;
+  interleaved, a slow spell falls on every method alike and their ratio stays fair.
+
+  `ks` gives each method's drafts per loop (default 0); `on_output(name, i, out)` sees every
+  timed output.
+  """
+  ks = ks or {}
+  compile_seconds = {name: [] for name in runs}
+  calls = {name: [] for name in runs}
+  warmed = set()
   for i in range(num_calls):
     key = bucket(i)
-    if key not in warmed:
+    for name, run in runs.items():
+      if (name, key) not in warmed:
+        start = time.perf_counter()
+        jax.block_until_ready(run(i))
+        compile_seconds[name].append(time.perf_counter() - start)
+        warmed.add((name, key))
+    for name, run in runs.items():
       start = time.perf_counter()
-      jax.block_until_ready(run(i))
-      compile_seconds.append(time.perf_counter() - start)
-      warmed.add(key)
-    start = time.perf_counter()
-    out = jax.block_until_ready(run(i))
-    calls.append(call_record(time.perf_counter() - start, out))
-    if on_output is not None:
-      on_output(i, out)
-  return Timing(calls=tuple(calls), compile_seconds=tuple(compile_seconds), k=k)
+      out = jax.block_until_ready(run(i))
+      calls[name].append(call_record(time.perf_counter() - start, out))
+      if on_output is not None:
+        on_output(name, i, out)
+  return {name: Timing(calls=tuple(calls[name]), compile_seconds=tuple(compile_seconds[name]),
+                       k=ks.get(name, 0)) for name in runs}
