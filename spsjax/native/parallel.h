@@ -129,10 +129,16 @@ class Workers {
   void Loop(int64_t index) {
     uint64_t seen = 0;
     for (;;) {
-      // Spin for new work a while (a decode step's kernels come every few us), then sleep.
+      // Wait for new work a while (a decode step's kernels come every few us), then sleep:
+      // a few us of `pause`, then yielding the core between looks, so that XLA's own threads
+      // (which run some fusions in parallel) get it at once when they need it.
       uint64_t now = generation_.load(std::memory_order_acquire);
       for (int spins = 0; now == seen && spins < kSpins; ++spins) {
-        Pause();
+        if (spins < kPauses) {
+          Pause();
+        } else {
+          std::this_thread::yield();
+        }
         now = generation_.load(std::memory_order_acquire);
       }
       std::shared_ptr<Job> job;
@@ -150,7 +156,8 @@ class Workers {
     }
   }
 
-  static constexpr int kSpins = 1 << 16;  // ~100-300 us of `pause` on current x86 cores.
+  static constexpr int kPauses = 1 << 10;  // A few us of `pause` on current x86 cores,
+  static constexpr int kSpins = kPauses + (1 << 9);  // then ~0.2-0.5 ms of yields.
   std::mutex busy_;  // Held by the caller of the job in progress.
   std::mutex mutex_;  // Guards job_ and sleeping.
   std::condition_variable wake_;
