@@ -22,7 +22,7 @@ class BuildNative(build_ext):
 native = setuptools.Extension(
     'spsjax.native._kernels',
     sources=['spsjax/native/packed_matmul.cc', 'spsjax/native/decode_attention.cc',
-             'spsjax/native/sampling.cc'],
+             'spsjax/native/sampling.cc', 'spsjax/native/lookup.cc'],
     depends=['spsjax/native/parallel.h', 'spsjax/native/variants.inc',
              'spsjax/native/vector_math.inc',
              'spsjax/native/packed_matmul_kernel.inc', 'spsjax/native/decode_attention_kernel.inc',

@@ -99,22 +99,48 @@ def test_pack_rejects_what_it_cannot_do():
 @pytest.mark.parametrize('isa', ISAS)
 @pytest.mark.parametrize('T,K,G,H', [(1, 2, 3, 64), (5, 2, 3, 64), (4, 1, 6, 24), (3, 3, 1, 36),
                                      (16, 2, 4, 8), (20, 2, 3, 16)])
-def test_decode_attention_equals_reference(isa, T, K, G, H):
+def test_cached_attention_equals_reference(isa, T, K, G, H):
+  """Rotation, cache writes and attention: the kernel's outputs and both caches, every slot."""
   B, S = 3, 40
   keys = jax.random.normal(jax.random.key(0), (B, S, K, H))
   values = jax.random.normal(jax.random.key(1), (B, S, K, H))
-  q = 3 * jax.random.normal(jax.random.key(2), (B, T, K, G, H))  # Peaked softmaxes too.
+  qkv = 3 * jax.random.normal(jax.random.key(2), (B, T, K * G + 2 * K, H))  # Peaked softmaxes.
   starts = jnp.array([0, 17, S - T], jnp.int32)
-  assert attention.use_kernel(q, keys)
-  got = jax.jit(lambda *a: attention._kernel(*a, isa))(q, keys, values, starts)  # pylint: disable=protected-access
-  want = attention.reference(q, keys, values, starts)
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert attention.use_kernel(qkv, keys)
+  kernel = jax.jit(lambda *a: attention._kernel(*a, 500.0, isa))  # pylint: disable=protected-access
+  got = kernel(qkv, keys, values, starts)
+  want = attention.reference(qkv, keys, values, starts, 500.0)
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
 
 
-def test_decode_attention_falls_back_for_many_queries():
-  q = jnp.zeros((1, attention.MAX_KERNEL_QUERIES + 1, 1, 1, 8))
-  assert not attention.use_kernel(q, jnp.zeros((1, 80, 1, 8)))
-  assert not attention.use_kernel(q[:, :1], jnp.zeros((1, 80, 1, 8), jnp.bfloat16))
+def test_cached_attention_writes_in_place_or_copies():
+  """Donated caches are written in place; kept ones are copied first and stay unchanged."""
+  B, S, K, G, H = 2, 16, 2, 2, 8
+  keys = jax.random.normal(jax.random.key(0), (B, S, K, H))
+  values = jax.random.normal(jax.random.key(1), (B, S, K, H))
+  qkv = jax.random.normal(jax.random.key(2), (B, 3, K * G + 2 * K, H))
+  starts = jnp.array([2, 9], jnp.int32)
+  want = attention.reference(qkv, keys, values, starts, 10_000.0)
+  call = lambda *a: attention.cached_attention(*a, rope_base=10_000.0)
+  kept = jax.jit(call)(qkv, keys, values, starts)
+  keys_copy, values_copy = jnp.copy(keys), jnp.copy(values)
+  donated = jax.jit(call, donate_argnums=(1, 2))(qkv, keys_copy, values_copy, starts)
+  assert keys_copy.is_deleted()
+  for a, b, w in zip(kept, donated, want, strict=True):
+    np.testing.assert_allclose(a, w, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(kept[1], keys)  # The input itself is untouched...
+  np.testing.assert_array_equal(keys, jax.random.normal(jax.random.key(0), (B, S, K, H)))
+
+
+def test_cached_attention_falls_back_for_many_queries():
+  qkv = jnp.zeros((1, attention.MAX_KERNEL_QUERIES + 1, 3, 8))
+  assert not attention.use_kernel(qkv, jnp.zeros((1, 80, 1, 8)))
+  assert not attention.use_kernel(qkv[:, :1], jnp.zeros((1, 80, 1, 8), jnp.bfloat16))
+  with pytest.raises(ValueError, match='kv heads'):
+    attention.cached_attention(jnp.zeros((1, 1, 5, 8)), jnp.zeros((1, 8, 2, 8)),
+                               jnp.zeros((1, 8, 2, 8)), jnp.zeros((1,), jnp.int32), rope_base=1e4)
 
 
 def _model(dtype='float32', **overrides):
@@ -203,3 +229,17 @@ def test_probabilities_kernel_equals_processors(isa, settings, V):
   want_tokens = jax.vmap(processors._draw_with)(uniforms, want)  # pylint: disable=protected-access
   assert np.mean(np.asarray(tokens) == np.asarray(want_tokens)) >= 0.95
   assert np.all(np.asarray(want)[np.arange(40), np.asarray(tokens)] > 0)
+
+
+def test_take_rows_equals_take():
+  table = jax.random.normal(jax.random.key(0), (11, 24))
+  ids = jnp.array([[0, 10, 3], [3, 7, 1]], jnp.int32)
+  want = jnp.take(table, ids, axis=0)
+  for use_kernel in (True, False):
+    got = jax.jit(lambda t, i, u=use_kernel: native.take_rows(t, i, use_kernel=u))(table, ids)
+    np.testing.assert_array_equal(got, want)
+  # Out of range: clipped into the table, on both paths.
+  out = jnp.array([[-4, 11]], jnp.int32)
+  for use_kernel in (True, False):
+    got = jax.jit(lambda t, i, u=use_kernel: native.take_rows(t, i, use_kernel=u))(table, out)
+    np.testing.assert_array_equal(got, table[jnp.array([[0, 10]])])

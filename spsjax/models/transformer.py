@@ -10,8 +10,8 @@ one all-reduce after each attention and MLP block.
 
 A model packed for CPU decoding (`spsjax.models.packing`) holds `native.PackedWeight`s in place of
 its projection weights, q, k and v as one (`wqkv`) and the gate and input of a gated MLP as one
-(`w_gate_in`): each block then asks for its product from `native.matmul` and attends with the
-native kernel; everything else is the same code.
+(`w_gate_in`): each block then asks for its product from `native.matmul`, and a cached call rotates,
+writes the cache and attends in one `native.cached_attention`; everything else is the same code.
 
 Invariant: a cached call at row offsets `lengths` computes exactly what the full causal forward
 computes at those positions (up to float reassociation).
@@ -22,11 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from spsjax import native
-from spsjax.models import kv_cache
 from spsjax.models.config import TransformerConfig
-
-_NEG_INF = jnp.finfo(jnp.float32).min
-
 
 def _param(module, name, shape, names, fan_in, dtype):
   init = nn.initializers.normal(stddev=fan_in**-0.5)
@@ -59,18 +55,6 @@ class RMSNorm(nn.Module):
     return self.scale, self.config.norm_eps
 
 
-def rope(x_BxTxNxH, positions_BxT, base):
-  """Rotary position embedding (half-split convention), computed in float32."""
-  half = x_BxTxNxH.shape[-1] // 2
-  freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angles_BxTxH2 = positions_BxT[..., None].astype(jnp.float32) * freqs[None, None, :]
-  sin, cos = jnp.sin(angles_BxTxH2)[:, :, None], jnp.cos(angles_BxTxH2)[:, :, None]
-  x = x_BxTxNxH.astype(jnp.float32)
-  x1, x2 = x[..., :half], x[..., half:]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxTxNxH.dtype)
-
-
 class Attention(nn.Module):
   """Multi-head attention with K kv heads shared by groups of G query heads (MHA, GQA, MQA).
 
@@ -83,44 +67,42 @@ class Attention(nn.Module):
     c = self.config
     D, N, K, H, dt = c.d_model, c.num_heads, c.kv_heads, c.dims_per_head, c.jnp_dtype
     wqkv = _packed(self, 'wqkv')
-    if wqkv is None:
+    B, T = x_BxTxD.shape[:2]
+    if wqkv is not None:  # Packed: one product for q, k and v, the norm applied by the kernel.
+      qkv_BxTxMxH = native.matmul(x_BxTxD, wqkv, norm=norm.fused).astype(dt)
+      wo = _packed(self, 'wo')
+    else:
       wq = _param(self, 'wq', (D, N, H), ('embed', 'heads', 'head_dim'), D, dt)
       wk = _param(self, 'wk', (D, K, H), ('embed', 'kv_heads', 'head_dim'), D, dt)
       wv = _param(self, 'wv', (D, K, H), ('embed', 'kv_heads', 'head_dim'), D, dt)
       wo = _param(self, 'wo', (N, H, D), ('heads', 'head_dim', 'embed'), N * H, dt)
-      h_BxTxD = norm(x_BxTxD)
-      q_BxTxNxH = jnp.einsum('BTD,DNH->BTNH', h_BxTxD, wq)
-      k_BxTxKxH = jnp.einsum('BTD,DKH->BTKH', h_BxTxD, wk)
-      v_BxTxKxH = jnp.einsum('BTD,DKH->BTKH', h_BxTxD, wv)
-    else:  # Packed: one product for q, k and v, the norm applied by the kernel.
-      qkv_BxTxMxH = native.matmul(x_BxTxD, wqkv, norm=norm.fused).astype(dt)
-      q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = jnp.split(qkv_BxTxMxH, [N, N + K], axis=2)
-      wo = _packed(self, 'wo')
-    q_BxTxNxH = rope(q_BxTxNxH, positions_BxT, c.rope_base)
-    k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, c.rope_base)
-
-    B, T = x_BxTxD.shape[:2]
-    q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, N // K, H)
-    if layer_cache is None:  # Full causal pass: keys are the new positions themselves.
-      keys_BxSxKxH, values_BxSxKxH, key_pos_BxS = k_BxTxKxH, v_BxTxKxH, positions_BxT
-    else:  # Write this call's positions first, then attend over the whole cache.
+    if wqkv is not None and layer_cache is not None:
+      # A model placed for CPU decoding: rotation, cache writes and attention in one native call
+      # that reads only the slots in use (a cached call's positions are starts + t, `api.extend`).
       cache_k, cache_v, starts_B = layer_cache
-      keys_BxSxKxH = kv_cache.write_rows(cache_k, k_BxTxKxH, starts_B)
-      values_BxSxKxH = kv_cache.write_rows(cache_v, v_BxTxKxH, starts_B)
-      key_pos_BxS = jnp.broadcast_to(jnp.arange(keys_BxSxKxH.shape[1]),
-                                     keys_BxSxKxH.shape[:2])
-
-    if layer_cache is not None and wqkv is not None:
-      # A model placed for CPU decoding: the native kernel reads only the slots in use.
-      out_BxTxKxGxH = native.decode_attention(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH,
-                                              starts_B).astype(dt)
+      out_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH = native.cached_attention(
+          qkv_BxTxMxH, cache_k, cache_v, starts_B, rope_base=c.rope_base)
+      out_BxTxKxGxH = out_BxTxKxGxH.astype(dt)
     else:
-      mask_BxTxS = key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]
-      scores = jnp.einsum('BTKGH,BSKH->BKGTS', q_BxTxKxGxH, keys_BxSxKxH,
-                          preferred_element_type=jnp.float32) * H**-0.5
-      scores = jnp.where(mask_BxTxS[:, None, None], scores, _NEG_INF)
-      probs_BxKxGxTxS = jax.nn.softmax(scores, axis=-1).astype(dt)
-      out_BxTxKxGxH = jnp.einsum('BKGTS,BSKH->BTKGH', probs_BxKxGxTxS, values_BxSxKxH)
+      if wqkv is not None:
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = jnp.split(qkv_BxTxMxH, [N, N + K], axis=2)
+      else:
+        h_BxTxD = norm(x_BxTxD)
+        q_BxTxNxH = jnp.einsum('BTD,DNH->BTNH', h_BxTxD, wq)
+        k_BxTxKxH = jnp.einsum('BTD,DKH->BTKH', h_BxTxD, wk)
+        v_BxTxKxH = jnp.einsum('BTD,DKH->BTKH', h_BxTxD, wv)
+      q_BxTxKxGxH = native.rope(q_BxTxNxH, positions_BxT, c.rope_base).reshape(B, T, K, N // K, H)
+      k_BxTxKxH = native.rope(k_BxTxKxH, positions_BxT, c.rope_base)
+      if layer_cache is None:  # Full causal pass: keys are the new positions themselves.
+        keys_BxSxKxH, values_BxSxKxH, key_pos_BxS = k_BxTxKxH, v_BxTxKxH, positions_BxT
+      else:  # Write this call's positions first, then attend over the whole cache.
+        cache_k, cache_v, starts_B = layer_cache
+        keys_BxSxKxH = native.write_rows(cache_k, k_BxTxKxH, starts_B)
+        values_BxSxKxH = native.write_rows(cache_v, v_BxTxKxH, starts_B)
+        key_pos_BxS = jnp.broadcast_to(jnp.arange(keys_BxSxKxH.shape[1]),
+                                       keys_BxSxKxH.shape[:2])
+      out_BxTxKxGxH = native.attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT,
+                                    key_pos_BxS)
     # One contracting dim of N * H: wo is then only reshaped. With (N, H) contracted as two dims,
     # XLA's CPU layout assignment transposes wo instead of the small activation, a copy of the
     # weight on every call that it does not hoist out of the decode loop.
@@ -184,7 +166,11 @@ class Transformer(nn.Module):
     c = self.config
     embedding_VxD = _param(self, 'embedding', (c.vocab_size, c.d_model), ('vocab', 'embed'),
                            c.d_model, c.jnp_dtype)
-    x_BxTxD = jnp.take(embedding_VxD, tokens_BxT, axis=0)
+    head = _packed(self, 'head')
+    if head is None:
+      x_BxTxD = jnp.take(embedding_VxD, tokens_BxT, axis=0)
+    else:  # Placed for CPU decoding: a copy of rows on the calling thread (`native.take_rows`).
+      x_BxTxD = native.take_rows(embedding_VxD, tokens_BxT)
     new_k, new_v = [], []
     for i in range(c.num_layers):
       layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.lengths)
@@ -194,7 +180,6 @@ class Transformer(nn.Module):
     if logits_at_BxL is not None:
       x_BxTxD = jnp.take_along_axis(x_BxTxD, logits_at_BxL[:, :, None], axis=1)
     final_norm = RMSNorm(c, name='final_norm')
-    head = _packed(self, 'head')
     if head is not None:  # Packed: an untied head, or a copy of a tied table.
       return native.matmul(x_BxTxD, head, norm=final_norm.fused), (tuple(new_k), tuple(new_v))
     x_BxTxD = final_norm(x_BxTxD)

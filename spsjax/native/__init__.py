@@ -2,7 +2,8 @@
 
 - `library`: finds the built library, registers its FFI targets, says which instruction sets run;
 - `packed`: weights packed in panels (`PackedWeight`) and the product against them;
-- `attention`: a few new positions attending over the KV cache;
+- `attention`: a few new positions rotated, written into the KV cache and attending over it;
+- `lookup`: rows of an embedding table;
 - `distribution`: the sampling distribution (temperature, top-k, top-p) and a draw from it.
 
 The model asks for a product or an attention and never for a kernel: each function falls back to
@@ -10,10 +11,12 @@ XLA's ops for many rows, on other platforms and without the library. XLA's own o
 on TPU/GPU and for sharded models.
 """
 
-from spsjax.native.attention import decode_attention
+from spsjax.native.attention import attend, cached_attention, rope, write_rows
 from spsjax.native.distribution import probabilities_and_draw
 from spsjax.native.library import ISAS, available, isas
+from spsjax.native.lookup import take_rows
 from spsjax.native.packed import PANEL, PackedWeight, matmul, pack, rms_norm, silu_gate, unpack
 
-__all__ = ['ISAS', 'PANEL', 'PackedWeight', 'available', 'decode_attention',
-           'isas', 'matmul', 'pack', 'probabilities_and_draw', 'rms_norm', 'silu_gate', 'unpack']
+__all__ = ['ISAS', 'PANEL', 'PackedWeight', 'attend', 'available', 'cached_attention', 'isas',
+           'matmul', 'pack', 'probabilities_and_draw', 'rms_norm', 'rope', 'silu_gate',
+           'take_rows', 'unpack', 'write_rows']

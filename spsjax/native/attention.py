@@ -1,10 +1,17 @@
-"""Attention of a few new positions over the KV cache through the native kernel, or XLA's ops.
+"""Cached attention of a few new positions through the native kernel, or XLA's ops.
 
-`decode_attention(q, keys, values, starts)` computes, for every row b, kv head k and new position
-t, softmax(q k^T / sqrt(H)) v over the cache slots [0, starts[b] + t] (the causal mask of a cached
-call), the same numbers as the einsum-softmax-einsum of `spsjax.models.transformer` up to float
-reassociation and an exp accurate to ~2e-7. The kernel (`decode_attention.cc`) reads only the
-slots in use, where XLA's dots read (and on XLA:CPU transpose) the whole cache every call.
+`cached_attention(qkv, keys, values, starts)` is the whole cached half of an attention block
+after the q/k/v product: for every row b, the T new positions starts[b] + t get the rotary
+embedding (`rope`) on their queries and keys, their keys and values are written into the cache
+at those slots (`write_rows`), and every query attends over the slots [0, starts[b] + t] (the
+causal mask of a cached call): softmax(q k^T / sqrt(H)) v. The kernel (`decode_attention.cc`)
+does it in one call that reads only the slots in use and writes the cache in place, where XLA's
+ops are a rotation, two cache writes and dots that read (and on XLA:CPU transpose) the whole
+cache, five dispatches per layer. Its numbers are the reference's (`reference`, the model's own
+ops) up to float reassociation, sin and cos rounding and an exp accurate to ~2e-7.
+
+`rope`, `write_rows` and `attend` are the model's own ops (`spsjax.models.transformer` uses them
+on every path but this kernel's).
 """
 
 import jax
@@ -20,12 +27,33 @@ from spsjax.native import library
 MAX_KERNEL_QUERIES = 4096
 
 
-def reference(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, starts_B):
-  """XLA ops: the masked attention of `spsjax.models.transformer`, float32."""
-  S, H = keys_BxSxKxH.shape[1], keys_BxSxKxH.shape[3]
-  T = q_BxTxKxGxH.shape[1]
-  positions_BxT = starts_B[:, None] + jnp.arange(T)[None, :]
-  mask_BxTxS = jnp.arange(S)[None, None, :] <= positions_BxT[:, :, None]
+def rope(x_BxTxNxH, positions_BxT, base):
+  """Rotary position embedding (half-split convention), computed in float32."""
+  half = x_BxTxNxH.shape[-1] // 2
+  freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles_BxTxH2 = positions_BxT[..., None].astype(jnp.float32) * freqs[None, None, :]
+  sin, cos = jnp.sin(angles_BxTxH2)[:, :, None], jnp.cos(angles_BxTxH2)[:, :, None]
+  x = x_BxTxNxH.astype(jnp.float32)
+  x1, x2 = x[..., :half], x[..., half:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxNxH.dtype)
+
+
+def write_rows(cache_BxSxNxH: jax.Array, new_BxTxNxH: jax.Array, starts_B: jax.Array) -> jax.Array:
+  """Writes each row's T new entries at that row's own offset."""
+
+  def one_row(row_SxNxH, new_TxNxH, start):
+    return jax.lax.dynamic_update_slice(row_SxNxH, new_TxNxH.astype(row_SxNxH.dtype),
+                                        (start, 0, 0))
+
+  return jax.vmap(one_row)(cache_BxSxNxH, new_BxTxNxH, starts_B)
+
+
+def attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT, key_positions_BxS):
+  """XLA ops: each query at `positions` sees the keys at `key_positions` up to its own; scores in
+  float32. The model's attention on every path but the kernel's."""
+  H = keys_BxSxKxH.shape[3]
+  mask_BxTxS = key_positions_BxS[:, None, :] <= positions_BxT[:, :, None]
   scores = jnp.einsum('BTKGH,BSKH->BKGTS', q_BxTxKxGxH, keys_BxSxKxH,
                       preferred_element_type=jnp.float32) * H**-0.5
   scores = jnp.where(mask_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
@@ -33,26 +61,59 @@ def reference(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, starts_B):
   return jnp.einsum('BKGTS,BSKH->BTKGH', probs, values_BxSxKxH)
 
 
-def _kernel(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, starts_B, isa):
-  H = q_BxTxKxGxH.shape[-1]
-  out = jax.ShapeDtypeStruct(q_BxTxKxGxH.shape, jnp.float32)
-  return jax.ffi.ffi_call('spsjax_decode_attention', out, vmap_method='sequential')(
-      q_BxTxKxGxH.astype(jnp.float32), keys_BxSxKxH, values_BxSxKxH, starts_B.astype(jnp.int32),
-      scale=np.float32(H**-0.5), isa=np.int32(library.isa_code(isa)))
+def _split(qkv_BxTxMxH, K):
+  N = qkv_BxTxMxH.shape[2] - 2 * K
+  return jnp.split(qkv_BxTxMxH, [N, N + K], axis=2)
 
 
-def use_kernel(q_BxTxKxGxH, keys_BxSxKxH) -> bool:
-  """Whether `decode_attention` would run the kernel for these operands (on a CPU)."""
-  _, T, _, G, _ = q_BxTxKxGxH.shape
+def reference(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, rope_base):
+  """XLA ops: what `cached_attention` computes, as the model's own rotation, writes and
+  attention."""
+  B, T, _, H = qkv_BxTxMxH.shape
+  K = keys_BxSxKxH.shape[2]
+  q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = _split(qkv_BxTxMxH, K)
+  positions_BxT = starts_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+  keys_BxSxKxH = write_rows(keys_BxSxKxH, rope(k_BxTxKxH, positions_BxT, rope_base), starts_B)
+  values_BxSxKxH = write_rows(values_BxSxKxH, v_BxTxKxH, starts_B)
+  q_BxTxKxGxH = rope(q_BxTxNxH, positions_BxT, rope_base).reshape(B, T, K, -1, H)
+  slots_BxS = jnp.broadcast_to(jnp.arange(keys_BxSxKxH.shape[1]), keys_BxSxKxH.shape[:2])
+  out = attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT, slots_BxS)
+  return out, keys_BxSxKxH, values_BxSxKxH
+
+
+def _kernel(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, rope_base, isa):
+  B, T, M, H = qkv_BxTxMxH.shape
+  K = keys_BxSxKxH.shape[2]
+  out = jax.ShapeDtypeStruct((B, T, K, (M - 2 * K) // K, H), jnp.float32)
+  cache = jax.ShapeDtypeStruct(keys_BxSxKxH.shape, jnp.float32)
+  return jax.ffi.ffi_call('spsjax_cached_attention', (out, cache, cache),
+                          vmap_method='sequential', input_output_aliases={1: 1, 2: 2})(
+      qkv_BxTxMxH.astype(jnp.float32), keys_BxSxKxH, values_BxSxKxH, starts_B.astype(jnp.int32),
+      scale=np.float32(H**-0.5), rope_base=np.float32(rope_base),
+      isa=np.int32(library.isa_code(isa)))
+
+
+def use_kernel(qkv_BxTxMxH, keys_BxSxKxH) -> bool:
+  """Whether `cached_attention` would run the kernel for these operands (on a CPU)."""
+  _, T, M, H = qkv_BxTxMxH.shape
+  K = keys_BxSxKxH.shape[2]
+  G = (M - 2 * K) // K
   return (library.available() and keys_BxSxKxH.dtype == jnp.float32
-          and T * G <= MAX_KERNEL_QUERIES)
+          and qkv_BxTxMxH.dtype == jnp.float32 and H % 2 == 0 and T * G <= MAX_KERNEL_QUERIES)
 
 
-def decode_attention(q_BxTxKxGxH: jax.Array, keys_BxSxKxH: jax.Array, values_BxSxKxH: jax.Array,
-                     starts_B: jax.Array, *, isa: str = 'best') -> jax.Array:
-  """[B, T, K, G, H] attention outputs (module docstring); the caller keeps starts + T <= S."""
-  if not use_kernel(q_BxTxKxGxH, keys_BxSxKxH):
-    return reference(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, starts_B)
-  operands = (q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, starts_B)
-  return library.on_cpu(operands, lambda ops: _kernel(*ops, isa),
-                        lambda ops: reference(*ops))
+def cached_attention(qkv_BxTxMxH: jax.Array, keys_BxSxKxH: jax.Array, values_BxSxKxH: jax.Array,
+                     starts_B: jax.Array, *, rope_base: float, isa: str = 'best'
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(attention outputs [B, T, K, G, H], keys, values with this call's slots written); module
+  docstring. qkv holds N = K G query heads, then K key and K value heads, before the rotation;
+  the caller keeps starts + T <= S."""
+  K = keys_BxSxKxH.shape[2]
+  M = qkv_BxTxMxH.shape[2]
+  if M <= 2 * K or (M - 2 * K) % K:
+    raise ValueError(f'qkv with {M} heads for {K} kv heads: want N + 2K heads, N a multiple of K.')
+  operands = (qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B)
+  xla = lambda ops: reference(*ops, rope_base)
+  if not use_kernel(qkv_BxTxMxH, keys_BxSxKxH):
+    return xla(operands)
+  return library.on_cpu(operands, lambda ops: _kernel(*ops, rope_base, isa), xla)

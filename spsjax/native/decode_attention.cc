@@ -1,13 +1,21 @@
-// Attention of a few new positions over the KV cache, for XLA:CPU through the FFI.
+// Cached attention of a few new positions, for XLA:CPU through the FFI: rotary embedding, the KV
+// cache write and the attention over the cache in one call.
 //
-// For each (row b, kv head k): the T * G queries of this call (T new positions, G query heads per
-// kv head) attend to the slots [0, starts[b] + T) of that row's keys and values (cache layout
-// [B, S, K, H]), each query only up to its own position starts[b] + t. Unlike XLA's dots over the
-// whole cache, it reads only the slots in use and never transposes the cache. Compiled for AVX-512, AVX2 and the baseline like
-// packed_matmul.cc.
+// Inputs: this call's projections qkv [B, T, N + 2K, H] (N query heads, then K key and K value
+// heads, before the rotary embedding), the caches keys and values [B, S, K, H] and starts [B].
+// Row b's new positions are starts[b] + t. For each (row b, kv head k) the kernel rotates the T
+// keys and the T * G queries of that head group (G = N / K, query head n = k G + g), writes the
+// keys and values into slots starts[b] + t, and lets the queries attend to the slots [0,
+// starts[b] + T), each only up to its own position. The caches come back as outputs aliased to the
+// inputs (the call writes T slots in place; if XLA gave distinct buffers the cache is copied
+// first). Unlike XLA's dots over the whole cache, it reads only the slots in use and never
+// transposes the cache; unlike separate XLA ops for the rotation and the writes, it costs one
+// dispatch. Compiled for AVX-512, AVX2 and the baseline like packed_matmul.cc.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "parallel.h"
@@ -33,57 +41,99 @@ bool SameDims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
 // Below this many multiply-adds a call runs on the calling thread.
 constexpr int64_t kMinParallelWork = 1 << 15;
 
-ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                               ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
-                               ffi::Buffer<ffi::S32> starts, ffi::ResultBuffer<ffi::F32> out,
-                               float scale, int32_t isa) {
-  const auto q_dims = q.dimensions();
-  const auto k_dims = keys.dimensions();
-  if (q_dims.size() != 5 || k_dims.size() != 4 || !SameDims(values.dimensions(), k_dims) ||
-      starts.dimensions().size() != 1 || !SameDims(out->dimensions(), q_dims)) {
-    return ffi::Error::InvalidArgument(
-        "decode_attention: want q [B, T, K, G, H], keys and values [B, S, K, H], starts [B], "
-        "out like q.");
+// The model's rotary embedding (half-split): out[i] = x[i] cos - x[i + half] sin, out[i + half] =
+// x[i + half] cos + x[i] sin, with the angles' cos and sin given for i < half.
+void Rotate(const float* x, const float* cos_h, const float* sin_h, int64_t half, float* out) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    out[i] = x1 * cos_h[i] - x2 * sin_h[i];
+    out[i + half] = x2 * cos_h[i] + x1 * sin_h[i];
   }
-  const int64_t B = q_dims[0], T = q_dims[1], K = q_dims[2], G = q_dims[3], H = q_dims[4];
-  const int64_t S = k_dims[1], J = T * G;
-  if (k_dims[0] != B || k_dims[2] != K || k_dims[3] != H || starts.dimensions()[0] != B) {
-    return ffi::Error::InvalidArgument("decode_attention: shapes do not agree.");
+}
+
+ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
+                               ffi::Buffer<ffi::F32> keys_in, ffi::Buffer<ffi::F32> values_in,
+                               ffi::Buffer<ffi::S32> starts, ffi::ResultBuffer<ffi::F32> out,
+                               ffi::ResultBuffer<ffi::F32> keys, ffi::ResultBuffer<ffi::F32> values,
+                               float scale, float rope_base, int32_t isa) {
+  const auto x_dims = qkv.dimensions();
+  const auto k_dims = keys_in.dimensions();
+  if (x_dims.size() != 4 || k_dims.size() != 4 || !SameDims(values_in.dimensions(), k_dims) ||
+      !SameDims(keys->dimensions(), k_dims) || !SameDims(values->dimensions(), k_dims) ||
+      starts.dimensions().size() != 1 || out->dimensions().size() != 5) {
+    return ffi::Error::InvalidArgument(
+        "cached_attention: want qkv [B, T, N + 2K, H], keys and values [B, S, K, H], starts "
+        "[B], out [B, T, K, N / K, H].");
+  }
+  const int64_t B = x_dims[0], T = x_dims[1], M = x_dims[2], H = x_dims[3];
+  const int64_t S = k_dims[1], K = k_dims[2], N = M - 2 * K;
+  if (k_dims[0] != B || k_dims[3] != H || starts.dimensions()[0] != B || N < K || N % K != 0 ||
+      H % 2 != 0) {
+    return ffi::Error::InvalidArgument("cached_attention: shapes do not agree.");
+  }
+  const int64_t G = N / K, J = T * G, half = H / 2;
+  const int64_t want_out[5] = {B, T, K, G, H};
+  if (!std::equal(want_out, want_out + 5, out->dimensions().begin())) {
+    return ffi::Error::InvalidArgument("cached_attention: out must be [B, T, K, N / K, H].");
   }
   if (!spsjax::Resolve(&isa)) {
     return ffi::Error::InvalidArgument(
-        "decode_attention: this CPU lacks the instruction set asked.");
+        "cached_attention: this CPU lacks the instruction set asked.");
   }
   const int32_t* starts_data = starts.typed_data();
   for (int64_t b = 0; b < B; ++b) {
     if (starts_data[b] < 0 || starts_data[b] + T > S) {
-      return ffi::Error::InvalidArgument("decode_attention: a row's positions exceed the cache.");
+      return ffi::Error::InvalidArgument("cached_attention: a row's positions exceed the cache.");
     }
   }
+  float* k_data = keys->typed_data();
+  float* v_data = values->typed_data();
+  const size_t cache_bytes = sizeof(float) * B * S * K * H;
+  if (k_data != keys_in.typed_data()) std::memcpy(k_data, keys_in.typed_data(), cache_bytes);
+  if (v_data != values_in.typed_data()) std::memcpy(v_data, values_in.typed_data(), cache_bytes);
+  // The model's angles in float32: position * base^(-i / half).
+  std::vector<float> inv_freq(half);
+  for (int64_t i = 0; i < half; ++i) {
+    inv_freq[i] = std::pow(rope_base, -static_cast<float>(i) / static_cast<float>(half));
+  }
   const HeadFn kernel = Kernel(isa);
-  const float* q_data = q.typed_data();
-  const float* k_data = keys.typed_data();
-  const float* v_data = values.typed_data();
+  const float* x_data = qkv.typed_data();
   float* out_data = out->typed_data();
+  const float* freq = inv_freq.data();
   const int64_t work = B * K * J * S * H;
   const int64_t threads = work < kMinParallelWork ? 1 : spsjax::MaxThreads(pool);
   spsjax::ParallelFor(pool, B * K, threads, [=](int64_t begin, int64_t end) {
-    // One (row, kv head)'s queries are G consecutive rows of H at each of the T positions:
-    // gathered into [J, H] (j = t * G + g) for the kernel, and its outputs scattered back.
-    thread_local std::vector<float> scores, q_rows, out_rows;
+    // One (row, kv head)'s queries are G consecutive heads at each of the T positions: rotated
+    // into [J, H] (j = t * G + g) for the kernel, and its outputs scattered back.
+    thread_local std::vector<float> scores, q_rows, out_rows, cos_t, sin_t;
     q_rows.resize(J * H);
     out_rows.resize(J * H);
+    cos_t.resize(T * half);
+    sin_t.resize(T * half);
     for (int64_t bk = begin; bk < end; ++bk) {
-      const int64_t b = bk / K, k = bk % K;
-      const int64_t n = std::min<int64_t>(S, starts_data[b] + T);
+      const int64_t b = bk / K, k = bk % K, start = starts_data[b];
+      const int64_t n = start + T;
       if (static_cast<int64_t>(scores.size()) < J * n) scores.resize(J * n);
       for (int64_t t = 0; t < T; ++t) {
-        const float* src = q_data + ((b * T + t) * K + k) * G * H;
-        std::copy(src, src + G * H, q_rows.data() + t * G * H);
+        const float position = static_cast<float>(start + t);
+        for (int64_t i = 0; i < half; ++i) {
+          const float angle = position * freq[i];
+          cos_t[t * half + i] = std::cos(angle);
+          sin_t[t * half + i] = std::sin(angle);
+        }
+        const float* x = x_data + (b * T + t) * M * H;
+        const float* c = cos_t.data() + t * half;
+        const float* s = sin_t.data() + t * half;
+        const int64_t slot = ((b * S + start + t) * K + k) * H;
+        Rotate(x + (N + k) * H, c, s, half, k_data + slot);
+        std::copy(x + (N + K + k) * H, x + (N + K + k + 1) * H, v_data + slot);
+        for (int64_t g = 0; g < G; ++g) {
+          Rotate(x + (k * G + g) * H, c, s, half, q_rows.data() + (t * G + g) * H);
+        }
       }
       const int64_t offset = (b * S * K + k) * H;  // Slot 0 of row b, head k.
-      kernel(q_rows.data(), k_data + offset, v_data + offset, K * H, J, G, H, S,
-             starts_data[b], scale, scores.data(), out_rows.data());
+      kernel(q_rows.data(), k_data + offset, v_data + offset, K * H, J, G, H, S, start, scale,
+             scores.data(), out_rows.data());
       for (int64_t t = 0; t < T; ++t) {
         std::copy(out_rows.data() + t * G * H, out_rows.data() + (t + 1) * G * H,
                   out_data + ((b * T + t) * K + k) * G * H);
@@ -95,7 +145,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxDecodeAttention, DecodeAttentionImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxCachedAttention, CachedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -103,5 +153,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxDecodeAttention, DecodeAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
+                                  .Attr<float>("rope_base")
                                   .Attr<int32_t>("isa"));

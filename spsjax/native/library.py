@@ -1,8 +1,8 @@
 """The built native library: found next to this file, loaded once, its FFI targets registered.
 
-`pip install` (setup.py) compiles `packed_matmul.cc`, `decode_attention.cc` and `sampling.cc` into
-one shared library, `_kernels*.so`, with every kernel in three variants (AVX-512, AVX2 + FMA, the compiler's
-baseline); the best variant this CPU runs is picked at call time. Without the library (a checkout
+`pip install` (setup.py) compiles `packed_matmul.cc`, `decode_attention.cc`, `sampling.cc` and
+`lookup.cc` into one shared library, `_kernels*.so`, with every kernel in three variants (AVX-512,
+AVX2 + FMA, the compiler's baseline); the best variant this CPU runs is picked at call time. Without the library (a checkout
 that was never installed, a failed build) `available()` is False and callers use XLA's ops.
 """
 
@@ -17,8 +17,9 @@ import jax
 # FFI target name -> handler symbol in the library.
 TARGETS = {
     'spsjax_packed_matmul': 'SpsjaxPackedMatmul',
-    'spsjax_decode_attention': 'SpsjaxDecodeAttention',
+    'spsjax_cached_attention': 'SpsjaxCachedAttention',
     'spsjax_probabilities': 'SpsjaxProbabilities',
+    'spsjax_take_rows': 'SpsjaxTakeRows',
 }
 # Instruction sets by the numbers the C++ side uses (parallel.h); 'best' is the best this CPU runs.
 ISAS = {'best': 0, 'baseline': 1, 'avx2': 2, 'avx512': 3}
