@@ -17,10 +17,11 @@ ALL_DRAFTS = 'draft_wide+draft_deep+draft_wide_distill+draft_deep_distill'
 
 def get_config(arg=None):
   a = parse_arg(arg, size='tiny', root='', target='target', drafts='', batches=8, batch_size=8,
-                seq_len=256, split='validation', data=1, model_axis=1)
+                seq_len=256, split='validation', data=1, model_axis=1, draft_weights='bfloat16')
   c = ml_collections.ConfigDict()
   c.root = a.root or f'checkpoints/{a.size}'
   c.target = a.target
+  c.draft_weights = a.draft_weights  # The drafts' packed weights (native CPU path).
   c.drafts = [d for d in (a.drafts or ALL_DRAFTS).split('+') if d]
   c.require_drafts = bool(a.drafts)  # Named drafts must exist; the default list is best effort.
   c.batches = a.batches

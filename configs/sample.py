@@ -16,11 +16,13 @@ from spsjax.models import presets
 def get_config(arg=None):
   a = parse_arg(arg, root='', draft_name='draft_wide', model='tiny_target', draft='tiny_draft',
                 method='ars', k=4, batch=4, prompt_len=16, max_new_tokens=64, temperature=1.0,
-                top_k=0, top_p=1.0, seed=0, data=1, model_axis=1, runlocal=False)
+                top_k=0, top_p=1.0, seed=0, data=1, model_axis=1, runlocal=False,
+                draft_weights='bfloat16')
   c = ml_collections.ConfigDict()
   c.root = a.root
   c.target_name = 'target'
   c.draft_name = a.draft_name
+  c.draft_weights = a.draft_weights  # The draft's packed weights (native CPU path).
   c.method = a.method
   c.k = a.k
   c.model = presets.get(a.model)

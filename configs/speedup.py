@@ -3,7 +3,9 @@
 Arguments: root (family directory), draft (checkpoint name of the draft), k, humaneval /
 docstrings (number of examples; 0: all), batches ('+'-separated, e.g. 1+8), seed, results (output
 directory; default results/speedup_<family>), runlocal (a few examples, for a smoke run), demo
-(the README's main job: 8 examples per task, batch 1).
+(the README's main job: 8 examples per task, batch 1), draft_weights (how the native CPU path stores
+the draft's packed weights: bfloat16 by default, half the bytes per draft step; SpS stays exact,
+the target is float32 either way; float32 for the draft as trained).
 The table (printed and in `table.md`) opens with `title`, a template of config fields (`{root}`),
 and for the demo and runlocal variants a note that they check the pipeline and measure little.
 Paper settings by default: k = 4; HumanEval at temperature 0.8, top_p 0.95; summarisation
@@ -20,13 +22,14 @@ from spsjax.config_args import parse_arg
 def get_config(arg=None):
   a = parse_arg(arg, root='checkpoints/tiny', draft='draft_wide', k=4, humaneval=164,
                 docstrings=200, batches='1+8', seed=0, results='', runlocal=False, demo=False,
-                data=1, model_axis=1)
+                data=1, model_axis=1, draft_weights='bfloat16')
   if a.demo:
     a.humaneval, a.docstrings, a.batches = 8, 8, '1'
   c = ml_collections.ConfigDict()
   c.root = a.root
   c.target = 'target'
   c.draft = a.draft
+  c.draft_weights = a.draft_weights  # The draft's packed weights (native CPU path).
   c.k = a.k
   c.seed = a.seed
   c.batches = [int(b) for b in a.batches.split('+') if b]
@@ -42,7 +45,8 @@ def get_config(arg=None):
   c.mesh = dict(data=a.data, model=a.model_axis)  # 1 x 1: one device (the native CPU path).
   c.results = a.results or os.path.join(
       'results', 'speedup_' + os.path.basename(os.path.normpath(a.root)))
-  c.title = '# Table 1 (Chen et al., 2023): ArS vs SpS, {root}/{target} and draft {draft}, k = {k}'
+  c.title = ('# Table 1 (Chen et al., 2023): ArS vs SpS, {root}/{target} and draft {draft}, k = {k}'
+             ' (draft weights stored in {draft_weights} on the native CPU path)')
   if a.demo:
     c.title += ('\n\nDemo run (`make demo`): 8 prompts per task at batch 1 on the demo pair (a 5M '
                 'target and a 0.5M draft distilled from it, trained for minutes). It is a '

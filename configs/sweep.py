@@ -30,13 +30,14 @@ def points(sweep: str, k: int, draft: str, temperature: float,
 def get_config(arg=None):
   a = parse_arg(arg, root='checkpoints/tiny', sweep='k', draft='draft_wide', k=4, prompts=16,
                 max_new_tokens=128, temperature=0.8, seed=0, results='', runlocal=False,
-                drafts='+'.join(DRAFTS), data=1, model_axis=1)
+                drafts='+'.join(DRAFTS), data=1, model_axis=1, draft_weights='bfloat16')
   drafts = tuple(d for d in a.drafts.split('+') if d)
   if not drafts:
     raise ValueError('drafts names no checkpoint.')
   c = ml_collections.ConfigDict()
   c.root = a.root
   c.sweep = a.sweep
+  c.draft_weights = a.draft_weights  # The drafts' packed weights (native CPU path).
   c.points = points(a.sweep, a.k, a.draft, a.temperature, drafts)
   if a.runlocal:
     c.points = c.points[:2]

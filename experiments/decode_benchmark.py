@@ -36,6 +36,8 @@ _CEILING = flags.DEFINE_bool('ceiling', True, 'Also the perfect-draft SpS/ArS ce
 _DRAFT_PRESET = flags.DEFINE_string('draft_preset', '', 'Draft of the ceiling; default: the '
                                     'target preset\'s family draft (reference_draft, tiny_draft).')
 _K = flags.DEFINE_integer('k', 4, 'Lookahead of the ceiling.')
+_DRAFT_WEIGHTS = flags.DEFINE_enum('draft_weights', 'bfloat16', ['float32', 'bfloat16'],
+                                   'How the native path stores the ceiling draft\'s packed weights.')
 _CEILING_REPEATS = flags.DEFINE_integer('ceiling_repeats', 7, 'Timed calls per method of the '
                                         'ceiling (ArS, SpS and each one stopped after the prefill, '
                                         'in turn).')
@@ -55,13 +57,13 @@ def _draft_preset(preset: str) -> str:
   return f'{family}_draft'
 
 
-def _place(model: models.Model, path: str) -> models.Model:
+def _place(model: models.Model, path: str, weights: str = 'float32') -> models.Model:
   if path == 'xla':
     return model
   reason = models.packable(model)
   if reason:
     raise app.UsageError(f'The native path cannot run this model: {reason}.')
-  return models.pack(model)
+  return models.pack(model, weights)
 
 
 def main(argv):
@@ -101,10 +103,12 @@ def main(argv):
         models.Model(target_config, models.init_params(target_config, jax.random.key(0))),
         models.Model(draft_config, models.init_params(draft_config, jax.random.key(1))))
     for path in _PATHS.value:
-      result = ceiling.measure(_place(target, path), _place(draft, path), k=_K.value,
-                               prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+      result = ceiling.measure(_place(target, path), _place(draft, path, _DRAFT_WEIGHTS.value),
+                               k=_K.value, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
                                repeats=_CEILING_REPEATS.value, mesh=mesh)
-      for line in ceiling.report(result, f'float32 {path}'):
+      label = f'float32 {path}' + (f', draft weights {_DRAFT_WEIGHTS.value}'
+                                   if path == 'native' else '')
+      for line in ceiling.report(result, label):
         print0(line, flush=True)
   print0(f'load average at the end: {os.getloadavg()[0]:.2f} (1 min)')
 

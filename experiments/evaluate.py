@@ -29,7 +29,8 @@ def main(argv):
   for name in sorted(set(c.drafts) - set(present)):
     logging.info('No checkpoint %s: skipped.', os.path.join(c.root, name))
   mesh = sharding.mesh_from_axes(c.mesh.data, c.mesh.model)
-  target, drafts, tok, meta = load.load_family(c.root, c.target, present, mesh=mesh)
+  target, drafts, tok, meta = load.load_family(c.root, c.target, present, mesh=mesh,
+                                               draft_weights=c.draft_weights)
   data = experiment.DataConfig(**meta['data'])
   source = experiment.load_docs(data, c.split)
   batches = list(itertools.islice(

@@ -31,7 +31,7 @@ def _random_models(c, mesh, rng):
   draft = models.Model(draft_config, models.init_params(draft_config, jax.random.fold_in(rng, 1),
                                                         mesh=mesh))
   if mesh is None:  # Placed for decoding here: packed for the native CPU kernels where they run.
-    target, draft = models.for_decoding(target), models.for_decoding(draft)
+    target, draft = models.for_decoding(target), models.for_decoding(draft, c.draft_weights)
   print0(f'NOTE: randomly initialised target ({models.num_params(target.params):,} parameters) and '
          f'draft ({models.num_params(draft.params):,}); the ids are noise and acceptance is that '
          'of unrelated random models. Pass root=checkpoints/tiny after `make train-tiny`.')
@@ -40,7 +40,8 @@ def _random_models(c, mesh, rng):
 
 def _trained_models(c, mesh):
   names = [c.draft_name] if c.method == 'sps' else []
-  target, drafts, tok, _ = load.load_family(c.root, c.target_name, names, mesh=mesh)
+  target, drafts, tok, _ = load.load_family(c.root, c.target_name, names, mesh=mesh,
+                                            draft_weights=c.draft_weights)
   draft = drafts.get(c.draft_name)
   print0(f'Trained target {c.root}/{c.target_name} ({models.num_params(target.params):,} '
          'parameters)' + (f' and draft {c.draft_name} ({models.num_params(draft.params):,})'

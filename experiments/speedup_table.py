@@ -31,7 +31,8 @@ def main(argv):
   c = _CONFIG.value
   started = time.time()
   mesh = sharding.mesh_from_axes(c.mesh.data, c.mesh.model)
-  target, drafts, tok, _ = load.load_family(c.root, c.target, [c.draft], mesh=mesh)
+  target, drafts, tok, _ = load.load_family(c.root, c.target, [c.draft], mesh=mesh,
+                                            draft_weights=c.draft_weights)
   draft = drafts[c.draft]
   c_hat = models.num_params(draft.params) / models.num_params(target.params)
   print0(f'{c.root}: target {models.num_params(target.params):,} parameters, draft {c.draft} '

@@ -27,7 +27,8 @@ def main(argv):
   c = _CONFIG.value
   mesh = sharding.mesh_from_axes(c.mesh.data, c.mesh.model)
   target, drafts, tok, _ = load.load_family(c.root, 'target',
-                                            sorted({p['draft'] for p in c.points}), mesh=mesh)
+                                            sorted({p['draft'] for p in c.points}), mesh=mesh,
+                                            draft_weights=c.draft_weights)
   print0(f'{c.root}: sweep of {c.sweep} over {len(c.points)} points, {c.prompts} prompts, '
          + (f'mesh {dict(mesh.shape)}' if mesh else 'one device'))
   texts = [p['prompt'] for p in humaneval.read_problems()[:c.prompts]]

@@ -76,7 +76,32 @@ def test_packed_matmul_leading_and_output_dims_and_xla_path():
   np.testing.assert_array_equal(native.unpack(packed), w)
 
 
+@pytest.mark.parametrize('isa', ISAS)
+@pytest.mark.parametrize('rows', [1, 5, 9])
+def test_bfloat16_panels_multiply_in_float32(isa, rows):
+  """bfloat16 panels: the kernel's product equals float32 arithmetic on the rounded weights, with
+  the prologues and the residual too, and the XLA path gives the same."""
+  d_in, d_out = 40, 37
+  w_IxF = jax.random.normal(jax.random.key(0), (d_in, d_out))
+  x_RxI = jax.random.normal(jax.random.key(rows), (rows, d_in))
+  packed = native.pack(w_IxF, dtype='bfloat16')
+  assert packed.panels_PxIxC.dtype == jnp.bfloat16
+  rounded_IxF = w_IxF.astype(jnp.bfloat16).astype(jnp.float32)
+  np.testing.assert_array_equal(native.unpack(packed), rounded_IxF)
+  assert not np.array_equal(rounded_IxF, w_IxF)  # The rounding is real: a test that can fail.
+  scale, residual = jnp.linspace(0.5, 1.5, d_in), jax.random.normal(jax.random.key(9), (rows, d_out))
+  want = residual + jnp.dot(native.rms_norm(x_RxI, scale, 1e-6), rounded_IxF, precision='highest')
+  for use_kernel in (True, False):
+    got = jax.jit(lambda x, p, r, u=use_kernel: native.matmul(
+        x, p, norm=(scale, 1e-6), residual=r, isa=isa, use_kernel=u))(x_RxI, packed, residual)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.sqrt(d_in))
+
+
 def test_pack_rejects_what_it_cannot_do():
+  with pytest.raises(ValueError, match='stored as one of'):
+    native.pack(jnp.zeros((4, 4)), dtype='float16')
+  with pytest.raises(ValueError, match='Packed weights are one of'):
+    models.pack(_model(), 'int8')
   with pytest.raises(ValueError, match='float32'):
     native.pack(jnp.zeros((4, 4), jnp.bfloat16))
   with pytest.raises(ValueError, match='in_dims'):
@@ -195,6 +220,10 @@ def test_greedy_decoding_of_packed_model_equals_unpacked(method):
   want = run(target, draft)
   got = run(models.pack(target), models.pack(draft))
   np.testing.assert_array_equal(got.tokens, want.tokens)
+  if method == 'sps':  # A draft in bfloat16 changes its proposals, never the target's tokens.
+    draft_bf16 = models.pack(draft, 'bfloat16')
+    assert models.packed_dtype(draft_bf16) == 'bfloat16' and models.packed_dtype(draft) is None
+    np.testing.assert_array_equal(run(models.pack(target), draft_bf16).tokens, want.tokens)
 
 
 def test_sharded_placement_unpacks():

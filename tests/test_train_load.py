@@ -66,6 +66,14 @@ def test_load_family_gives_the_saved_models_placed_for_decoding(family):
     assert models.is_packed(model) == (models.packable(models.unpack(model)) is None), name
     _assert_params_equal(models.unpack(model).params, saved[name].params)
   assert target.config.num_layers == 2 and drafts['draft'].config.d_model == 16
+  # Drafts may be placed with bfloat16 weights; the target stays float32.
+  target_bf, drafts_bf, _, _ = load.load_family(root, 'target', ['draft'],
+                                                draft_weights='bfloat16')
+  if models.is_packed(target):
+    assert models.packed_dtype(target_bf) == 'float32'
+    assert models.packed_dtype(drafts_bf['draft']) == 'bfloat16'
+  with pytest.raises(ValueError, match='draft_weights'):
+    load.load_family(root, 'target', ['draft'], draft_weights='float16')
   # The loaded target samples as the saved one does (greedy, a few tokens).
   prompts, lengths = np.array([[5, 6, 7], [8, 9, 0]], np.int32), np.array([3, 2], np.int32)
   want = autoregressive_sample(models.Model(target.config, saved['target'].params), prompts,

@@ -3,9 +3,11 @@
 from spsjax.models.api import Model, extend, init_params, logits, num_params, param_shardings, prefill
 from spsjax.models.config import TransformerConfig
 from spsjax.models.kv_cache import KVCache, init_cache
-from spsjax.models.packing import for_decoding, is_packed, pack, packable, unpack
+from spsjax.models.packing import (WEIGHT_DTYPES, for_decoding, is_packed, pack, packable,
+                                   packed_dtype, unpack)
 
 __all__ = [
-    'KVCache', 'Model', 'TransformerConfig', 'extend', 'for_decoding', 'init_cache', 'init_params',
-    'is_packed', 'logits', 'num_params', 'pack', 'packable', 'param_shardings', 'prefill', 'unpack',
+    'KVCache', 'Model', 'TransformerConfig', 'WEIGHT_DTYPES', 'extend', 'for_decoding',
+    'init_cache', 'init_params', 'is_packed', 'logits', 'num_params', 'pack', 'packable',
+    'packed_dtype', 'param_shardings', 'prefill', 'unpack',
 ]

@@ -21,6 +21,8 @@ from spsjax import native
 from spsjax.models.api import Model
 from spsjax.models.config import TransformerConfig
 
+WEIGHT_DTYPES = native.WEIGHT_DTYPES
+
 
 def _is_packed_weight(x) -> bool:
   return isinstance(x, native.PackedWeight)
@@ -31,17 +33,18 @@ def is_packed(model: Model) -> bool:
              for x in jax.tree.leaves(model.params, is_leaf=_is_packed_weight))
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _pack_layer(config: TransformerConfig, layer: dict) -> dict:
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _pack_layer(config: TransformerConfig, dtype: str, layer: dict) -> dict:
   attn, mlp = dict(layer['attn']), dict(layer['mlp'])
+  pack = functools.partial(native.pack, dtype=dtype)
   wqkv_DxMxH = jnp.concatenate([attn.pop('wq'), attn.pop('wk'), attn.pop('wv')], axis=1)
-  attn.update(wqkv=native.pack(wqkv_DxMxH), wo=native.pack(attn['wo'], in_dims=2))
+  attn.update(wqkv=pack(wqkv_DxMxH), wo=pack(attn['wo'], in_dims=2))
   if config.mlp == 'gated_silu':
     w_gate_in_Dx2xF = jnp.stack([mlp.pop('w_gate'), mlp.pop('w_in')], axis=1)
-    mlp['w_gate_in'] = native.pack(w_gate_in_Dx2xF)
+    mlp['w_gate_in'] = pack(w_gate_in_Dx2xF)
   else:
-    mlp['w_in'] = native.pack(mlp['w_in'])
-  mlp['w_out'] = native.pack(mlp['w_out'])
+    mlp['w_in'] = pack(mlp['w_in'])
+  mlp['w_out'] = pack(mlp['w_out'])
   return dict(layer, attn=attn, mlp=mlp)
 
 
@@ -64,25 +67,36 @@ def _layer_names(config: TransformerConfig) -> list[str]:
   return [f'layer_{i}' for i in range(config.num_layers)]
 
 
-def pack(model: Model) -> Model:
-  """The model with its projection weights packed (module docstring). Needs float32 weights."""
+def pack(model: Model, weights: str = 'float32') -> Model:
+  """The model with its projection weights packed (module docstring). Needs float32 weights.
+
+  `weights='bfloat16'` stores the packed weights in bfloat16 (`native.pack(dtype=)`): half the
+  bytes a step reads, the products still float32 arithmetic, the weights rounded. Meant for
+  drafts: SpS stays exact whatever the draft computes, and a draft that reads half the bytes
+  costs less and leaves more of the cache to its target. The embedding table and norms stay
+  float32. A model already packed is returned as it is.
+  """
   config = model.config
   if config.dtype != 'float32':
     raise ValueError(f'Only float32 models can be packed, got {config.dtype}.')
+  if weights not in native.WEIGHT_DTYPES:
+    raise ValueError(f'Packed weights are one of {native.WEIGHT_DTYPES}, not {weights!r}.')
   if is_packed(model):
     return model
   params = dict(model.params)
   for name in _layer_names(config):
-    params[name] = _pack_layer(config, params[name])
+    params[name] = _pack_layer(config, weights, params[name])
   if config.tie_embeddings:
-    params['head'] = jax.jit(lambda e: native.pack(e.T, tied_to='embedding'))(params['embedding'])
+    params['head'] = jax.jit(lambda e: native.pack(e.T, tied_to='embedding', dtype=weights))(
+        params['embedding'])
   else:
-    params['head'] = jax.jit(native.pack)(params['head'])
+    params['head'] = jax.jit(lambda w: native.pack(w, dtype=weights))(params['head'])
   return model.replace(params=params)
 
 
 def unpack(model: Model) -> Model:
-  """The model with plain parameters again (a tied model's packed head copy dropped)."""
+  """The model with plain parameters again (a tied model's packed head copy dropped; weights
+  packed in bfloat16 come back float32 with their rounded values)."""
   if not is_packed(model):
     return model
   config, params = model.config, dict(model.params)
@@ -106,6 +120,16 @@ def packable(model: Model) -> str | None:
   return None
 
 
-def for_decoding(model: Model) -> Model:
-  """The model as decoding wants it here: packed where `packable`, unchanged otherwise."""
-  return model if packable(model) else pack(model)
+def packed_dtype(model: Model) -> str | None:
+  """How a packed model's weights are stored ('float32' or 'bfloat16'); None if not packed."""
+  leaves = jax.tree.leaves(model.params, is_leaf=_is_packed_weight)
+  for x in leaves:
+    if _is_packed_weight(x):
+      return str(x.panels_PxIxC.dtype)
+  return None
+
+
+def for_decoding(model: Model, weights: str = 'float32') -> Model:
+  """The model as decoding wants it here: packed where `packable` (its products' weights stored
+  as `weights`, see `pack`), unchanged otherwise."""
+  return model if packable(model) else pack(model, weights)

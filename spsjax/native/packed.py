@@ -1,8 +1,9 @@
 """Weights packed in panels for the few-row CPU kernel, and the product that dispatches to it.
 
 `pack(w)` lays a weight `[*in_shape, *out_shape]` out as panels of `PANEL` output columns,
-`float32[P, I, PANEL]` with I = prod(in_shape), P = ceil(F / PANEL), F = prod(out_shape), the last
-panel zero-padded. `matmul(x, packed)` computes `x[..., I] @ w -> [..., *out_shape]`, optionally
+`float32[P, I, PANEL]` (or bfloat16, `pack(dtype=)`) with I = prod(in_shape), P = ceil(F / PANEL),
+F = prod(out_shape), the last panel zero-padded. `matmul(x, packed)` computes
+`x[..., I] @ w -> [..., *out_shape]`, optionally
 `rms_norm(x) @ w`, `silu_gate(x) @ w` and `+ residual`: the elementwise work around a decoder's
 products, done by the kernel as it reads its input and writes its output (each XLA op it replaces
 costs a dispatch and a pass over memory, a fifth of a small model's decode step):
@@ -15,7 +16,8 @@ costs a dispatch and a pass over memory, a fifth of a small model's decode step)
 - otherwise (another platform, no native library, or `use_kernel=False`) as an XLA dot on the
   panels, which gives the same numbers up to float reassociation.
 
-Invariant: `unpack(pack(w))` is `w` exactly, and `matmul(x, pack(w))` equals `x @ w` up to float
+Invariant: `unpack(pack(w))` is `w` exactly (float32 panels; bfloat16 panels: `w` rounded to
+bfloat16), and `matmul(x, pack(w))` equals `x @ w` up to float
 reassociation whichever path runs.
 """
 
@@ -33,7 +35,8 @@ PANEL = 16
 
 @flax.struct.dataclass
 class PackedWeight:
-  """A weight `[*in_shape, *out_shape]` stored as `float32[P, I, PANEL]` panels (module docstring).
+  """A weight `[*in_shape, *out_shape]` stored as `[P, I, PANEL]` panels, float32 or bfloat16
+  (module docstring).
 
   `tied_to` names the parameter this one is a packed copy of (the output layer of a model with
   tied embeddings keeps its embedding table for the lookup): counting parameters skips it.
@@ -57,25 +60,36 @@ class PackedWeight:
     return self.in_dim * self.out_dim
 
 
-def pack(w: jax.Array, in_dims: int = 1, *, tied_to: str | None = None) -> PackedWeight:
-  """Packs `w` whose first `in_dims` dimensions are contracted with the input."""
+WEIGHT_DTYPES = ('float32', 'bfloat16')
+
+
+def pack(w: jax.Array, in_dims: int = 1, *, tied_to: str | None = None,
+         dtype: str = 'float32') -> PackedWeight:
+  """Packs `w` whose first `in_dims` dimensions are contracted with the input.
+
+  `dtype`: how the panels are stored, 'float32' or 'bfloat16' (half the bytes to read per call;
+  the weights rounded to bfloat16, the products still float32 arithmetic).
+  """
   if w.dtype != jnp.float32:
     raise ValueError(f'Only float32 weights can be packed, got {w.dtype}.')
+  if dtype not in WEIGHT_DTYPES:
+    raise ValueError(f'Packed weights are stored as one of {WEIGHT_DTYPES}, not {dtype!r}.')
   if not 1 <= in_dims < w.ndim:
     raise ValueError(f'in_dims must be in [1, {w.ndim - 1}] for a weight of shape {w.shape}.')
   in_shape, out_shape = tuple(w.shape[:in_dims]), tuple(w.shape[in_dims:])
   I, F = math.prod(in_shape), math.prod(out_shape)
   P = -(-F // PANEL)
   w_IxF = jnp.pad(w.reshape(I, F), ((0, 0), (0, P * PANEL - F)))
-  panels = jnp.transpose(w_IxF.reshape(I, P, PANEL), (1, 0, 2))
+  panels = jnp.transpose(w_IxF.reshape(I, P, PANEL), (1, 0, 2)).astype(dtype)
   return PackedWeight(panels, in_shape, out_shape, tied_to)
 
 
 def unpack(packed: PackedWeight) -> jax.Array:
-  """The weight `[*in_shape, *out_shape]` that `packed` was made from."""
+  """The float32 weight `[*in_shape, *out_shape]` that `packed` was made from (for bfloat16
+  panels: its values rounded to bfloat16)."""
   P, I, C = packed.panels_PxIxC.shape
   w_IxF = jnp.transpose(packed.panels_PxIxC, (1, 0, 2)).reshape(I, P * C)[:, :packed.out_dim]
-  return w_IxF.reshape(packed.in_shape + packed.out_shape)
+  return w_IxF.reshape(packed.in_shape + packed.out_shape).astype(jnp.float32)
 
 
 def rms_norm(x_xD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
@@ -99,7 +113,7 @@ def _xla_matmul(x_RxI, packed, scale_I, residual_RxF, prologue, eps) -> jax.Arra
     x_RxI = rms_norm(x_RxI, scale_I, eps)
   elif prologue == _SILU_GATE:
     x_RxI = silu_gate(x_RxI.reshape(x_RxI.shape[0], 2, -1))
-  y_RxPxC = jnp.einsum('RI,PIC->RPC', x_RxI, packed.panels_PxIxC)
+  y_RxPxC = jnp.einsum('RI,PIC->RPC', x_RxI, packed.panels_PxIxC.astype(jnp.float32))
   y_RxF = y_RxPxC.reshape(x_RxI.shape[0], -1)[:, :packed.out_dim]
   return y_RxF if residual_RxF.size == 0 else residual_RxF + y_RxF
 

@@ -1,6 +1,7 @@
 // Few-row float32 matrix products y[R, F] = f(x)[R, D] @ W[D, F] (+ residual[R, F]) with W packed
 // in panels of 16 output columns ([ceil(F / 16), D, 16], see packed.py), for XLA:CPU through the
-// FFI. The prologue f is the identity, an RMSNorm (x [R, D], scale [D]) or a gated SiLU (x [R, 2D]:
+// FFI. W is stored in float32, or in bfloat16 (half the bytes to stream; each weight widened
+// exactly to float32 as it is loaded, the arithmetic float32 as for float32 weights). The prologue f is the identity, an RMSNorm (x [R, D], scale [D]) or a gated SiLU (x [R, 2D]:
 // gate then input); both run on the calling thread before the product, into a scratch copy.
 //
 // XLA's CPU dot costs 2-4x as much for 5 rows as for 1 at decoder sizes; this kernel streams each
@@ -25,7 +26,8 @@ namespace {
 
 constexpr int kPanel = 16;
 
-using PanelsFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*, int64_t,
+template <typename W>
+using PanelsFn = void (*)(const float*, int64_t, int64_t, const W*, int64_t, float*, int64_t,
                           int64_t, const float*);
 using NormFn = void (*)(const float*, int64_t, int64_t, const float*, float, float*);
 using GateFn = void (*)(const float*, int64_t, int64_t, float*);
@@ -37,7 +39,8 @@ enum Prologue : int32_t { kNone = 0, kRmsNorm = 1, kSiluGate = 2 };
 #include "variants.inc"
 #undef SPSJAX_KERNEL_FILE
 
-PanelsFn Kernel(int32_t isa) { return SPSJAX_BY_ISA(isa, Panels); }
+template <typename W>
+PanelsFn<W> Kernel(int32_t isa) { return SPSJAX_BY_ISA(isa, Panels<W>); }
 NormFn NormKernel(int32_t isa) { return SPSJAX_BY_ISA(isa, RmsNormRows); }
 GateFn GateKernel(int32_t isa) { return SPSJAX_BY_ISA(isa, SiluGateRows); }
 
@@ -46,7 +49,7 @@ constexpr int64_t kMinParallelWeights = 1 << 16;
 
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> residual,
-                            ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y, int32_t isa,
+                            ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y, int32_t isa,
                             int32_t prologue, float eps) {
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
@@ -71,10 +74,13 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (add_residual && residual.element_count() != rows * d_out) {
     return ffi::Error::InvalidArgument("packed_matmul: the residual must be [R, F] like y.");
   }
+  const ffi::DataType w_type = w.element_type();
+  if (w_type != ffi::DataType::F32 && w_type != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument("packed_matmul: weights must be float32 or bfloat16.");
+  }
   if (!spsjax::Resolve(&isa)) {
     return ffi::Error::InvalidArgument("packed_matmul: this CPU lacks the instruction set asked.");
   }
-  const PanelsFn kernel = Kernel(isa);
   const float* x_data = x.typed_data();
   std::vector<float> scratch;
   if (prologue != kNone) {
@@ -86,14 +92,23 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     }
     x_data = scratch.data();
   }
-  const float* w_data = w.typed_data();
   const float* residual_data = add_residual ? residual.typed_data() : nullptr;
   float* y_data = y->typed_data();
   const int64_t threads =
       num_panels * d_in * kPanel < kMinParallelWeights ? 1 : spsjax::MaxThreads(pool);
-  spsjax::ParallelFor(pool, num_panels, threads, [=](int64_t p0, int64_t p1) {
-    kernel(x_data, rows, d_in, w_data, d_out, y_data, p0, p1, residual_data);
-  });
+  if (w_type == ffi::DataType::F32) {
+    const PanelsFn<float> kernel = Kernel<float>(isa);
+    const float* w_data = static_cast<const float*>(w.untyped_data());
+    spsjax::ParallelFor(pool, num_panels, threads, [=](int64_t p0, int64_t p1) {
+      kernel(x_data, rows, d_in, w_data, d_out, y_data, p0, p1, residual_data);
+    });
+  } else {
+    const PanelsFn<uint16_t> kernel = Kernel<uint16_t>(isa);
+    const uint16_t* w_data = static_cast<const uint16_t*>(w.untyped_data());
+    spsjax::ParallelFor(pool, num_panels, threads, [=](int64_t p0, int64_t p1) {
+      kernel(x_data, rows, d_in, w_data, d_out, y_data, p0, p1, residual_data);
+    });
+  }
   return ffi::Error::Success();
 }
 
@@ -105,7 +120,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxPackedMatmul, PackedMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::F32>>()  // norm scale, or empty
                                   .Arg<ffi::Buffer<ffi::F32>>()  // residual, or empty
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w, packed
+                                  .Arg<ffi::AnyBuffer>()  // w, packed: float32 or bfloat16
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("isa")
                                   .Attr<int32_t>("prologue")

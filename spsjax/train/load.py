@@ -38,20 +38,25 @@ def load_model(workdir: str, *, step: int | None = None, mesh: Mesh | None = Non
   return models.Model(config, params), Tokenizer.from_bytes(tokenizer_bytes), meta
 
 
-def load_family(root: str, target: str, drafts: Sequence[str], *, mesh: Mesh | None = None
+def load_family(root: str, target: str, drafts: Sequence[str], *, mesh: Mesh | None = None,
+                draft_weights: str = 'float32'
                 ) -> tuple[models.Model, dict[str, models.Model], Tokenizer, dict]:
   """(target, {name: draft}, tokenizer, the target's meta) of one family (`<root>/<name>` each),
   checked to share one tokenizer.
 
   Without a mesh the models come placed for decoding on this machine (`models.for_decoding`:
-  packed for the native CPU kernels where they can run); on a mesh they are sharded.
+  packed for the native CPU kernels where they can run, the drafts' packed weights stored as
+  `draft_weights`, 'float32' or 'bfloat16'); on a mesh they are sharded (and `draft_weights` does
+  not apply: XLA's dots run on the float32 weights).
   """
-  place = (lambda m: m) if mesh is not None else models.for_decoding
+  if draft_weights not in models.WEIGHT_DTYPES:
+    raise ValueError(f'draft_weights must be one of {models.WEIGHT_DTYPES}, not {draft_weights!r}.')
+  place = (lambda m, _=None: m) if mesh is not None else models.for_decoding
   target_model, tok, meta = load_model(os.path.join(root, target), mesh=mesh)
   draft_models = {}
   for name in drafts:
     draft_models[name], draft_tok, _ = load_model(os.path.join(root, name), mesh=mesh)
     if draft_tok.to_bytes() != tok.to_bytes():
       raise ValueError(f'{name} and {target} in {root} use different tokenizers: not a pair.')
-    draft_models[name] = place(draft_models[name])
+    draft_models[name] = place(draft_models[name], draft_weights)
   return place(target_model), draft_models, tok, meta
