@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spsjax.sampling import SamplingConfig, probabilities, sample
+from spsjax.sampling import SamplingConfig, probabilities, processors, sample
 from tests.stats import g_test_pvalue
 
 
@@ -118,3 +118,22 @@ def test_masks_match_a_sort_based_reference_with_ties(top_k, top_p):
     # The same support, and the same values on it (float32 against float64).
     np.testing.assert_array_equal(got[row] > 0, expected > 0, err_msg=f'row {row}')
     np.testing.assert_allclose(got[row], expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize('native_kernel', [False, True])
+def test_sampling_with_uniforms_drawn_ahead_is_sampling_with_keys(native_kernel):
+  """`uniforms` of a [B, K] key array gives each key's own number, and sampling with them equals
+  sampling with the keys (SpS draws its drafts' uniforms once per loop)."""
+  keys_BxK = jax.random.split(jax.random.key(0), (3, 4))
+  u_BxK = processors.uniforms(keys_BxK)
+  assert u_BxK.shape == (3, 4) and len(set(np.asarray(u_BxK).ravel().tolist())) == 12
+  np.testing.assert_array_equal(u_BxK[1, 2], jax.random.uniform(keys_BxK[1, 2], (), jnp.float32))
+  logits_BxV = jax.random.normal(jax.random.key(1), (3, 50)) * 3
+  for settings in (dict(temperature=0.8, top_p=0.9), dict(temperature=0.0)):
+    config = SamplingConfig(**settings)
+    want = processors.probabilities_and_sample(keys_BxK[:, 2], logits_BxV, config,
+                                               native_kernel=native_kernel)
+    got = processors.probabilities_and_sample_with(u_BxK[:, 2], logits_BxV, config,
+                                                   native_kernel=native_kernel)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_allclose(got[0], want[0])

@@ -162,9 +162,11 @@ def _draw_with(u: jax.Array, weights_V: jax.Array) -> jax.Array:
   return jnp.where(first < V, first, last).astype(jnp.int32)
 
 
-def _uniforms(keys_B: jax.Array) -> jax.Array:
-  """The uniform number `draw` uses for each key."""
-  return jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys_B)
+def uniforms(keys: jax.Array) -> jax.Array:
+  """The uniform number `draw` uses for each key (keys of any shape; one threefry call for all:
+  a sampler that knows its keys ahead draws them at once, not one small op per step)."""
+  flat = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys.reshape(-1))
+  return flat.reshape(keys.shape)
 
 
 def _native(logits_BxV, uniforms_B, sampling: SamplingConfig):
@@ -184,10 +186,19 @@ def probabilities_and_sample(keys_B: jax.Array, logits_BxV: jax.Array, sampling:
                              *, native_kernel: bool = False) -> tuple[jax.Array, jax.Array]:
   """(float32[B, V] `probabilities`, int32[B] one draw per row with its key), by the native
   kernel when `native_kernel` and it is built, else by XLA's ops."""
+  return probabilities_and_sample_with(uniforms(keys_B), logits_BxV, sampling,
+                                       native_kernel=native_kernel)
+
+
+def probabilities_and_sample_with(uniforms_B: jax.Array, logits_BxV: jax.Array,
+                                  sampling: SamplingConfig, *, native_kernel: bool = False
+                                  ) -> tuple[jax.Array, jax.Array]:
+  """`probabilities_and_sample` with each row's uniform number given (`uniforms` of its key):
+  the same probabilities and the same draws."""
   if native_kernel and library.available():
-    return _native(logits_BxV, _uniforms(keys_B), sampling)
+    return _native(logits_BxV, uniforms_B, sampling)
   probs_BxV = probabilities(logits_BxV, sampling)
-  return probs_BxV, sample(keys_B, probs_BxV, greedy=sampling.greedy)
+  return probs_BxV, _sample_with(uniforms_B, probs_BxV, sampling.greedy)
 
 
 def native_probabilities(logits_xV: jax.Array, sampling: SamplingConfig) -> jax.Array:
@@ -206,6 +217,10 @@ def sample(keys_B: jax.Array, probs_BxV: jax.Array, *, greedy: bool = False) -> 
   `greedy`: the rows are one-hot (`probabilities` at temperature 0), so the draw is their argmax,
   found without the prefix sums of a draw.
   """
-  if greedy:
+  return _sample_with(uniforms(keys_B), probs_BxV, greedy)
+
+
+def _sample_with(uniforms_B, probs_BxV, greedy: bool):
+  if greedy:  # XLA drops the unused uniforms.
     return jnp.argmax(probs_BxV, axis=-1).astype(jnp.int32)
-  return jax.vmap(draw)(keys_B, probs_BxV)
+  return jax.vmap(_draw_with)(uniforms_B, probs_BxV)

@@ -30,7 +30,8 @@ from spsjax import sharding
 from spsjax.models import KVCache, Model, extend, kv_cache, prefill
 from spsjax.sampling import common
 from spsjax.sampling.processors import (SamplingConfig, native_probabilities, probabilities,
-                                        probabilities_and_sample)
+                                        probabilities_and_sample, probabilities_and_sample_with,
+                                        uniforms)
 from spsjax.sampling.rejection import accept_and_resample_rows
 
 @flax.struct.dataclass
@@ -56,10 +57,11 @@ def _draft(draft: Model, cache: KVCache, committed_B, last2_Bx2, keys_BxK, k, sa
   """k draft tokens per row: (drafts int32[B, k], q float32[B, k, V], draft cache)."""
   cache = cache.with_lengths(committed_B - 2)
   B = last2_Bx2.shape[0]
+  uniforms_BxK = uniforms(keys_BxK)  # At once: per step, threefry is a handful of small ops.
   logits_Bx1xV, cache = extend(draft.config, draft.params, cache, last2_Bx2,
                                logits_at_BxL=jnp.ones((B, 1), jnp.int32))  # The second token's.
-  q_BxV, d_B = probabilities_and_sample(keys_BxK[:, 0], logits_Bx1xV[:, 0], sampling,
-                                        native_kernel=native_kernel)
+  q_BxV, d_B = probabilities_and_sample_with(uniforms_BxK[:, 0], logits_Bx1xV[:, 0], sampling,
+                                             native_kernel=native_kernel)
   V = q_BxV.shape[-1]
   drafts_BxK = jnp.zeros((B, k), jnp.int32).at[:, 0].set(d_B)
   q_BxKxV = jnp.zeros((B, k, V), jnp.float32).at[:, 0].set(q_BxV)
@@ -67,8 +69,8 @@ def _draft(draft: Model, cache: KVCache, committed_B, last2_Bx2, keys_BxK, k, sa
   def step(i, carry):
     drafts_BxK, q_BxKxV, cache = carry
     logits_Bx1xV, cache = extend(draft.config, draft.params, cache, drafts_BxK[:, i - 1, None])
-    q_BxV, d_B = probabilities_and_sample(keys_BxK[:, i], logits_Bx1xV[:, 0], sampling,
-                                          native_kernel=native_kernel)
+    q_BxV, d_B = probabilities_and_sample_with(uniforms_BxK[:, i], logits_Bx1xV[:, 0], sampling,
+                                               native_kernel=native_kernel)
     return drafts_BxK.at[:, i].set(d_B), q_BxKxV.at[:, i].set(q_BxV), cache
 
   return jax.lax.fori_loop(1, k, step, (drafts_BxK, q_BxKxV, cache))
