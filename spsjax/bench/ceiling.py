@@ -61,8 +61,11 @@ class Ceiling:
 
   @property
   def decode_speedup(self) -> float:
-    """The tokens after the prefill's: (ArS - its prefill) / (SpS - its prefills)."""
-    return (self.ars - self.ars_prefill) / max(self.sps - self.sps_prefill, 1e-12)
+    """The tokens after the prefill's: (ArS - its prefill) / (SpS - its prefills); NaN when SpS's
+    decoding did not take measurably longer than its prefill call (a tiny model on a busy
+    machine): there is no ratio to report then."""
+    sps_decode = self.sps - self.sps_prefill
+    return (self.ars - self.ars_prefill) / sps_decode if sps_decode > 0 else float('nan')
 
   @property
   def predicted(self) -> float:
