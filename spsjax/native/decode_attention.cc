@@ -26,7 +26,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using HeadFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t,
-                        int64_t, int64_t, int64_t, float, float*, float*);
+                        int64_t, int64_t, int64_t, float*, float*);
 
 #define SPSJAX_KERNEL_FILE "decode_attention_kernel.inc"
 #include "variants.inc"
@@ -41,13 +41,15 @@ bool SameDims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
 // Below this many multiply-adds a call runs on the calling thread.
 constexpr int64_t kMinParallelWork = 1 << 15;
 
-// The model's rotary embedding (half-split): out[i] = x[i] cos - x[i + half] sin, out[i + half] =
-// x[i + half] cos + x[i] sin, with the angles' cos and sin given for i < half.
-void Rotate(const float* x, const float* cos_h, const float* sin_h, int64_t half, float* out) {
+// The model's rotary embedding (half-split), times `scale`: out[i] = (x[i] cos - x[i + half] sin)
+// scale, out[i + half] = (x[i + half] cos + x[i] sin) scale, with the angles' cos and sin given for
+// i < half. Queries take the attention's 1 / sqrt(H) here, so scores come out scaled.
+void Rotate(const float* x, const float* cos_h, const float* sin_h, int64_t half, float scale,
+            float* out) {
   for (int64_t i = 0; i < half; ++i) {
     const float x1 = x[i], x2 = x[i + half];
-    out[i] = x1 * cos_h[i] - x2 * sin_h[i];
-    out[i + half] = x2 * cos_h[i] + x1 * sin_h[i];
+    out[i] = (x1 * cos_h[i] - x2 * sin_h[i]) * scale;
+    out[i + half] = (x2 * cos_h[i] + x1 * sin_h[i]) * scale;
   }
 }
 
@@ -125,14 +127,14 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
         const float* c = cos_t.data() + t * half;
         const float* s = sin_t.data() + t * half;
         const int64_t slot = ((b * S + start + t) * K + k) * H;
-        Rotate(x + (N + k) * H, c, s, half, k_data + slot);
+        Rotate(x + (N + k) * H, c, s, half, 1.0f, k_data + slot);
         std::copy(x + (N + K + k) * H, x + (N + K + k + 1) * H, v_data + slot);
         for (int64_t g = 0; g < G; ++g) {
-          Rotate(x + (k * G + g) * H, c, s, half, q_rows.data() + (t * G + g) * H);
+          Rotate(x + (k * G + g) * H, c, s, half, scale, q_rows.data() + (t * G + g) * H);
         }
       }
       const int64_t offset = (b * S * K + k) * H;  // Slot 0 of row b, head k.
-      kernel(q_rows.data(), k_data + offset, v_data + offset, K * H, J, G, H, S, start, scale,
+      kernel(q_rows.data(), k_data + offset, v_data + offset, K * H, J, G, H, S, start,
              scores.data(), out_rows.data());
       for (int64_t t = 0; t < T; ++t) {
         std::copy(out_rows.data() + t * G * H, out_rows.data() + (t + 1) * G * H,
