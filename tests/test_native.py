@@ -272,3 +272,10 @@ def test_take_rows_equals_take():
   for use_kernel in (True, False):
     got = jax.jit(lambda t, i, u=use_kernel: native.take_rows(t, i, use_kernel=u))(table, out)
     np.testing.assert_array_equal(got, table[jnp.array([[0, 10]])])
+
+
+def test_for_decoding_checks_the_weights_dtype_where_it_does_not_pack():
+  bf16_model = _model(dtype='bfloat16')  # Not packable: returned as is, the value still checked.
+  assert models.for_decoding(bf16_model, 'bfloat16') is bf16_model
+  with pytest.raises(ValueError, match='Packed weights are one of'):
+    models.for_decoding(bf16_model, 'int8')

@@ -24,6 +24,11 @@ from spsjax.models.config import TransformerConfig
 WEIGHT_DTYPES = native.WEIGHT_DTYPES
 
 
+def _check_weights(weights: str) -> None:
+  if weights not in native.WEIGHT_DTYPES:
+    raise ValueError(f'Packed weights are one of {native.WEIGHT_DTYPES}, not {weights!r}.')
+
+
 def _is_packed_weight(x) -> bool:
   return isinstance(x, native.PackedWeight)
 
@@ -79,8 +84,7 @@ def pack(model: Model, weights: str = 'float32') -> Model:
   config = model.config
   if config.dtype != 'float32':
     raise ValueError(f'Only float32 models can be packed, got {config.dtype}.')
-  if weights not in native.WEIGHT_DTYPES:
-    raise ValueError(f'Packed weights are one of {native.WEIGHT_DTYPES}, not {weights!r}.')
+  _check_weights(weights)
   if is_packed(model):
     return model
   params = dict(model.params)
@@ -131,5 +135,7 @@ def packed_dtype(model: Model) -> str | None:
 
 def for_decoding(model: Model, weights: str = 'float32') -> Model:
   """The model as decoding wants it here: packed where `packable` (its products' weights stored
-  as `weights`, see `pack`), unchanged otherwise."""
+  as `weights`, see `pack`), unchanged otherwise (`weights` is checked either way: a wrong value
+  is an error on every machine, not only where the model gets packed)."""
+  _check_weights(weights)
   return model if packable(model) else pack(model, weights)
