@@ -89,7 +89,8 @@ def test_bfloat16_panels_multiply_in_float32(isa, rows):
   rounded_IxF = w_IxF.astype(jnp.bfloat16).astype(jnp.float32)
   np.testing.assert_array_equal(native.unpack(packed), rounded_IxF)
   assert not np.array_equal(rounded_IxF, w_IxF)  # The rounding is real: a test that can fail.
-  scale, residual = jnp.linspace(0.5, 1.5, d_in), jax.random.normal(jax.random.key(9), (rows, d_out))
+  scale = jnp.linspace(0.5, 1.5, d_in)
+  residual = jax.random.normal(jax.random.key(9), (rows, d_out))
   want = residual + jnp.dot(native.rms_norm(x_RxI, scale, 1e-6), rounded_IxF, precision='highest')
   for use_kernel in (True, False):
     got = jax.jit(lambda x, p, r, u=use_kernel: native.matmul(
