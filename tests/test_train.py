@@ -42,6 +42,7 @@ def test_twenty_steps_lower_the_held_out_loss(finished):
                              train_helpers.held_out(data_helpers.small_tokenizer())(), mesh)
   assert int(state.step) == train_helpers.STEPS
   assert metrics['eval_loss'] < initial['eval_loss'] - 0.3, (metrics, initial)
+  assert metrics['tokens_per_second'] > 0 and 0 < metrics['mfu'] < 1, metrics
 
 
 def test_checkpoint_restores_bit_exactly_with_the_data_position(finished):

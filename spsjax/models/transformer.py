@@ -136,8 +136,9 @@ class Mlp(nn.Module):
     h_BxTxF = jnp.einsum('BTD,DF->BTF', h_BxTxD, w_in)
     if c.mlp == 'gated_silu':
       w_gate = _param(self, 'w_gate', (D, F), ('embed', 'mlp'), D, dt)
-      h_BxTxF = native.silu_gate(
-          jnp.stack([jnp.einsum('BTD,DF->BTF', h_BxTxD, w_gate), h_BxTxF], axis=-2))
+      # Gate and input as two products, not one stacked tensor: stacking made training's
+      # backward pass pad, add and transpose [B, T, 2, F] (a tenth of a reference step).
+      h_BxTxF = native.silu_gate(jnp.einsum('BTD,DF->BTF', h_BxTxD, w_gate), h_BxTxF)
     else:
       h_BxTxF = jax.nn.gelu(h_BxTxF)
     return x_BxTxD + jnp.einsum('BTF,FD->BTD', h_BxTxF, w_out)

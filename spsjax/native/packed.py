@@ -99,9 +99,10 @@ def rms_norm(x_xD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
   return x_xD * scale_D.astype(jnp.float32).reshape((1,) * (x_xD.ndim - 1) + scale_D.shape)
 
 
-def silu_gate(gate_in_xx2xF: jax.Array) -> jax.Array:
-  """A gated MLP's hidden units from its gate and input, stacked on the next-to-last axis."""
-  return jax.nn.silu(gate_in_xx2xF[..., 0, :]) * gate_in_xx2xF[..., 1, :]
+def silu_gate(gate_xF: jax.Array, in_xF: jax.Array) -> jax.Array:
+  """A gated MLP's hidden units from its gate and input: silu(gate) * in (the kernel's gated
+  prologue reads them stacked, [..., 2, F], gate first)."""
+  return jax.nn.silu(gate_xF) * in_xF
 
 
 # Prologue codes of the kernel (packed_matmul.cc).
@@ -112,7 +113,8 @@ def _xla_matmul(x_RxI, packed, scale_I, residual_RxF, prologue, eps) -> jax.Arra
   if prologue == _RMS_NORM:
     x_RxI = rms_norm(x_RxI, scale_I, eps)
   elif prologue == _SILU_GATE:
-    x_RxI = silu_gate(x_RxI.reshape(x_RxI.shape[0], 2, -1))
+    gate_in_Rx2xI = x_RxI.reshape(x_RxI.shape[0], 2, -1)
+    x_RxI = silu_gate(gate_in_Rx2xI[:, 0], gate_in_Rx2xI[:, 1])
   y_RxPxC = jnp.einsum('RI,PIC->RPC', x_RxI, packed.panels_PxIxC.astype(jnp.float32))
   y_RxF = y_RxPxC.reshape(x_RxI.shape[0], -1)[:, :packed.out_dim]
   return y_RxF if residual_RxF.size == 0 else residual_RxF + y_RxF

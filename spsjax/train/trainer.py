@@ -21,7 +21,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from spsjax import models, sharding
-from spsjax.train import checkpoint, losses, optimizer as optimizer_lib
+from spsjax.train import checkpoint, losses, optimizer as optimizer_lib, throughput
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +129,20 @@ def _progress(step: int, total: int, start_step: int, started: float) -> str:
   return f'[{"#" * done}{"." * (width - done)}] {step}/{total} {rate:.2f} steps/s ETA {eta_text}'
 
 
+def _meters(config: TrainConfig, mesh: Mesh) -> tuple[throughput.Meter, throughput.Meter]:
+  flops = throughput.flops_per_token(config.model, config.seq_len)
+  peak = throughput.run_peak(mesh.size)
+  logging.info('Throughput: %s.', throughput.describe(peak, flops))
+  return tuple(throughput.Meter(config.batch_size * config.seq_len, flops, peak)
+               for _ in range(2))
+
+
+def _speed_text(speed: dict[str, float]) -> str:
+  if not speed:
+    return ''
+  return f' | {speed["tokens_per_second"]:.0f} tokens/s, MFU {100 * speed["mfu"]:.1f}%'
+
+
 def train(config: TrainConfig, *, workdir: str, train_batches, eval_batches: Callable[[], Iterator],
           tokenizer_bytes: bytes, mesh: Mesh, teacher: models.Model | None = None,
           meta: dict | None = None) -> tuple[TrainState, dict]:
@@ -163,16 +177,23 @@ def train(config: TrainConfig, *, workdir: str, train_batches, eval_batches: Cal
   if start_step >= config.steps:
     logging.info('%s holds step %d of %d: training is complete.', workdir, start_step,
                  config.steps)
+  # Tokens/s and MFU per log line, and over the run.
+  meters = _meters(config, mesh) if start_step < config.steps else None
   started, pending, metrics = time.time(), None, {}
   for step in range(start_step, config.steps):
     batch = global_batch(next(train_batches), mesh)
     state, step_metrics = train_step(state, teacher, batch)
+    if step == start_step + 1:  # The first step (and its compilation) is done: clocks start.
+      jax.block_until_ready(pending)
+      for meter in meters:
+        meter.tick(step)
     if pending is not None and (step % config.log_every == 0 or step == config.steps - 1):
       metrics = {k: float(v) for k, v in jax.device_get(pending).items()}
-      logging.info('%s loss %.4f lm %.4f lr %.2e |g| %.2f', _progress(step, config.steps,
-                                                                      start_step, started),
+      speed = meters[0].tick(step)
+      logging.info('%s loss %.4f lm %.4f lr %.2e |g| %.2f%s', _progress(step, config.steps,
+                                                                        start_step, started),
                    metrics['loss'], metrics['lm_loss'], metrics['learning_rate'],
-                   metrics['grad_norm'])
+                   metrics['grad_norm'], _speed_text(speed))
     pending = step_metrics
     done = step + 1
     if done % config.eval_every == 0 or done == config.steps:
@@ -184,6 +205,9 @@ def train(config: TrainConfig, *, workdir: str, train_batches, eval_batches: Cal
                       force=done == config.steps)
   if pending is not None:
     metrics.update({k: float(v) for k, v in jax.device_get(pending).items()})
+  if meters:
+    jax.block_until_ready(state)
+    metrics.update(meters[1].tick(config.steps))  # Evaluations and saves included.
   mngr.wait_until_finished()
   mngr.close()
   return state, metrics
