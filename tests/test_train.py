@@ -4,6 +4,7 @@ and bad configs fail at start with a message that names the problem."""
 
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 
@@ -144,6 +145,13 @@ def test_bad_configs_fail_at_start(finished, tmp_path):
   with pytest.raises(ValueError, match='needs a teacher'):
     experiment.run(_experiment(tmp_path, train=dataclasses.replace(train_helpers.CONFIG,
                                                                    distill_weight=0.5)))
+  # Resuming a finished run under another schedule (more steps) would mix two schedules.
+  longer = dataclasses.replace(train_helpers.CONFIG, optimizer=dataclasses.replace(
+      train_helpers.CONFIG.optimizer, total_steps=train_helpers.STEPS * 2))
+  resumed = str(tmp_path / 'resumed')
+  shutil.copytree(finished[0], resumed)
+  with pytest.raises(ValueError, match='optimizer settings .*another number of steps'):
+    train_helpers.run(resumed, config=longer)
   # A family whose tokenizer has another vocabulary than the draft's config.
   data_helpers.small_tokenizer().save(str(tmp_path / experiment.TOKENIZER_FILE))
   small_draft = dataclasses.replace(

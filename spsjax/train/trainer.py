@@ -166,6 +166,11 @@ def train(config: TrainConfig, *, workdir: str, train_batches, eval_batches: Cal
     if saved_meta['model'] != meta['model']:
       raise ValueError(f'Checkpoint in {workdir} has model {saved_meta["model"]}, the config asks '
                        f'for {meta["model"]}: use another workdir.')
+    if saved_meta.get('optimizer', meta['optimizer']) != meta['optimizer']:
+      raise ValueError(
+          f'Checkpoint in {workdir} was trained with optimizer settings '
+          f'{saved_meta["optimizer"]}, the config asks for {meta["optimizer"]} (another number '
+          f'of steps changes the schedule): use another workdir, or the same settings to resume.')
     train_batches.set_state(data_state)
     logging.info('Resumed from step %d in %s.', int(state.step), workdir)
   if teacher is not None:
