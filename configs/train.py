@@ -10,14 +10,21 @@ Arguments:
     and 1/4 (tiny), 1/6 (demo) or 1/8 (reference) of its depth; the deep draft has about the wide
     one's parameter count.
   distill: 0 trains on the language-model loss; a value in (0, 1] is the weight of distillation
-    from the family's trained target (KL(p_target || q_draft)), the rest the LM loss.
+    from the family's trained target (DistillSpec), the rest the LM loss.
+  divergence: forward_kl (KL(p_target || q_draft), the default) | reverse_kl | tv (total
+    variation = 1 - the acceptance probability of speculative sampling).
+  distill_data: corpus (the training batches, default) | student | teacher (on-policy: each
+    batch row's first `prompt_len` tokens continued by the draft being trained, or by the target,
+    sampling at temperature 1).
+  prompt_len: the on-policy prompts' length in tokens (default 32).
   root: the family directory (tokenizer and checkpoints); default checkpoints/<size>.
   steps: overrides the size's number of steps (the reference target's default is 6000, a
     background run of ~3 h that resumes across sessions; its drafts' 600); runlocal: a few steps on a small part of the data,
     in checkpoints/<size>_runlocal, for a smoke run.
   data, model_axis: mesh axes.
 
-Distilled drafts get their own directory (`draft_wide_distill`), so both kinds can be compared.
+Distilled drafts get their own directory (`draft_wide_distill`; with another divergence or data,
+e.g. `draft_wide_distill_tv_student`), so the kinds can be compared.
 """
 
 import ml_collections
@@ -46,7 +53,8 @@ _SIZES = {
 
 def get_config(arg=None):
   a = parse_arg(arg, size='tiny', model='target', distill=0.0, root='', steps=0, seed=0,
-                data=1, model_axis=1, runlocal=False)
+                data=1, model_axis=1, runlocal=False, divergence='forward_kl',
+                distill_data='corpus', prompt_len=32)
   if a.size not in _SIZES:
     raise ValueError(f'size must be one of {sorted(_SIZES)}, got {a.size!r}.')
   if a.model not in _PRESET:
@@ -55,7 +63,11 @@ def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.model = presets.get(f'{a.size}_{_PRESET[a.model]}')
   c.root = a.root or f'checkpoints/{a.size}' + ('_runlocal' if a.runlocal else '')
-  c.name = a.model + ('_distill' if a.distill > 0 else '')
+  c.name = a.model
+  if a.distill > 0:
+    c.name += '_distill' + ''.join(
+        f'_{v}' for v, default in ((a.divergence, 'forward_kl'), (a.distill_data, 'corpus'))
+        if v != default)
   c.teacher = 'target' if a.distill > 0 else ''
   # runlocal trains on a small part of the stdlib (python_code.SMALL); '' means default.
   c.data = dict(name='python_code', text_field='', train_split='train', eval_split='validation',
@@ -69,7 +81,8 @@ def get_config(arg=None):
       batch_size=size['batch_size'], seq_len=size['seq_len'], seed=a.seed,
       log_every=1 if a.runlocal else 20, eval_every=max(1, min(steps // 5, 500)), eval_batches=4,
       save_every=4 if a.runlocal else 100, keep=3, distill_weight=a.distill,
-      distill_temperature=1.0)
+      distill_temperature=1.0, distill_divergence=a.divergence, distill_data=a.distill_data,
+      distill_prompt_len=a.prompt_len)
   c.optimizer = dict(learning_rate=size['learning_rate'],
                      warmup_steps=min(own('warmup_steps'), steps // 2), total_steps=steps,
                      final_fraction=0.1, weight_decay=0.1, clip_norm=1.0, b1=0.9, b2=0.95)

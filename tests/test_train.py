@@ -112,18 +112,48 @@ def test_killed_run_resumes_exactly(finished, tmp_path):
   assert int(resumed.step) == train_helpers.STEPS
 
 
-def test_distillation_loss_is_zero_for_the_same_model():
+@pytest.mark.parametrize('kind', losses.DIVERGENCES)
+def test_distillation_loss_is_zero_for_the_same_model(kind):
   config = train_helpers.CONFIG.model
   params = models.init_params(config, jax.random.key(0))
   tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, config.vocab_size)
   logits = models.logits(config, params, tokens)
   mask = jnp.ones(tokens.shape, bool)
-  assert float(losses.distillation(logits, logits, mask)) == pytest.approx(0.0, abs=1e-6)
+  loss = lambda s, t: losses.distillation(s, t, mask, kind=kind)
+  assert float(loss(logits, logits)) == pytest.approx(0.0, abs=1e-6)
   other = models.logits(config, models.init_params(config, jax.random.key(2)), tokens)
-  assert float(losses.distillation(logits, other, mask)) > 1e-3
-  # No gradient reaches the teacher, and the student's vanishes at the teacher.
-  grad = jax.grad(lambda s, t: losses.distillation(s, t, mask), argnums=(0, 1))(logits, logits)
+  assert float(loss(logits, other)) > 1e-3
+  # No gradient reaches the teacher, and the student's vanishes at the teacher (TV's subgradient
+  # at 0 is 0 too).
+  grad = jax.grad(loss, argnums=(0, 1))(logits, logits)
   assert float(jnp.abs(grad[0]).max()) < 1e-6 and float(jnp.abs(grad[1]).max()) == 0.0
+
+
+def test_divergences_against_their_formulas():
+  p = np.array([0.5, 0.3, 0.2, 0.0])
+  q = np.array([0.25, 0.25, 0.25, 0.25])
+  want = dict(forward_kl=sum(pi * np.log(pi / qi) for pi, qi in zip(p, q) if pi > 0),
+              tv=1.0 - np.minimum(p, q).sum())  # 1 - beta: SpS's rejection probability.
+  log = lambda x: jnp.log(jnp.asarray(x, jnp.float32))[None, None]
+  for kind in ('forward_kl', 'tv'):
+    got = losses.distillation(log(q), log(p), jnp.ones((1, 1), bool), kind=kind)
+    assert float(got) == pytest.approx(want[kind], rel=1e-5), kind
+  # Reverse KL is infinite where the student has mass the teacher has not; on full supports:
+  p2 = np.array([0.5, 0.3, 0.15, 0.05])
+  got = losses.distillation(log(q), log(p2), jnp.ones((1, 1), bool), kind='reverse_kl')
+  assert float(got) == pytest.approx(float(np.sum(q * np.log(q / p2))), rel=1e-5)
+  with pytest.raises(ValueError, match='Unknown divergence'):
+    losses.distillation(log(q), log(p), jnp.ones((1, 1), bool), kind='js')
+
+
+def test_distillation_settings_are_checked():
+  for bad, match in ((dict(distill_divergence='kl'), 'distill_divergence must be one of'),
+                     (dict(distill_data='web'), 'distill_data must be one of'),
+                     (dict(distill_data='student', distill_prompt_len=0), 'distill_prompt_len'),
+                     (dict(distill_data='teacher', distill_prompt_len=train_helpers.SEQ_LEN),
+                      'distill_prompt_len')):
+    with pytest.raises(ValueError, match=match):
+      dataclasses.replace(train_helpers.CONFIG, **bad)
 
 
 def _experiment(root, **overrides):
@@ -169,28 +199,38 @@ def test_bad_configs_fail_at_start(finished, tmp_path):
         train_helpers.CONFIG, distill_weight=1.0)))
 
 
-def test_distillation_moves_the_student_towards_the_teacher(finished, tmp_path):
+@pytest.mark.parametrize('kind,data', [('forward_kl', 'corpus'), ('reverse_kl', 'student'),
+                                       ('tv', 'teacher')])
+def test_distillation_moves_the_student_towards_the_teacher(finished, tmp_path, kind, data):
   finished_dir, _, _ = finished
   teacher, _, _ = load.load_model(finished_dir)
   config = dataclasses.replace(
-      train_helpers.CONFIG, distill_weight=1.0, seed=1,
+      train_helpers.CONFIG, distill_weight=1.0, seed=1, distill_divergence=kind,
+      distill_data=data, distill_prompt_len=8,
       model=dataclasses.replace(train_helpers.CONFIG.model, d_model=16),
       optimizer=dataclasses.replace(train_helpers.CONFIG.optimizer, total_steps=10))
   batch = jnp.asarray(next(train_helpers.held_out(data_helpers.small_tokenizer())()))
   mask = jnp.ones(batch[:, 1:].shape, bool)
   teacher_logits = models.logits(teacher.config, teacher.params, batch[:, :-1])
 
-  def kl(params):
+  def divergence(params):  # Measured on held-out corpus text, whatever the training data.
     return float(losses.distillation(models.logits(config.model, params, batch[:, :-1]),
-                                     teacher_logits, mask))
+                                     teacher_logits, mask, kind=kind))
 
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ('data', 'model'))
-  before = kl(trainer.init_state(config, mesh).params)
+  initial = trainer.init_state(config, mesh).params
+  before = divergence(initial)
+  if data != 'corpus':  # The on-policy batch: the rows' prompts, then sampled tokens.
+    sequences = trainer._on_policy(config, initial, teacher, batch, jax.random.key(0), mesh)  # pylint: disable=protected-access
+    assert sequences.shape == batch.shape
+    np.testing.assert_array_equal(sequences[:, :8], batch[:, :8])
+    assert not np.array_equal(sequences[:, 8:], batch[:, 8:])
+    assert int(sequences.min()) >= 0 and int(sequences.max()) < config.model.vocab_size
   tok = data_helpers.small_tokenizer()
   state, metrics = trainer.train(
       config, workdir=str(tmp_path / 'student'), train_batches=experiment.pipeline.PackedBatches(
           data_helpers.texts('train'), tok, train_helpers.BATCH, train_helpers.SEQ_LEN),
       eval_batches=train_helpers.held_out(tok), tokenizer_bytes=tok.to_bytes(), mesh=mesh,
       teacher=teacher)
-  assert 'distill_kl' in metrics and metrics['loss'] == pytest.approx(metrics['distill_kl'])
-  assert kl(state.params) < before - 0.1
+  assert 'distill' in metrics and metrics['loss'] == pytest.approx(metrics['distill'])
+  assert divergence(state.params) < before - (0.02 if kind == 'tv' else 0.1), kind

@@ -1,8 +1,15 @@
 """Training losses in float32: next-token cross-entropy and distillation from a teacher.
 
-Distillation (in the spirit of DistillSpec): KL(teacher || student) between the next-token laws at
-every position of the same batch, both at `temperature`. It is zero exactly when the student's law
-equals the teacher's, which is what speculative sampling's acceptance rewards.
+Distillation (DistillSpec, Zhou et al. 2023): a divergence D(p_teacher, q_student) between the
+next-token laws at every position of a batch, both at `temperature`, one of `DIVERGENCES`:
+- `forward_kl`: KL(p || q) = sum p (log p - log q), mass-covering (the student spreads over all
+  the teacher's likely tokens);
+- `reverse_kl`: KL(q || p) = sum q (log q - log p), mode-seeking;
+- `tv`: total variation 1/2 sum |p - q| = 1 - sum min(p, q) = 1 - beta: exactly the probability
+  that speculative sampling rejects a draft token drawn from q, so minimising it maximises the
+  acceptance rate alpha directly.
+Each is zero exactly when the student's law equals the teacher's; no gradient flows into the
+teacher.
 """
 
 import math
@@ -34,13 +41,31 @@ def perplexity(mean_loss: float) -> float:
   return math.exp(min(float(mean_loss), 50.0))
 
 
+DIVERGENCES = ('forward_kl', 'reverse_kl', 'tv')
+
+
+def divergence_per_position(student_BxTxV: jax.Array, teacher_BxTxV: jax.Array, kind: str,
+                            temperature: float = 1.0) -> jax.Array:
+  """float32[B, T]: D(teacher, student) at each position (module docstring)."""
+  if kind not in DIVERGENCES:
+    raise ValueError(f'Unknown divergence {kind!r}; known: {DIVERGENCES}.')
+  log_p = jax.nn.log_softmax(
+      jax.lax.stop_gradient(teacher_BxTxV.astype(jnp.float32)) / temperature, axis=-1)
+  log_q = jax.nn.log_softmax(student_BxTxV.astype(jnp.float32) / temperature, axis=-1)
+  def kl(log_a, log_b):  # sum a (log a - log b), with 0 log 0 = 0 (a teacher's -inf logits).
+    a = jnp.exp(log_a)
+    return jnp.sum(jnp.where(a > 0, a * (log_a - log_b), 0.0), axis=-1)
+
+  if kind == 'forward_kl':
+    return kl(log_p, log_q)
+  if kind == 'reverse_kl':
+    return kl(log_q, log_p)
+  return 0.5 * jnp.sum(jnp.abs(jnp.exp(log_p) - jnp.exp(log_q)), axis=-1)
+
+
 def distillation(student_BxTxV: jax.Array, teacher_BxTxV: jax.Array, mask_BxT: jax.Array,
-                 temperature: float = 1.0) -> jax.Array:
-  """Mean KL(teacher || student) per position; no gradient flows into the teacher."""
-  teacher = jax.lax.stop_gradient(teacher_BxTxV.astype(jnp.float32)) / temperature
-  student = student_BxTxV.astype(jnp.float32) / temperature
-  teacher_log_p = jax.nn.log_softmax(teacher, axis=-1)
-  kl_BxT = jnp.sum(jnp.exp(teacher_log_p) * (teacher_log_p - jax.nn.log_softmax(student, axis=-1)),
-                   axis=-1)
+                 temperature: float = 1.0, kind: str = 'forward_kl') -> jax.Array:
+  """Mean divergence `kind` per position where mask is true; no gradient flows into the teacher."""
+  per_position_BxT = divergence_per_position(student_BxTxV, teacher_BxTxV, kind, temperature)
   mask = mask_BxT.astype(jnp.float32)
-  return jnp.sum(kl_BxT * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+  return jnp.sum(per_position_BxT * mask) / jnp.maximum(jnp.sum(mask), 1.0)

@@ -21,7 +21,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from spsjax import models, sharding
+from spsjax.sampling import autoregressive
+from spsjax.sampling.processors import SamplingConfig
 from spsjax.train import checkpoint, losses, optimizer as optimizer_lib, throughput
+
+
+DISTILL_DATA = ('corpus', 'student', 'teacher')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +43,24 @@ class TrainConfig:
   keep: int = 3
   distill_weight: float = 0.0  # 0: language-model loss only; 1: distillation only.
   distill_temperature: float = 1.0
+  distill_divergence: str = 'forward_kl'  # One of losses.DIVERGENCES.
+  # What the divergence is measured on: 'corpus' (the training batch), or on-policy sequences
+  # that continue each row's first `distill_prompt_len` tokens, sampled at temperature 1 by the
+  # 'student' (the current parameters) or the 'teacher'.
+  distill_data: str = 'corpus'
+  distill_prompt_len: int = 32
 
   def __post_init__(self):
     if not 0.0 <= self.distill_weight <= 1.0:
       raise ValueError(f'distill_weight must be in [0, 1], got {self.distill_weight}.')
+    if self.distill_divergence not in losses.DIVERGENCES:
+      raise ValueError(f'distill_divergence must be one of {losses.DIVERGENCES}, got '
+                       f'{self.distill_divergence!r}.')
+    if self.distill_data not in DISTILL_DATA:
+      raise ValueError(f'distill_data must be one of {DISTILL_DATA}, got {self.distill_data!r}.')
+    if self.distill_data != 'corpus' and not 1 <= self.distill_prompt_len < self.seq_len:
+      raise ValueError(f'distill_prompt_len must be in [1, seq_len={self.seq_len}) for '
+                       f'on-policy data, got {self.distill_prompt_len}.')
     if self.seq_len + 1 > self.model.max_seq_len + 1 or self.seq_len < 1:
       raise ValueError(f'seq_len ({self.seq_len}) must be in [1, max_seq_len='
                        f'{self.model.max_seq_len}].')
@@ -68,27 +87,60 @@ def init_state(config: TrainConfig, mesh: Mesh) -> TrainState:
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
 
 
-def _loss(config: TrainConfig, params, teacher: models.Model | None, batch_BxL1):
+def _on_policy(config: TrainConfig, params, teacher: models.Model, batch_BxL1, key, mesh):
+  """Each row's first `distill_prompt_len` tokens, continued to the batch's length by the student
+  (`params`) or the teacher, sampling at temperature 1 (int32[B, L + 1], no gradient)."""
+  B, L1 = batch_BxL1.shape
+  P = config.distill_prompt_len
+  generator = teacher if config.distill_data == 'teacher' else models.Model(config.model, params)
+  loop = autoregressive.Loop(max_new_tokens=L1 - P, sampling=SamplingConfig(temperature=1.0),
+                             mesh=mesh)
+  out = loop.run(generator, batch_BxL1[:, :P],
+                 jnp.full((B,), P, jnp.int32), key)
+  return jnp.concatenate([batch_BxL1[:, :P], out.tokens], axis=1)
+
+
+def _loss(config: TrainConfig, params, teacher: models.Model | None, batch_BxL1,
+          distill_BxL1=None):
+  """(loss, metrics): the LM loss on `batch`, mixed with the divergence from the teacher on
+  `distill` (the batch itself for corpus distillation; on-policy sequences otherwise, where only
+  the sampled positions count)."""
+  distilling = teacher is not None and config.distill_weight > 0
+  on_policy = distilling and config.distill_data != 'corpus'
   logits_BxLxV, lm = losses.next_token(functools.partial(models.logits, config.model, params),
-                                        batch_BxL1)
+                                       batch_BxL1)
+  if config.distill_weight == 1.0 and on_policy:  # The LM loss is a metric only: no backward.
+    lm = jax.lax.stop_gradient(lm)
   metrics = dict(lm_loss=lm)
   loss = lm
-  if teacher is not None and config.distill_weight > 0:
-    teacher_BxLxV = models.logits(teacher.config, teacher.params, batch_BxL1[:, :-1])
-    mask_BxL = jnp.ones(batch_BxL1[:, 1:].shape, bool)
-    kl = losses.distillation(logits_BxLxV, teacher_BxLxV, mask_BxL, config.distill_temperature)
-    loss = (1.0 - config.distill_weight) * lm + config.distill_weight * kl
-    metrics['distill_kl'] = kl
+  if distilling:
+    inputs_BxL = (distill_BxL1 if on_policy else batch_BxL1)[:, :-1]
+    if on_policy:
+      logits_BxLxV = models.logits(config.model, params, inputs_BxL)
+    teacher_BxLxV = models.logits(teacher.config, teacher.params, inputs_BxL)
+    # On-policy: the positions that predict a sampled token (the prompt's own are corpus text).
+    first = config.distill_prompt_len - 1 if on_policy else 0
+    mask_BxL = jnp.broadcast_to(jnp.arange(inputs_BxL.shape[1]) >= first, inputs_BxL.shape)
+    divergence = losses.distillation(logits_BxLxV, teacher_BxLxV, mask_BxL,
+                                     config.distill_temperature, config.distill_divergence)
+    loss = (1.0 - config.distill_weight) * lm + config.distill_weight * divergence
+    metrics['distill'] = divergence
   metrics['loss'] = loss
   return loss, metrics
 
 
-def make_train_step(config: TrainConfig):
+def make_train_step(config: TrainConfig, mesh: Mesh | None = None):
   tx = optimizer_lib.make(config.optimizer)
+  on_policy = config.distill_weight > 0 and config.distill_data != 'corpus'
 
   @functools.partial(jax.jit, donate_argnums=(0,))
   def train_step(state: TrainState, teacher, batch_BxL1):
-    grad_fn = jax.value_and_grad(lambda p: _loss(config, p, teacher, batch_BxL1), has_aux=True)
+    distill_BxL1 = None
+    if on_policy and teacher is not None:  # A key per step: a resumed run samples the same.
+      key = jax.random.fold_in(jax.random.key(config.seed), state.step)
+      distill_BxL1 = _on_policy(config, state.params, teacher, batch_BxL1, key, mesh)
+    grad_fn = jax.value_and_grad(
+        lambda p: _loss(config, p, teacher, batch_BxL1, distill_BxL1), has_aux=True)
     (_, metrics), grads = grad_fn(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -177,7 +229,7 @@ def train(config: TrainConfig, *, workdir: str, train_batches, eval_batches: Cal
     teacher = teacher.replace(params=jax.device_put(
         teacher.params, models.param_shardings(teacher.config, mesh)))
 
-  train_step, eval_step = make_train_step(config), make_eval_step(config)
+  train_step, eval_step = make_train_step(config, mesh), make_eval_step(config)
   start_step = int(state.step)
   if start_step >= config.steps:
     logging.info('%s holds step %d of %d: training is complete.', workdir, start_step,
