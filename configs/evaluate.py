@@ -12,7 +12,7 @@ import ml_collections
 
 from spsjax.config_args import parse_arg
 
-ALL_DRAFTS = 'draft_wide+draft_deep+draft_wide_distill+draft_deep_distill'
+ALL_DRAFTS = 'draft_wide+draft_mid+draft_deep+draft_wide_distill+draft_deep_distill'
 
 
 def get_config(arg=None):

@@ -13,7 +13,7 @@ import ml_collections
 
 from spsjax.config_args import parse_arg
 
-DRAFTS = ('draft_wide', 'draft_deep', 'draft_wide_distill')
+DRAFTS = ('draft_wide', 'draft_mid', 'draft_deep', 'draft_wide_distill')
 
 
 def points(sweep: str, k: int, draft: str, temperature: float,

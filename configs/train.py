@@ -5,10 +5,11 @@ Arguments:
     tests); `demo` is the README's main job (`make demo`: a 5M target of ~6 minutes, whose decode
     step outweighs the fixed costs of a step, and a one-layer draft distilled from it in ~2);
     `reference` is the pair the README's tables are measured on.
-  model: target | draft_wide | draft_deep (presets `<size>_target`, `<size>_draft`,
-    `<size>_draft_deep`): the wide-shallow draft is ~0.75 of the target's width (0.5 for demo)
-    and 1/4 (tiny), 1/6 (demo) or 1/8 (reference) of its depth; the deep draft has about the wide
-    one's parameter count.
+  model: target | draft_wide | draft_mid | draft_deep (presets `<size>_target`, `<size>_draft`,
+    `<size>_draft_mid`, `<size>_draft_deep`): the wide-shallow draft is ~0.75 of the target's
+    width (0.5 for demo) and 1/4 (tiny), 1/6 (demo) or 1/8 (reference) of its depth; the deep
+    draft (4 narrow layers) and the mid one (2 layers) have about the wide one's parameter count:
+    the draft-topology sweep's three shapes.
   distill: 0 trains on the language-model loss; a value in (0, 1] is the weight of distillation
     from the family's trained target (DistillSpec), the rest the LM loss.
   divergence: forward_kl (KL(p_target || q_draft), the default) | reverse_kl | tv (total
@@ -33,7 +34,8 @@ from spsjax.config_args import parse_arg
 from spsjax.data import python_code
 from spsjax.models import presets
 
-_PRESET = {'target': 'target', 'draft_wide': 'draft', 'draft_deep': 'draft_deep'}
+_PRESET = {'target': 'target', 'draft_wide': 'draft', 'draft_mid': 'draft_mid',
+           'draft_deep': 'draft_deep'}
 
 # Per size: batch (sequences), sequence length, steps, warm-up, peak learning rate.
 _SIZES = {

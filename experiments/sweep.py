@@ -50,7 +50,7 @@ def main(argv):
     print0(f'{c.sweep}={point.label}: {point.mean_seconds * 1e3:.1f} ± '
            f'{point.std_seconds * 1e3:.1f} ms per {c.max_new_tokens} tokens (ArS in turn '
            f'{point.ars_seconds * 1e3:.1f}: {point.speedup:.2f}x), tokens/loop/(k+1) '
-           f'{point.accepted_fraction:.3f}, '
+           f'{point.accepted_fraction:.3f}, alpha {point.alpha:.3f}, c {point.c:.3f}, '
            f'{point.loop_seconds * 1e3:.2f} ms per loop', flush=True)
   os.makedirs(c.results, exist_ok=True)
   sweep.write_csv(points, os.path.join(c.results, 'points.csv'))

@@ -118,3 +118,18 @@ def test_variants_run(overrides):
   assert np.isfinite(np.asarray(out)).all()
   leaves = jax.tree.leaves(params)
   assert all(x.dtype == config.jnp_dtype for x in leaves)
+
+
+@pytest.mark.parametrize('size', ['tiny', 'demo', 'reference'])
+def test_draft_shapes_have_about_the_same_size(size):
+  """The draft-topology sweep's three shapes (1, 2 and 4 layers) at about equal parameters, all
+  well below the target's."""
+  from spsjax.models import presets  # pylint: disable=import-outside-toplevel
+  count = lambda name: models.num_params(jax.eval_shape(
+      lambda: models.init_params(models.TransformerConfig(**presets.get(f'{size}_{name}')),
+                                 jax.random.key(0))))
+  wide, mid, deep = count('draft'), count('draft_mid'), count('draft_deep')
+  layers = [presets.get(f'{size}_{n}')['num_layers'] for n in ('draft', 'draft_mid', 'draft_deep')]
+  assert layers[0] < layers[1] < layers[2]
+  assert max(wide, mid, deep) / min(wide, mid, deep) < 1.25, (wide, mid, deep)
+  assert max(wide, mid, deep) < count('target') / 3

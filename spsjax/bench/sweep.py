@@ -4,7 +4,9 @@ as a function of a swept setting (k, the draft, the temperature).
 Each point samples `max_new_tokens` tokens (no eos, so every call makes the same number) at batch 1
 for a list of prompts, each prompt one timed call (compile apart). Recorded per point: mean and
 standard deviation of the time per sequence, mean tokens per loop divided by k + 1, time per loop
-(wall time / loops), and the ArS time of the same prompts with the same sampling settings, timed
+(wall time / loops), the draft's cost per step c (`speedup.measure_costs`: a draft step over a
+target step, measured right after the point; the draft-topology sweep compares shapes at equal
+c), and the ArS time of the same prompts with the same sampling settings, timed
 call by call in turn with SpS (`timing.time_interleaved`): a baseline measured minutes apart from a
 point would carry this machine's drift (tens of percent) into its speedup.
 """
@@ -20,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spsjax import models, sampling
-from spsjax.bench import timing
+from spsjax.bench import speedup as speedup_lib, timing
 from spsjax.data import prompts as prompts_lib
 
 
@@ -37,6 +39,7 @@ class Point:
   acceptance_rate: float  # Accepted drafts / drafted tokens.
   alpha: float  # Per-draft acceptance (`theory.alpha_from_counts`).
   ars_seconds: float  # ArS per sequence on the same prompts, timed in turn with this point.
+  c: float = float('nan')  # Draft step / target step (nan for ArS).
 
   @property
   def speedup(self) -> float:
@@ -72,13 +75,19 @@ def run_point(label: str, target: models.Model, draft: models.Model | None, draf
   result = timings[methods[-1]]
   seconds = [c.seconds for c in result.calls]
   loops = sum(c.loops for c in result.calls)
+  draft_cost = float('nan')
+  if draft is not None:
+    capacity = prompts_NxP.shape[1] + max_new_tokens + k
+    draft_cost = speedup_lib.measure_costs(target, draft, k, batch=1, capacity=capacity,
+                                           mesh=mesh).c
   return Point(label=label, k=k if draft else 0, draft=draft_name if draft else '',
                temperature=sampling_config.temperature, mean_seconds=float(np.mean(seconds)),
                std_seconds=float(np.std(seconds, ddof=1)) if len(seconds) > 1 else 0.0,
                tokens_per_loop=result.tokens_per_loop,
                loop_seconds=sum(seconds) / loops if loops else float('nan'),
                acceptance_rate=result.acceptance_rate, alpha=result.alpha,
-               ars_seconds=float(np.mean([c.seconds for c in timings['ArS'].calls])))
+               ars_seconds=float(np.mean([c.seconds for c in timings['ArS'].calls])),
+               c=draft_cost)
 
 
 def write_csv(points: Sequence[Point], path: str) -> None:

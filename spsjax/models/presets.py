@@ -16,6 +16,8 @@ PRESETS = {
                        d_ff=288, max_seq_len=512),
     'tiny_draft_deep': dict(vocab_size=2048, d_model=64, num_layers=4, num_heads=2,
                             num_kv_heads=1, d_ff=192, max_seq_len=512),
+    'tiny_draft_mid': dict(vocab_size=2048, d_model=80, num_layers=2, num_heads=4,
+                           num_kv_heads=2, d_ff=240, max_seq_len=512),
     # Demo pair (`make demo`): a target big enough that its step (~0.35-0.5 ms here) outweighs
     # the fixed costs of a step (the tiny target's does not), and a one-layer draft at half its
     # width, ~1/10 of its step; trained in minutes, the draft distilled from the target.
@@ -23,17 +25,22 @@ PRESETS = {
                         d_ff=768, max_seq_len=512),
     'demo_draft': dict(vocab_size=2048, d_model=128, num_layers=1, num_heads=4, num_kv_heads=2,
                        d_ff=384, max_seq_len=512),
-    'demo_draft_deep': dict(vocab_size=2048, d_model=64, num_layers=4, num_heads=2,
-                            num_kv_heads=1, d_ff=192, max_seq_len=512),
+    'demo_draft_deep': dict(vocab_size=2048, d_model=80, num_layers=4, num_heads=4,
+                            num_kv_heads=2, d_ff=240, max_seq_len=512),
+    'demo_draft_mid': dict(vocab_size=2048, d_model=96, num_layers=2, num_heads=4,
+                           num_kv_heads=2, d_ff=288, max_seq_len=512),
     # Reference pair: a target whose decode step (~4 ms here) dwarfs dispatch overheads and that
     # trains (600 steps) in under an hour on 2 cores; drafts at 0.75 width and 1/8 depth (wide)
-    # or with the wide draft's parameter count (deep). Sizes and timings: docs/training.md, "Trained models".
+    # or with the wide draft's parameter count (deep), and one in between (mid: 2 layers), for the
+    # draft-topology sweep. Sizes and timings: docs/training.md, "Trained models".
     'reference_target': dict(vocab_size=4096, d_model=384, num_layers=8, num_heads=6,
                              num_kv_heads=2, d_ff=1024, max_seq_len=1024),
     'reference_draft': dict(vocab_size=4096, d_model=288, num_layers=1, num_heads=6,
                             num_kv_heads=2, d_ff=768, max_seq_len=1024),
     'reference_draft_deep': dict(vocab_size=4096, d_model=160, num_layers=4, num_heads=5,
                                  num_kv_heads=1, d_ff=480, max_seq_len=1024),
+    'reference_draft_mid': dict(vocab_size=4096, d_model=224, num_layers=2, num_heads=7,
+                                num_kv_heads=1, d_ff=608, max_seq_len=1024),
     'bench150m': dict(vocab_size=32_000, d_model=768, num_layers=12, num_heads=12, d_ff=3072,
                       max_seq_len=2048, tie_embeddings=False),
 }
