@@ -18,6 +18,8 @@ Arguments:
     batch row's first `prompt_len` tokens continued by the draft being trained, or by the target,
     sampling at temperature 1).
   prompt_len: the on-policy prompts' length in tokens (default 32).
+  distill_rows: the divergence on the batch's first rows only (0: all; the LM loss keeps every
+    row): bounds the teacher's cost per step to that fraction of a batch.
   root: the family directory (tokenizer and checkpoints); default checkpoints/<size>.
   steps: overrides the size's number of steps (the reference target's default is 6000, a
     background run of ~3 h that resumes across sessions; its drafts' 600); runlocal: a few steps on a small part of the data,
@@ -56,7 +58,7 @@ _SIZES = {
 def get_config(arg=None):
   a = parse_arg(arg, size='tiny', model='target', distill=0.0, root='', steps=0, seed=0,
                 data=1, model_axis=1, runlocal=False, divergence='forward_kl',
-                distill_data='corpus', prompt_len=32)
+                distill_data='corpus', prompt_len=32, distill_rows=0)
   if a.size not in _SIZES:
     raise ValueError(f'size must be one of {sorted(_SIZES)}, got {a.size!r}.')
   if a.model not in _PRESET:
@@ -84,7 +86,7 @@ def get_config(arg=None):
       log_every=1 if a.runlocal else 20, eval_every=max(1, min(steps // 5, 500)), eval_batches=4,
       save_every=4 if a.runlocal else 100, keep=3, distill_weight=a.distill,
       distill_temperature=1.0, distill_divergence=a.divergence, distill_data=a.distill_data,
-      distill_prompt_len=a.prompt_len)
+      distill_prompt_len=a.prompt_len, distill_rows=a.distill_rows)
   c.optimizer = dict(learning_rate=size['learning_rate'],
                      warmup_steps=min(own('warmup_steps'), steps // 2), total_steps=steps,
                      final_fraction=0.1, weight_decay=0.1, clip_norm=1.0, b1=0.9, b2=0.95)

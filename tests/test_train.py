@@ -3,6 +3,7 @@ with SIGKILL resumes without losing more than a save interval or seeing a batch 
 and bad configs fail at start with a message that names the problem."""
 
 import dataclasses
+import functools
 import os
 import shutil
 import subprocess
@@ -151,7 +152,8 @@ def test_distillation_settings_are_checked():
                      (dict(distill_data='web'), 'distill_data must be one of'),
                      (dict(distill_data='student', distill_prompt_len=0), 'distill_prompt_len'),
                      (dict(distill_data='teacher', distill_prompt_len=train_helpers.SEQ_LEN),
-                      'distill_prompt_len')):
+                      'distill_prompt_len'),
+                     (dict(distill_rows=train_helpers.BATCH + 1), 'distill_rows')):
     with pytest.raises(ValueError, match=match):
       dataclasses.replace(train_helpers.CONFIG, **bad)
 
@@ -197,6 +199,32 @@ def test_bad_configs_fail_at_start(finished, tmp_path):
   with pytest.raises(ValueError, match='another tokenizer'):
     experiment.run(_experiment(other, teacher='target', train=dataclasses.replace(
         train_helpers.CONFIG, distill_weight=1.0)))
+
+
+def test_distill_rows_bound_the_teacher_to_the_first_rows():
+  """With distill_rows=2 the divergence is the first two rows' (the teacher sees only them); the
+  LM loss keeps the whole batch."""
+  config = dataclasses.replace(train_helpers.CONFIG, distill_weight=0.5, distill_rows=2)
+  student = models.init_params(config.model, jax.random.key(0))
+  teacher = models.Model(config.model, models.init_params(config.model, jax.random.key(1)))
+  batch = jax.random.randint(jax.random.key(2), (4, 17), 0, config.model.vocab_size)
+  seen = []
+  real_logits = models.logits
+
+  def logits(model_config, params, tokens):
+    seen.append(tokens.shape[0])
+    return real_logits(model_config, params, tokens)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(trainer.models, 'logits', logits)
+    _, metrics = trainer._loss(config, student, teacher, batch)  # pylint: disable=protected-access
+  assert seen == [4, 2]  # The student on the batch, the teacher on two rows.
+  want = losses.distillation(real_logits(config.model, student, batch[:2, :-1]),
+                             real_logits(teacher.config, teacher.params, batch[:2, :-1]),
+                             jnp.ones((2, 16), bool))
+  assert float(metrics['distill']) == pytest.approx(float(want), rel=1e-5)
+  _, lm = losses.next_token(functools.partial(real_logits, config.model, student), batch)
+  assert float(metrics['lm_loss']) == pytest.approx(float(lm), rel=1e-6)
 
 
 @pytest.mark.parametrize('kind,data', [('forward_kl', 'corpus'), ('reverse_kl', 'student'),

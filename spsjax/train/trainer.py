@@ -49,6 +49,10 @@ class TrainConfig:
   # 'student' (the current parameters) or the 'teacher'.
   distill_data: str = 'corpus'
   distill_prompt_len: int = 32
+  # The teacher's cost per step: the divergence covers the batch's first `distill_rows` rows only
+  # (0: all), so the teacher's forward pass (and an on-policy generation) is that fraction of a
+  # full batch's; the LM loss keeps every row.
+  distill_rows: int = 0
 
   def __post_init__(self):
     if not 0.0 <= self.distill_weight <= 1.0:
@@ -58,6 +62,9 @@ class TrainConfig:
                        f'{self.distill_divergence!r}.')
     if self.distill_data not in DISTILL_DATA:
       raise ValueError(f'distill_data must be one of {DISTILL_DATA}, got {self.distill_data!r}.')
+    if not 0 <= self.distill_rows <= self.batch_size:
+      raise ValueError(f'distill_rows must be in [0, batch_size={self.batch_size}] (0: all), got '
+                       f'{self.distill_rows}.')
     if self.distill_data != 'corpus' and not 1 <= self.distill_prompt_len < self.seq_len:
       raise ValueError(f'distill_prompt_len must be in [1, seq_len={self.seq_len}) for '
                        f'on-policy data, got {self.distill_prompt_len}.')
@@ -114,9 +121,12 @@ def _loss(config: TrainConfig, params, teacher: models.Model | None, batch_BxL1,
   metrics = dict(lm_loss=lm)
   loss = lm
   if distilling:
-    inputs_BxL = (distill_BxL1 if on_policy else batch_BxL1)[:, :-1]
+    R = config.distill_rows or batch_BxL1.shape[0]
+    inputs_BxL = (distill_BxL1 if on_policy else batch_BxL1[:R])[:, :-1]
     if on_policy:
       logits_BxLxV = models.logits(config.model, params, inputs_BxL)
+    else:
+      logits_BxLxV = logits_BxLxV[:R]
     teacher_BxLxV = models.logits(teacher.config, teacher.params, inputs_BxL)
     # On-policy: the positions that predict a sampled token (the prompt's own are corpus text).
     first = config.distill_prompt_len - 1 if on_policy else 0
@@ -138,7 +148,8 @@ def make_train_step(config: TrainConfig, mesh: Mesh | None = None):
     distill_BxL1 = None
     if on_policy and teacher is not None:  # A key per step: a resumed run samples the same.
       key = jax.random.fold_in(jax.random.key(config.seed), state.step)
-      distill_BxL1 = _on_policy(config, state.params, teacher, batch_BxL1, key, mesh)
+      rows = config.distill_rows or batch_BxL1.shape[0]
+      distill_BxL1 = _on_policy(config, state.params, teacher, batch_BxL1[:rows], key, mesh)
     grad_fn = jax.value_and_grad(
         lambda p: _loss(config, p, teacher, batch_BxL1, distill_BxL1), has_aux=True)
     (_, metrics), grads = grad_fn(state.params)
