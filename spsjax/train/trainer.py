@@ -155,7 +155,7 @@ def make_train_step(config: TrainConfig, mesh: Mesh | None = None):
     (_, metrics), grads = grad_fn(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics['grad_norm'] = optax.global_norm(grads)
+    metrics['grad_norm'] = optax.tree.norm(grads)
     metrics['learning_rate'] = optimizer_lib.schedule(config.optimizer)(state.step)
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
