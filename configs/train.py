@@ -22,8 +22,9 @@ Arguments:
     row): bounds the teacher's cost per step to that fraction of a batch.
   root: the family directory (tokenizer and checkpoints); default checkpoints/<size>.
   steps: overrides the size's number of steps (the reference target's default is 6000, a
-    background run of ~3 h that resumes across sessions; its drafts' 600); runlocal: a few steps on a small part of the data,
-    in checkpoints/<size>_runlocal, for a smoke run.
+    background run of ~3 h that resumes across sessions; its drafts' 600).
+  runlocal: a few steps on a small part of the data, in checkpoints/<size>_runlocal, for a smoke
+    run.
   data, model_axis: mesh axes.
 
 Distilled drafts get their own directory (`draft_wide_distill`; with another divergence or data,

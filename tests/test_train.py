@@ -249,7 +249,8 @@ def test_distillation_moves_the_student_towards_the_teacher(finished, tmp_path, 
   initial = trainer.init_state(config, mesh).params
   before = divergence(initial)
   if data != 'corpus':  # The on-policy batch: the rows' prompts, then sampled tokens.
-    sequences = trainer._on_policy(config, initial, teacher, batch, jax.random.key(0), mesh)  # pylint: disable=protected-access
+    on_policy = trainer._on_policy  # pylint: disable=protected-access
+    sequences = on_policy(config, initial, teacher, batch, jax.random.key(0), mesh)
     assert sequences.shape == batch.shape
     np.testing.assert_array_equal(sequences[:, :8], batch[:, :8])
     assert not np.array_equal(sequences[:, 8:], batch[:, 8:])

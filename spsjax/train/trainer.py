@@ -192,10 +192,16 @@ def _progress(step: int, total: int, start_step: int, started: float) -> str:
   return f'[{"#" * done}{"." * (width - done)}] {step}/{total} {rate:.2f} steps/s ETA {eta_text}'
 
 
-def _meters(config: TrainConfig, mesh: Mesh) -> tuple[throughput.Meter, throughput.Meter]:
+def _meters(config: TrainConfig, mesh: Mesh,
+            teacher: models.Model | None) -> tuple[throughput.Meter, throughput.Meter]:
   flops = throughput.flops_per_token(config.model, config.seq_len)
   peak = throughput.run_peak(mesh.size)
   logging.info('Throughput: %s.', throughput.describe(peak, flops))
+  if teacher is not None and config.distill_weight > 0:  # Not in MFU: said here once.
+    share = (config.distill_rows or config.batch_size) / config.batch_size
+    logging.info('Teacher: %.1f MFLOP per token trained (its forward pass on %.0f%% of the rows, '
+                 'not counted in MFU).', share * throughput.teacher_flops_per_token(
+                     teacher.config, config.seq_len) / 1e6, 100 * share)
   return tuple(throughput.Meter(config.batch_size * config.seq_len, flops, peak)
                for _ in range(2))
 
@@ -246,7 +252,7 @@ def train(config: TrainConfig, *, workdir: str, train_batches, eval_batches: Cal
     logging.info('%s holds step %d of %d: training is complete.', workdir, start_step,
                  config.steps)
   # Tokens/s and MFU per log line, and over the run.
-  meters = _meters(config, mesh) if start_step < config.steps else None
+  meters = _meters(config, mesh, teacher) if start_step < config.steps else None
   started, pending, metrics = time.time(), None, {}
   for step in range(start_step, config.steps):
     batch = global_batch(next(train_batches), mesh)
