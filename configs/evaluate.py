@@ -5,19 +5,25 @@
 
 Arguments: size (tiny | reference: the family root checkpoints/<size>), root (overrides it),
 target (checkpoint name), drafts ('+'-separated checkpoint names; those missing are reported and
-skipped unless listed explicitly), batches, batch_size, seq_len, split.
+skipped unless listed explicitly), batches (0: no held-out text), batch_size, seq_len, split (the
+held-out text); tasks ('+'-separated Table 1 tasks whose prompts alpha is also measured on, along
+the target's own samples; '' for none), num (prompts per task; 0: all), max_new_tokens (0: the
+task's, as in Table 1), task_batch (rows per sampler call), k (prompts are cut as Table 1 cuts
+them for this lookahead), seed.
 """
 
 import ml_collections
 
 from spsjax.config_args import parse_arg
+from spsjax.eval import tasks
 
 ALL_DRAFTS = 'draft_wide+draft_mid+draft_deep+draft_wide_distill+draft_deep_distill'
 
 
 def get_config(arg=None):
   a = parse_arg(arg, size='tiny', root='', target='target', drafts='', batches=8, batch_size=8,
-                seq_len=256, split='validation', data=1, model_axis=1, draft_weights='bfloat16')
+                seq_len=256, split='validation', data=1, model_axis=1, draft_weights='bfloat16',
+                tasks='humaneval', num=0, max_new_tokens=0, task_batch=8, k=4, seed=0)
   c = ml_collections.ConfigDict()
   c.root = a.root or f'checkpoints/{a.size}'
   c.target = a.target
@@ -36,4 +42,15 @@ def get_config(arg=None):
       greedy=dict(temperature=0.0, top_k=0, top_p=1.0),
       temperature_1=dict(temperature=1.0, top_k=0, top_p=1.0),
   )
+  # alpha along generated text: the task's prompts, the paper's nucleus for the task and greedy.
+  c.tasks = {}
+  for name in [t for t in a.tasks.split('+') if t]:
+    if name not in tasks.PAPER_SETTINGS:
+      raise ValueError(f'tasks: unknown task {name!r}; known: {sorted(tasks.PAPER_SETTINGS)}.')
+    paper = tasks.PAPER_SETTINGS[name]
+    c.tasks[name] = dict(num=a.num, max_new_tokens=a.max_new_tokens or paper['max_new_tokens'],
+                         sampling=dict(nucleus=paper['nucleus'], greedy=tasks.GREEDY))
+  c.task_batch = a.task_batch
+  c.k = a.k
+  c.seed = a.seed
   return c

@@ -17,6 +17,7 @@ import os
 import ml_collections
 
 from spsjax.config_args import parse_arg
+from spsjax.eval import tasks
 
 
 def get_config(arg=None):
@@ -33,13 +34,10 @@ def get_config(arg=None):
   c.k = a.k
   c.seed = a.seed
   c.batches = [int(b) for b in a.batches.split('+') if b]
-  c.tasks = dict(
-      humaneval=dict(num=4 if a.runlocal else a.humaneval, max_new_tokens=128,
-                     nucleus=dict(temperature=0.8, top_k=0, top_p=0.95)),
-      docstrings=dict(num=8 if a.runlocal else a.docstrings, max_new_tokens=24,
-                      nucleus=dict(temperature=1.0, top_k=0, top_p=0.8)),
-  )
-  c.greedy = dict(temperature=0.0, top_k=0, top_p=1.0)
+  nums = dict(humaneval=4 if a.runlocal else a.humaneval,
+              docstrings=8 if a.runlocal else a.docstrings)
+  c.tasks = {name: dict(num=num, **tasks.PAPER_SETTINGS[name]) for name, num in nums.items()}
+  c.greedy = dict(tasks.GREEDY)
   c.docstrings_config = ''  # A TFDS config of `docstrings`; '' is the whole stdlib's.
   c.cost_repeats = 20
   c.mesh = dict(data=a.data, model=a.model_axis)  # 1 x 1: one device (the native CPU path).

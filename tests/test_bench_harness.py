@@ -89,19 +89,6 @@ def fixture_family():
   return make(0, d_model=32, num_layers=2), make(1, d_model=32, num_layers=1), tok
 
 
-def test_model_alpha_is_one_for_the_target_itself(family):
-  target, draft, tok = family
-  prompts, lengths = np.array([[5, 6, 7, 0], [8, 9, 0, 0]], np.int32), np.array([3, 2], np.int32)
-  cfg = sampling.SamplingConfig(temperature=0.8, top_p=0.95)
-  out = sampling.speculative_sample(target, draft, prompts, lengths, jax.random.key(0), k=2,
-                                    max_new_tokens=5, sampling=cfg)
-  total, count = speedup.model_alpha(target, target, cfg, prompts, lengths, out)
-  assert count == int(np.sum(out.num_generated)) and total / count == pytest.approx(1.0, abs=1e-5)
-  total, count = speedup.model_alpha(target, draft, cfg, prompts, lengths, out)
-  assert 0.0 < total / count < 1.0
-  del tok
-
-
 def test_rows_and_table_on_a_tiny_docstring_task(family, tmp_path):
   target, draft, tok = family
   task = speedup.Task('docstrings', ('def add(a, b):\n    """', 'def f():\n    """', 'x = 1\n'),

@@ -81,6 +81,8 @@ def _one_line_error(run, *parts):
      ["under 'sampling' has no field 'temprature' (did you mean 'temperature'?)"]),
     (['experiments/evaluate.py', '--config=configs/evaluate.py:batch_size=abc'],
      ["Config argument batch_size='abc': expected int."]),
+    (['experiments/evaluate.py', '--config=configs/evaluate.py:tasks=humaneval+xsum'],
+     ["tasks: unknown task 'xsum'; known: ['docstrings', 'humaneval']."]),
     (['experiments/sweep.py', '--config=configs/nope.py'],
      ['--config=configs/nope.py: no such file']),
     (['experiments/speedup_table.py'],
@@ -121,6 +123,17 @@ def test_cut_prompts_are_reported(family):
   assert ('NOTE: 2 of 2 prompts cut to their last 24 tokens (row 0 from ' in run.stdout
           and "the target's max_seq_len 64 - max_new_tokens 40 leaves 24 positions" in run.stdout)
   assert run.stdout.count('--- row ') == 2
+
+
+def test_evaluate_measures_alpha_along_the_target_s_samples(family):
+  """The family's draft is its target: alpha 1 under both decodings, on every generated token."""
+  run = _run('experiments/evaluate.py', f'--config=configs/evaluate.py:root={family},'
+             'drafts=draft_wide,batches=0,num=3,max_new_tokens=8,task_batch=2')
+  assert run.returncode == 0, run.stderr[-3000:]
+  lines = [l for l in run.stdout.splitlines() if 'along the target' in l]
+  assert len(lines) == 1 and 'from 3 humaneval prompts (max_new_tokens 8)' in lines[0], run.stdout
+  assert 'nucleus 1.000 (' in lines[0] and 'greedy 1.000 (' in lines[0]
+  assert 'held-out' not in run.stdout
 
 
 def test_speedup_table_title_says_what_the_demo_is():

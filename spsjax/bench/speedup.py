@@ -12,7 +12,8 @@ uncut_tokens_per_loop`), as alpha counts every accepted draft.
 
 Theory (`theory.Prediction`) is computed from the same run: alpha measured (per-draft
 acceptance from the loop counts, `theory.alpha_from_counts`) and model-based (mean of
-sum_x min(p, q) over the generated positions, p and q after the processors); c and s from jitted
+sum_x min(p, q) over the generated positions, p and q after the processors:
+`eval.acceptance.model_alpha`); c and s from jitted
 `extend` calls of the two models at the row's batch and cache size. One SpS call per row is also
 profiled (`bench.profile`): time per loop and per phase read from the trace.
 """
@@ -21,55 +22,18 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 
-from absl import logging
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from spsjax import distributed, models, sampling, sharding
+from spsjax import models, sampling, sharding
 from spsjax.bench import decode, profile, theory, timing
 from spsjax.data import prompts as prompts_lib
 from spsjax.data.tokenizer import Tokenizer
-from spsjax.eval import metrics
+from spsjax.eval import metrics, tasks
+from spsjax.eval.acceptance import model_alpha
 from spsjax.eval.tasks import Task, score
-from spsjax.sampling import rejection, speculative
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _mean_beta(target_config, draft_config, sampling_config, target_params, draft_params,
-               tokens_BxL, mask_BxL):
-  """Sum and count of sum_x min(p(x), q(x)) over masked positions (next-token laws)."""
-  p = sampling.probabilities(models.logits(target_config, target_params, tokens_BxL),
-                             sampling_config)
-  q = sampling.probabilities(models.logits(draft_config, draft_params, tokens_BxL),
-                             sampling_config)
-  beta_BxL = rejection.acceptance_probability(p, q)
-  return jnp.sum(jnp.where(mask_BxL, beta_BxL, 0.0)), jnp.sum(mask_BxL)
-
-
-def model_alpha(target: models.Model, draft: models.Model, sampling_config, prompts_BxP,
-                lengths_B, out: sampling.SampleOutput, mesh: Mesh | None = None
-                ) -> tuple[float, int]:
-  """(sum of beta, positions) over the positions that produced the generated tokens of `out`
-  (host arrays, or gathered here); on `mesh` the sequences are replicated to the models' devices."""
-  out = distributed.gather(out)
-  tokens = np.asarray(out.tokens)
-  n_B = np.asarray(out.num_generated)
-  B, P = prompts_BxP.shape
-  seq = np.zeros((B, P + tokens.shape[1]), np.int32)
-  mask = np.zeros(seq.shape, bool)
-  for b in range(B):
-    L = int(lengths_B[b])
-    seq[b, :L] = prompts_BxP[b, :L]
-    seq[b, L:L + n_B[b]] = tokens[b, :n_B[b]]
-    mask[b, L - 1:L - 1 + n_B[b]] = True  # Position t predicts token t + 1.
-  if mesh is not None:
-    replicated = NamedSharding(mesh, PartitionSpec())
-    seq, mask = sharding.put((seq, mask), (replicated, replicated))
-  total, count = _mean_beta(target.config, draft.config, sampling_config, target.params,
-                            draft.params, seq, mask)
-  return float(total), int(count)
-
+from spsjax.sampling import speculative
 
 @dataclasses.dataclass(frozen=True)
 class Costs:
@@ -127,14 +91,9 @@ def run_rows(target: models.Model, draft: models.Model, tok: Tokenizer, task: Ta
   sharded, rows on `data`; every process gets the whole outputs to score.
   """
   sharding.check_batch(batch, mesh)
-  room = prompts_lib.prompt_room(
-      [('target', target.config.max_seq_len), ('draft', draft.config.max_seq_len)],
-      task.max_new_tokens, speculative.headroom(k))
-  prompts_NxP, lengths_N = prompts_lib.encode_prompts(tok, list(task.prompts),
-                                                      max_len=room.positions)
-  note = prompts_lib.cut_note(tok, task.prompts, room)
-  if note:
-    logging.warning('%s: %s', task.name, note)
+  prompts_NxP, lengths_N = tasks.encode(
+      task, tok, [('target', target.config.max_seq_len), ('draft', draft.config.max_seq_len)],
+      speculative.headroom(k))
   num = len(task.prompts)
   num_calls = -(-num // batch)
   rows_of = lambda i: [min(j, num - 1) for j in range(i * batch, (i + 1) * batch)]  # Pad: repeat.

@@ -10,10 +10,21 @@ import dataclasses
 
 import numpy as np
 
+from absl import logging
+
 from spsjax.data import datasets, humaneval
+from spsjax.data import prompts as prompts_lib
+from spsjax.data.tokenizer import Tokenizer
 from spsjax.eval import execution, metrics
 
 TASKS = ('humaneval', 'docstrings')
+# The paper's sampling per task (Chen et al., 2023, Table 1) and our generation lengths: HumanEval
+# at temperature 0.8, top_p 0.95; summarisation (docstrings here, XSum there) at top_p 0.8.
+PAPER_SETTINGS = dict(
+    humaneval=dict(max_new_tokens=128, nucleus=dict(temperature=0.8, top_k=0, top_p=0.95)),
+    docstrings=dict(max_new_tokens=24, nucleus=dict(temperature=1.0, top_k=0, top_p=0.8)),
+)
+GREEDY = dict(temperature=0.0, top_k=0, top_p=1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +50,18 @@ def load_task(name: str, num: int, max_new_tokens: int, data_dir: str | None = N
     return Task(name, tuple(r['input'] for r in rows), tuple(r['reference'] for r in rows),
                 max_new_tokens)
   raise ValueError(f'Unknown task {name!r}; known: {TASKS}.')
+
+
+def encode(task: Task, tok: Tokenizer, max_seq_lens: Sequence[tuple[str, int]],
+           headroom: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  """(prompts int32[N, P], lengths int32[N]) of every prompt of `task`, each cut to the room left
+  by max_new_tokens (and `headroom`, e.g. SpS's k - 1) in every named model's max_seq_len
+  (`prompts.prompt_room`); prompts that were cut are logged."""
+  room = prompts_lib.prompt_room(max_seq_lens, task.max_new_tokens, headroom)
+  note = prompts_lib.cut_note(tok, task.prompts, room)
+  if note:
+    logging.warning('%s: %s', task.name, note)
+  return prompts_lib.encode_prompts(tok, list(task.prompts), max_len=room.positions)
 
 
 def score(task: Task, completions: Sequence[str]) -> tuple[str, list[float], dict]:

@@ -1,0 +1,110 @@
+"""Alpha along generated text: the acceptance a target/draft pair has where SpS actually runs.
+
+Held-out alpha (`train.evaluation.evaluate_pair`) averages beta = sum_x min(p(x), q(x)) over the
+positions of corpus text. SpS meets other text: the continuations of a task's prompts, sampled
+under the task's settings. Here beta (p and q after the sampling processors) is averaged over the
+positions that produced generated tokens: of SpS's own outputs in Table 1 (`model_alpha`), or of
+the target's ArS samples from a task's prompts (`sample_task`, then `samples_alpha` for each draft:
+the same law as SpS's output, sampled once for every draft). It is what Table 1's loop counts estimate (`theory.alpha_from_counts`), so
+the two can be checked against each other.
+
+Invariants: a position counts when it produced a generated token (eos included; prompt positions
+never); every prompt counts once (a last partial call's padding rows are not counted).
+"""
+
+from collections.abc import Sequence
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from spsjax import distributed, models, sampling, sharding
+from spsjax.data import prompts as prompts_lib
+from spsjax.data.tokenizer import Tokenizer
+from spsjax.eval import tasks
+from spsjax.sampling import rejection
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _beta_sum(target_config, draft_config, sampling_config, target_params, draft_params,
+              tokens_BxL, mask_BxL):
+  """Sum and count of sum_x min(p(x), q(x)) over masked positions (next-token laws)."""
+  p = sampling.probabilities(models.logits(target_config, target_params, tokens_BxL),
+                             sampling_config)
+  q = sampling.probabilities(models.logits(draft_config, draft_params, tokens_BxL),
+                             sampling_config)
+  beta_BxL = rejection.acceptance_probability(p, q)
+  return jnp.sum(jnp.where(mask_BxL, beta_BxL, 0.0)), jnp.sum(mask_BxL)
+
+
+def model_alpha(target: models.Model, draft: models.Model, sampling_config, prompts_BxP,
+                lengths_B, out: sampling.SampleOutput, mesh: Mesh | None = None
+                ) -> tuple[float, int]:
+  """(sum of beta, positions) over the positions that produced the generated tokens of `out`
+  (host arrays, or gathered here); on `mesh` the sequences are replicated to the models' devices."""
+  out = distributed.gather(out)
+  tokens = np.asarray(out.tokens)
+  n_B = np.asarray(out.num_generated)
+  B, P = prompts_BxP.shape
+  seq = np.zeros((B, P + tokens.shape[1]), np.int32)
+  mask = np.zeros(seq.shape, bool)
+  for b in range(B):
+    L = int(lengths_B[b])
+    seq[b, :L] = prompts_BxP[b, :L]
+    seq[b, L:L + n_B[b]] = tokens[b, :n_B[b]]
+    mask[b, L - 1:L - 1 + n_B[b]] = True  # Position t predicts token t + 1.
+  if mesh is not None:
+    replicated = NamedSharding(mesh, PartitionSpec())
+    seq, mask = sharding.put((seq, mask), (replicated, replicated))
+  total, count = _beta_sum(target.config, draft.config, sampling_config, target.params,
+                           draft.params, seq, mask)
+  return float(total), int(count)
+
+
+@dataclasses.dataclass(frozen=True)
+class Samples:
+  """The target's ArS samples from every prompt of a task, call by call (real rows only)."""
+  task: str
+  sampling: sampling.SamplingConfig
+  calls: tuple[tuple[np.ndarray, np.ndarray, sampling.SampleOutput], ...]  # (prompts, lengths, out)
+
+
+def sample_task(target: models.Model, tok: Tokenizer, task: tasks.Task,
+                sampling_config: sampling.SamplingConfig, *, batch: int, seed: int = 0,
+                max_seq_lens: Sequence[tuple[str, int]] = (), headroom: int = 0,
+                mesh: Mesh | None = None) -> Samples:
+  """The target's samples from every prompt of `task`, in calls of `batch` rows (keys
+  fold_in(key(seed), call)). Prompts are cut to fit the target and the models named in
+  `max_seq_lens`, with `headroom` (SpS's k - 1) as Table 1 cuts them (`tasks.encode`)."""
+  sharding.check_batch(batch, mesh)
+  prompts_NxP, lengths_N = tasks.encode(
+      task, tok, [('target', target.config.max_seq_len), *max_seq_lens], headroom)
+  num = len(task.prompts)
+  calls = []
+  for i in range(-(-num // batch)):
+    real = list(range(i * batch, min((i + 1) * batch, num)))
+    rows = real + [real[-1]] * (batch - len(real))  # A last partial call repeats its last row.
+    prompts_BxP, lengths_B = prompts_lib.for_call(prompts_NxP, lengths_N, rows)
+    out = distributed.gather(sampling.autoregressive_sample(
+        target, prompts_BxP, lengths_B, jax.random.fold_in(jax.random.key(seed), i),
+        max_new_tokens=task.max_new_tokens, sampling=sampling_config, eos_id=tok.eos_id,
+        mesh=mesh))
+    n = len(real)
+    calls.append((prompts_BxP[:n], lengths_B[:n], sampling.SampleOutput(
+        tokens=np.asarray(out.tokens)[:n], num_generated=np.asarray(out.num_generated)[:n])))
+  return Samples(task.name, sampling_config, tuple(calls))
+
+
+def samples_alpha(target: models.Model, draft: models.Model, samples: Samples,
+                  mesh: Mesh | None = None) -> tuple[float, int]:
+  """(alpha, positions): mean beta over every generated position of `samples`."""
+  total, count = 0.0, 0
+  for prompts_BxP, lengths_B, out in samples.calls:
+    t, c = model_alpha(target, draft, samples.sampling, prompts_BxP, lengths_B, out, mesh)
+    total, count = total + t, count + c
+  if not count:
+    raise ValueError(f'{samples.task}: the target generated no tokens to measure alpha on.')
+  return total / count, count
