@@ -4,7 +4,8 @@ Arguments: root (a trained family: its `target` and `draft_name` checkpoints and
 are the first `batch` HumanEval prompts), or without root: model, draft (preset names, randomly
 initialised, random prompts of prompt_len tokens); method (ars|sps), k, batch, draft_name,
 max_new_tokens, temperature, top_k, top_p, seed, data/model_axis (mesh axes), runlocal (fewer
-tokens).
+tokens); drafter (model | lookup | hybrid: `spsjax.sampling.drafters`), max_ngram, min_ngram
+(prompt lookup's n-grams), stop_below (dynamic k: a model draft stops below this confidence).
 """
 
 import ml_collections
@@ -17,7 +18,8 @@ def get_config(arg=None):
   a = parse_arg(arg, root='', draft_name='draft_wide', model='tiny_target', draft='tiny_draft',
                 method='ars', k=4, batch=4, prompt_len=16, max_new_tokens=64, temperature=1.0,
                 top_k=0, top_p=1.0, seed=0, data=1, model_axis=1, runlocal=False,
-                draft_weights='bfloat16')
+                draft_weights='bfloat16', drafter='model', max_ngram=3, min_ngram=1,
+                stop_below=0.0)
   c = ml_collections.ConfigDict()
   c.root = a.root
   c.target_name = 'target'
@@ -25,6 +27,8 @@ def get_config(arg=None):
   c.draft_weights = a.draft_weights  # The draft's packed weights (native CPU path).
   c.method = a.method
   c.k = a.k
+  c.drafter = dict(kind=a.drafter, max_ngram=a.max_ngram, min_ngram=a.min_ngram,
+                   stop_below=a.stop_below)
   c.model = presets.get(a.model)
   c.draft = presets.get(a.draft)
   c.sampling = dict(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)

@@ -16,7 +16,7 @@ from ml_collections import config_flags
 
 from spsjax import cli, distributed, models, sampling, sharding
 from spsjax.data import humaneval, prompts as prompts_lib
-from spsjax.sampling import speculative
+from spsjax.sampling import drafters, speculative
 from spsjax.train import load
 
 print0 = distributed.print0
@@ -38,8 +38,8 @@ def _random_models(c, mesh, rng):
   return target, draft
 
 
-def _trained_models(c, mesh):
-  names = [c.draft_name] if c.method == 'sps' else []
+def _trained_models(c, mesh, needs_draft):
+  names = [c.draft_name] if needs_draft else []
   target, drafts, tok, _ = load.load_family(c.root, c.target_name, names, mesh=mesh,
                                             draft_weights=c.draft_weights)
   draft = drafts.get(c.draft_name)
@@ -63,7 +63,7 @@ def _prompt_room(c, target: models.TransformerConfig,
                  draft: models.TransformerConfig | None) -> prompts_lib.Room:
   """Room for the prompt in every model the method runs (`prompts.prompt_room`)."""
   sizes = [('target', target.max_seq_len)]
-  if c.method == 'sps':
+  if c.method == 'sps' and draft is not None:
     sizes.append(('draft', draft.max_seq_len))
   return prompts_lib.prompt_room(sizes, c.max_new_tokens,
                                  speculative.headroom(c.k) if c.method == 'sps' else 0)
@@ -77,11 +77,13 @@ def main(argv):
   mesh = sharding.mesh_from_axes(c.mesh.data, c.mesh.model)
   sampling_config = sampling.SamplingConfig(**c.sampling)
   draft_sampling = sampling.SamplingConfig(**c.draft_sampling) if c.draft_sampling else None
+  drafter = drafters.build(**c.drafter)
+  needs_draft = c.method == 'sps' and drafter.needs_model
   rng_init, rng_prompt, rng_sample = jax.random.split(jax.random.key(c.seed), 3)
   tok = None
   if c.root:
     texts = _humaneval_prompts(c.batch)  # Checked before the models load.
-    target, draft, tok = _trained_models(c, mesh)
+    target, draft, tok = _trained_models(c, mesh, needs_draft)
     room = _prompt_room(c, target.config, draft and draft.config)
     prompts, lengths = prompts_lib.encode_prompts(tok, texts, max_len=room.positions)
     note = prompts_lib.cut_note(tok, texts, room)
@@ -89,10 +91,12 @@ def main(argv):
       print0(note)
     eos_id = tok.eos_id
   else:
-    room = _prompt_room(c, models.TransformerConfig(**c.model), models.TransformerConfig(**c.draft))
+    room = _prompt_room(c, models.TransformerConfig(**c.model),
+                        models.TransformerConfig(**c.draft) if needs_draft else None)
     if c.prompt_len > room.positions:
       raise app.UsageError(f'prompt_len={c.prompt_len} does not fit: {room.budget}.')
     target, draft = _random_models(c, mesh, rng_init)
+    draft = draft if needs_draft else None
     prompts = np.asarray(jax.random.randint(rng_prompt, (c.batch, c.prompt_len), 0,
                                             target.config.vocab_size), np.int32)
     lengths = np.full((c.batch,), c.prompt_len, np.int32)
@@ -102,7 +106,8 @@ def main(argv):
     if c.method == 'sps':
       out = sampling.speculative_sample(target, draft, prompts, lengths, rng, k=c.k,
                                         max_new_tokens=c.max_new_tokens, sampling=sampling_config,
-                                        draft_sampling=draft_sampling, eos_id=eos_id, mesh=mesh)
+                                        draft_sampling=draft_sampling, eos_id=eos_id, mesh=mesh,
+                                        drafter=drafter)
     else:
       out = sampling.autoregressive_sample(target, prompts, lengths, rng,
                                            max_new_tokens=c.max_new_tokens,
@@ -125,8 +130,9 @@ def main(argv):
   best = min(times)
   if c.method == 'sps':
     loops, accepted = int(np.sum(out.num_loops)), int(np.sum(out.num_accepted))
-    print0(f'k={c.k}: acceptance rate {accepted / max(1, c.k * loops):.3f} '
-           f'({accepted} of {c.k * loops} drafts), mean tokens per loop '
+    drafted = int(np.sum(out.num_drafted))
+    print0(f'k={c.k}, drafter {drafter}: acceptance rate {accepted / max(1, drafted):.3f} '
+           f'({accepted} of {drafted} drafts), mean tokens per loop '
            f'{(tokens - c.batch) / max(1, loops):.2f} (the first token of each row comes from the '
            f'prefill), accepted-drafts histogram {np.asarray(out.accepted_histogram).tolist()}')
   print0(f'method={c.method} batch={c.batch} new_tokens={tokens} first call (compile + run) '

@@ -33,6 +33,16 @@ def test_sample_sps_on_random_models():
   assert run.stdout.count('--- row ') == 2
 
 
+@pytest.mark.parametrize('drafter', ['lookup', 'hybrid,stop_below=0.2'])
+def test_sample_sps_with_other_drafters(drafter):
+  run = _run('experiments/sample.py',
+             f'--config=configs/sample.py:method=sps,k=3,batch=2,runlocal,drafter={drafter}',
+             '--config.repeats=1')
+  assert run.returncode == 0, run.stderr[-3000:]
+  name = 'PromptLookup(max_ngram=3' if drafter == 'lookup' else 'Hybrid(stop_below=0.2'
+  assert f'drafter {name}' in run.stdout and run.stdout.count('--- row ') == 2, run.stdout[-2000:]
+
+
 def test_bad_config_argument_is_a_clear_error():
   run = _run('experiments/train.py', '--config=configs/train.py:size=huge')
   _one_line_error(run, "--config=configs/train.py:size=huge: size must be one of ['demo', "
@@ -83,6 +93,11 @@ def _one_line_error(run, *parts):
      ["Config argument batch_size='abc': expected int."]),
     (['experiments/evaluate.py', '--config=configs/evaluate.py:tasks=humaneval+xsum'],
      ["tasks: unknown task 'xsum'; known: ['docstrings', 'humaneval']."]),
+    (['experiments/sample.py', '--config=configs/sample.py:method=sps,drafter=lookup,'
+      'stop_below=0.5'],
+     ['stop_below=0.5: prompt lookup has no draft model']),
+    (['experiments/sample.py', '--config=configs/sample.py:method=sps,drafter=ngram'],
+     ["Unknown drafter 'ngram'; known: ['model', 'lookup', 'hybrid']."]),
     (['experiments/sweep.py', '--config=configs/nope.py'],
      ['--config=configs/nope.py: no such file']),
     (['experiments/speedup_table.py'],

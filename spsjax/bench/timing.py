@@ -30,7 +30,8 @@ class Call:
   tokens: int  # Generated tokens, all rows.
   loops: int = 0  # SpS loops, summed over rows (0 for ArS).
   accepted: int = 0  # Accepted draft tokens, summed over rows.
-  full_loops: int = 0  # Loops that accepted all k drafts, summed over rows.
+  full_loops: int = 0  # Loops that accepted every draft proposed, summed over rows.
+  drafted: int = 0  # Draft tokens proposed (k per loop, or fewer for ragged drafters).
 
   @property
   def token_time(self) -> float:
@@ -87,9 +88,9 @@ class Timing:
 
   @property
   def acceptance_rate(self) -> float:
-    """Accepted drafts / drafted tokens (k per loop)."""
-    loops = sum(c.loops for c in self.calls)
-    return sum(c.accepted for c in self.calls) / (self.k * loops) if loops else float('nan')
+    """Accepted drafts / proposed drafts (k per loop unless the drafter proposed fewer)."""
+    drafted = sum(c.drafted or self.k * c.loops for c in self.calls)
+    return sum(c.accepted for c in self.calls) / drafted if drafted else float('nan')
 
   @property
   def alpha(self) -> float:
@@ -138,10 +139,15 @@ def call_record(seconds: float, out: SampleOutput) -> Call:
   num_generated = np.asarray(out.num_generated)
   loops = 0 if out.num_loops is None else int(np.sum(out.num_loops))
   accepted = 0 if out.num_accepted is None else int(np.sum(out.num_accepted))
-  histogram = out.accepted_histogram
-  full_loops = 0 if histogram is None else int(np.asarray(histogram)[-1])
+  total = lambda x: 0 if x is None else int(np.sum(x))
+  if out.num_full_loops is not None:
+    full_loops = total(out.num_full_loops)
+  else:  # Outputs without it proposed k drafts per loop.
+    histogram = out.accepted_histogram
+    full_loops = 0 if histogram is None else int(np.asarray(histogram)[-1])
   return Call(seconds=seconds, rows=len(num_generated), tokens=int(num_generated.sum()),
-              loops=loops, accepted=accepted, full_loops=full_loops)
+              loops=loops, accepted=accepted, full_loops=full_loops,
+              drafted=total(out.num_drafted))
 
 
 def time_calls(run: Callable[[int], SampleOutput], num_calls: int,

@@ -27,6 +27,8 @@ class SampleOutput:
   num_loops: jax.Array | None = None  # int32[B]: draft/score/accept loops the row took part in.
   num_accepted: jax.Array | None = None  # int32[B]: draft tokens accepted.
   accepted_histogram: jax.Array | None = None  # int32[k + 1]: loops that accepted exactly n drafts.
+  num_drafted: jax.Array | None = None  # int32[B]: draft tokens proposed (k per loop, or fewer).
+  num_full_loops: jax.Array | None = None  # int32[B]: loops that accepted every proposed draft.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

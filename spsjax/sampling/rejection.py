@@ -2,7 +2,8 @@
 
 Given the target laws p_1..p_{k+1} and the draft laws q_1..q_k of the k draft tokens, accept draft i
 with probability min(1, p_i(d_i) / q_i(d_i)), left to right; at the first rejection draw from
-norm(max(0, p - q)) at that position; if all k are accepted draw a bonus token from p_{k+1}. The
+norm(max(0, p - q)) at that position; if all k are accepted draw a bonus token from p_{k+1}. A
+drafter may propose fewer than k (per row): the first `num` drafts are then the only ones tried. The
 emitted tokens are then distributed exactly as sampling from p one token at a time.
 
 Numerics: acceptance compares u * q < p (no division, so no NaN for q = 0 or p = 0; u in [0, 1)
@@ -23,25 +24,33 @@ def acceptance_probability(p_xV: jax.Array, q_xV: jax.Array) -> jax.Array:
 
 
 def accept_and_resample(key: jax.Array, p_Kp1xV: jax.Array, q_KxV: jax.Array,
-                        drafts_K: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """One row: (n accepted drafts in [0, k], the token drawn after them)."""
+                        drafts_K: jax.Array, num: jax.Array | int | None = None
+                        ) -> tuple[jax.Array, jax.Array]:
+  """One row: (n accepted drafts in [0, num], the token drawn after them).
+
+  Only the first `num` drafts (default: all k) were proposed: the others are never accepted, and
+  after all `num` the token is drawn from p_{num+1} itself.
+  """
   k = drafts_K.shape[0]
+  num = k if num is None else num
   p_Kp1xV, q_KxV = p_Kp1xV.astype(jnp.float32), q_KxV.astype(jnp.float32)
   accept_key, token_key = jax.random.split(key)
   u_K = jax.random.uniform(accept_key, (k,), jnp.float32)  # In [0, 1).
   p_at_K = jnp.take_along_axis(p_Kp1xV[:k], drafts_K[:, None], axis=1)[:, 0]
   q_at_K = jnp.take_along_axis(q_KxV, drafts_K[:, None], axis=1)[:, 0]
-  accepted_K = u_K * q_at_K < p_at_K
+  accepted_K = (u_K * q_at_K < p_at_K) & (jnp.arange(k) < num)
   n = jnp.sum(jnp.cumprod(accepted_K.astype(jnp.int32)))
-  # Position n: residual of p_{n+1} against q_{n+1}, or p_{k+1} itself when all were accepted.
+  # Position n: residual of p_{n+1} against q_{n+1}, or p_{n+1} itself after all proposed drafts.
   p_V = p_Kp1xV[n]
-  q_V = jnp.where(n < k, q_KxV[jnp.minimum(n, k - 1)], 0.0)
+  q_V = jnp.where(n < num, q_KxV[jnp.minimum(n, k - 1)], 0.0)
   residual_V = jnp.maximum(p_V - q_V, 0.0)
   residual_V = jnp.where(jnp.sum(residual_V) > 0, residual_V, p_V)
   token = draw(token_key, residual_V)
   return n.astype(jnp.int32), token.astype(jnp.int32)
 
 
-def accept_and_resample_rows(keys_B, p_BxKp1xV, q_BxKxV, drafts_BxK):
-  """Batched `accept_and_resample`: each row with its own key."""
-  return jax.vmap(accept_and_resample)(keys_B, p_BxKp1xV, q_BxKxV, drafts_BxK)
+def accept_and_resample_rows(keys_B, p_BxKp1xV, q_BxKxV, drafts_BxK, num_B=None):
+  """Batched `accept_and_resample`: each row with its own key (and number of proposed drafts)."""
+  if num_B is None:
+    num_B = jnp.full(drafts_BxK.shape[:1], drafts_BxK.shape[1], jnp.int32)
+  return jax.vmap(accept_and_resample)(keys_B, p_BxKp1xV, q_BxKxV, drafts_BxK, num_B)

@@ -1,0 +1,149 @@
+"""Drafters (`spsjax.sampling.drafters`): prompt lookup against a reference search, and every
+drafter in the SpS loop: exact output law (G-test against enumeration), greedy parity with ArS,
+the draft cache's invariant, ragged proposals and their statistics."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spsjax import models
+from spsjax.sampling import SamplingConfig, autoregressive_sample, drafters, speculative
+from spsjax.sampling import speculative_sample
+from tests.stats import exact_sequence_law, g_test_pvalue, scaled_model, sequence_counts
+from tests.test_speculative import _ragged, _run_checking_caches
+
+GREEDY = SamplingConfig(temperature=0.0)
+P_MIN = 1e-5  # Each G-test fails a correct sampler with this probability.
+
+
+def _reference_lookup(seq, k, max_ngram, min_ngram):
+  """The latest earlier occurrence of the longest matching suffix n-gram, by plain search, and
+  the k tokens after it, copied one at a time (a copy may read tokens it wrote)."""
+  c = len(seq)
+  for n in range(max_ngram, min_ngram - 1, -1):
+    for j in range(c - n - 1, -1, -1):
+      if list(seq[j:j + n]) == list(seq[c - n:]):
+        out = list(seq)
+        for i in range(k):
+          out.append(out[j + n + i])
+        return out[c:]
+  return []
+
+
+@pytest.mark.parametrize('max_ngram,min_ngram', [(3, 1), (2, 2), (1, 1)])
+def test_lookup_finds_the_latest_longest_match(max_ngram, min_ngram):
+  rng = np.random.default_rng(max_ngram * 10 + min_ngram)
+  B, P, W, k, V = 64, 9, 8, 4, 4  # A small vocabulary: many matches, of every length.
+  lengths = rng.integers(1, P + 1, size=B).astype(np.int32)
+  prompts = rng.integers(0, V, size=(B, P)).astype(np.int32)
+  num_generated = rng.integers(0, W + 1, size=B).astype(np.int32)
+  tokens = np.where(np.arange(W)[None] < num_generated[:, None],
+                    rng.integers(0, V, size=(B, W)), -1).astype(np.int32)
+  committed = drafters.Committed(jnp.asarray(prompts), jnp.asarray(lengths), jnp.asarray(tokens),
+                                 jnp.asarray(num_generated), V)
+  got, count = jax.jit(lambda c: drafters.PromptLookup(max_ngram, min_ngram).lookup(c, k))(
+      committed)
+  got, count = np.asarray(got), np.asarray(count)
+  sizes = set()
+  for b in range(B):
+    seq = list(prompts[b, :lengths[b]]) + list(tokens[b, :num_generated[b]])
+    np.testing.assert_array_equal(np.asarray(committed.sequence())[b, :len(seq)], seq)
+    want = _reference_lookup(seq, k, max_ngram, min_ngram)
+    assert int(count[b]) == len(want), (b, seq)
+    assert list(got[b, :len(want)]) == want, (b, seq)
+    sizes.add(len(want))
+  assert sizes == {0, k}  # Rows without a match, and full proposals.
+
+
+def test_bad_settings_are_refused(pair):
+  target, draft = pair
+  with pytest.raises(ValueError, match='min_ngram <= max_ngram'):
+    drafters.PromptLookup(max_ngram=1, min_ngram=2)
+  with pytest.raises(ValueError, match='stop_below'):
+    drafters.ModelDrafter(stop_below=1.5)
+  prompts, lengths = _ragged(0)
+  with pytest.raises(ValueError, match='pass draft=None'):
+    speculative_sample(target, draft, prompts, lengths, jax.random.key(0), k=2, max_new_tokens=4,
+                       drafter=drafters.PromptLookup())
+  with pytest.raises(ValueError, match='needs a draft model'):
+    speculative_sample(target, None, prompts, lengths, jax.random.key(0), k=2, max_new_tokens=4,
+                       drafter=drafters.Hybrid())
+
+
+# --- Exactness, statistically -------------------------------------------------------------------
+
+V_SMALL, PROMPT, NEW, ROWS = 7, (1, 4, 2, 1, 4), 3, 100_000  # The prompt repeats: lookup matches.
+
+DRAFTERS = {
+    'lookup': drafters.PromptLookup(max_ngram=2),
+    'hybrid': drafters.Hybrid(max_ngram=2),
+    'dynamic_k': drafters.ModelDrafter(stop_below=0.5),
+}
+
+
+@pytest.fixture(scope='module')
+def tiny_pair():
+  config = lambda layers: models.TransformerConfig(
+      vocab_size=V_SMALL, d_model=16, num_layers=layers, num_heads=2, d_ff=32, max_seq_len=16,
+      tie_embeddings=False)
+  return scaled_model(config(2), 0, 1.5), scaled_model(config(1), 1, 1.5)
+
+
+@pytest.mark.parametrize('sampling', [SamplingConfig(), SamplingConfig(temperature=0.7, top_p=0.8)],
+                         ids=['temperature_1', 'top_p_0.8'])
+@pytest.mark.parametrize('name', list(DRAFTERS))
+def test_output_law_is_target_law(tiny_pair, name, sampling):
+  target, draft = tiny_pair
+  drafter = DRAFTERS[name]
+  prompts = np.tile(np.array(PROMPT, np.int32), (ROWS, 1))
+  out = speculative_sample(target, draft if drafter.needs_model else None, prompts,
+                           np.full((ROWS,), len(PROMPT), np.int32), jax.random.key(7), k=3,
+                           max_new_tokens=NEW, sampling=sampling, drafter=drafter)
+  assert (np.asarray(out.num_generated) == NEW).all()
+  law = exact_sequence_law(target, PROMPT, NEW, sampling)
+  pvalue = g_test_pvalue(sequence_counts(np.asarray(out.tokens), V_SMALL), law)
+  assert pvalue > P_MIN, f'{name}: G-test p-value {pvalue:.2e}'
+  # Lookup and dynamic k proposed fewer than k in some loops (hybrid's model fills every slot).
+  loops, drafted = int(np.sum(out.num_loops)), int(np.sum(out.num_drafted))
+  assert (drafted == 3 * loops) if name == 'hybrid' else (0 < drafted < 3 * loops)
+  assert int(np.sum(out.num_accepted)) > 0
+  assert int(np.sum(out.num_full_loops)) <= loops
+
+
+# --- Greedy parity, caches ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope='module')
+def pair():
+  config = lambda layers, d: models.TransformerConfig(
+      vocab_size=48, d_model=d, num_layers=layers, num_heads=2, d_ff=2 * d, max_seq_len=64,
+      tie_embeddings=False)
+  return scaled_model(config(2, 32), 0, 1.0), scaled_model(config(1, 24), 1, 1.0)
+
+
+@pytest.mark.parametrize('drafter', [drafters.PromptLookup(), drafters.Hybrid(),
+                                     drafters.ModelDrafter(stop_below=0.3)], ids=str)
+@pytest.mark.parametrize('k', [1, 4])
+def test_greedy_sps_equals_greedy_ars(pair, drafter, k):
+  target, draft = pair
+  prompts, lengths = _ragged(k + 30, batch=6)
+  ars = autoregressive_sample(target, prompts, lengths, jax.random.key(0), max_new_tokens=24,
+                              sampling=GREEDY, eos_id=5)
+  sps = speculative_sample(target, draft if drafter.needs_model else None, prompts, lengths,
+                           jax.random.key(1), k=k, max_new_tokens=24, sampling=GREEDY, eos_id=5,
+                           drafter=drafter)
+  np.testing.assert_array_equal(sps.tokens, ars.tokens)
+  np.testing.assert_array_equal(sps.num_generated, ars.num_generated)
+  assert int(np.sum(sps.num_accepted)) > 0  # Greedy text repeats itself: lookup hits too.
+
+
+@pytest.mark.parametrize('drafter', [drafters.Hybrid(), drafters.ModelDrafter(stop_below=0.3)],
+                         ids=str)
+def test_draft_cache_equals_fresh_prefill_after_every_loop(pair, drafter):
+  target, draft = pair
+  prompts, lengths = _ragged(8, batch=6)
+  loop = speculative.Loop(k=3, max_new_tokens=14, sampling=SamplingConfig(temperature=1.5),
+                          draft_sampling=SamplingConfig(temperature=1.5), drafter=drafter)
+  accepted = _run_checking_caches(target, draft, loop, prompts, lengths, jax.random.key(4))
+  assert len(set(np.concatenate(accepted).tolist()) - {-1}) >= 2
