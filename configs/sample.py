@@ -5,7 +5,8 @@ are the first `batch` HumanEval prompts), or without root: model, draft (preset 
 initialised, random prompts of prompt_len tokens); method (ars|sps), k, batch, draft_name,
 max_new_tokens, temperature, top_k, top_p, seed, data/model_axis (mesh axes), runlocal (fewer
 tokens); drafter (model | lookup | hybrid: `spsjax.sampling.drafters`), max_ngram, min_ngram
-(prompt lookup's n-grams), stop_below (dynamic k: a model draft stops below this confidence).
+(prompt lookup's n-grams), stop_below (dynamic k: a model draft stops below this confidence),
+lenience (in (0, 1]; below 1 is LOSSY: SpS no longer samples the target's law).
 """
 
 import ml_collections
@@ -19,7 +20,7 @@ def get_config(arg=None):
                 method='ars', k=4, batch=4, prompt_len=16, max_new_tokens=64, temperature=1.0,
                 top_k=0, top_p=1.0, seed=0, data=1, model_axis=1, runlocal=False,
                 draft_weights='bfloat16', drafter='model', max_ngram=3, min_ngram=1,
-                stop_below=0.0)
+                stop_below=0.0, lenience=1.0)
   c = ml_collections.ConfigDict()
   c.root = a.root
   c.target_name = 'target'
@@ -29,6 +30,7 @@ def get_config(arg=None):
   c.k = a.k
   c.drafter = dict(kind=a.drafter, max_ngram=a.max_ngram, min_ngram=a.min_ngram,
                    stop_below=a.stop_below)
+  c.lenience = a.lenience  # < 1: LOSSY (Leviathan et al.'s lenience), labelled in the output.
   c.model = presets.get(a.model)
   c.draft = presets.get(a.draft)
   c.sampling = dict(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)

@@ -107,7 +107,7 @@ def main(argv):
       out = sampling.speculative_sample(target, draft, prompts, lengths, rng, k=c.k,
                                         max_new_tokens=c.max_new_tokens, sampling=sampling_config,
                                         draft_sampling=draft_sampling, eos_id=eos_id, mesh=mesh,
-                                        drafter=drafter)
+                                        drafter=drafter, lenience=c.lenience)
     else:
       out = sampling.autoregressive_sample(target, prompts, lengths, rng,
                                            max_new_tokens=c.max_new_tokens,
@@ -131,6 +131,9 @@ def main(argv):
   if c.method == 'sps':
     loops, accepted = int(np.sum(out.num_loops)), int(np.sum(out.num_accepted))
     drafted = int(np.sum(out.num_drafted))
+    if c.lenience < 1:
+      print0(f'LOSSY: lenience {c.lenience} (accepts a draft with probability '
+             f'min(1, p / ({c.lenience} q))); the output law is not the target\'s.')
     print0(f'k={c.k}, drafter {drafter}: acceptance rate {accepted / max(1, drafted):.3f} '
            f'({accepted} of {drafted} drafts), mean tokens per loop '
            f'{(tokens - c.batch) / max(1, loops):.2f} (the first token of each row comes from the '

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from spsjax import models
-from spsjax.sampling import SamplingConfig, autoregressive_sample, drafters, speculative
+from spsjax.sampling import (SamplingConfig, autoregressive_sample, drafters, rejection,
+                             speculative)
 from spsjax.sampling import speculative_sample
 from tests.stats import exact_sequence_law, g_test_pvalue, scaled_model, sequence_counts
 from tests.test_speculative import _ragged, _run_checking_caches
@@ -109,6 +110,26 @@ def test_output_law_is_target_law(tiny_pair, name, sampling):
   assert (drafted == 3 * loops) if name == 'hybrid' else (0 < drafted < 3 * loops)
   assert int(np.sum(out.num_accepted)) > 0
   assert int(np.sum(out.num_full_loops)) <= loops
+
+
+def test_lenient_sps_follows_its_own_law(tiny_pair):
+  """l = 0.4, two new tokens: the first comes from the target's prefill (p), the second from the
+  first loop's first draft position, so the pair's law is p(t1) lenient_law(p(.|t1), q(.|t1))."""
+  target, draft = tiny_pair
+  sampling = SamplingConfig(temperature=0.8)
+  prompts = np.tile(np.array(PROMPT, np.int32), (ROWS, 1))
+  out = speculative_sample(target, draft, prompts, np.full((ROWS,), len(PROMPT), np.int32),
+                           jax.random.key(8), k=3, max_new_tokens=2, sampling=sampling,
+                           lenience=0.4)
+  p_VxV = exact_sequence_law(target, PROMPT, 2, sampling)
+  q_VxV = exact_sequence_law(draft, PROMPT, 2, sampling)
+  p1_V = p_VxV.sum(1)
+  conditional = lambda joint: joint / joint.sum(1, keepdims=True)
+  law = p1_V[:, None] * np.asarray(rejection.lenient_law(
+      jnp.asarray(conditional(p_VxV)), jnp.asarray(conditional(q_VxV)), 0.4), np.float64)
+  counts = sequence_counts(np.asarray(out.tokens), V_SMALL)
+  assert g_test_pvalue(counts, law) > P_MIN
+  assert g_test_pvalue(counts, p_VxV) < 1e-20  # Lossy, detectably.
 
 
 # --- Greedy parity, caches ----------------------------------------------------------------------

@@ -33,7 +33,7 @@ def test_sample_sps_on_random_models():
   assert run.stdout.count('--- row ') == 2
 
 
-@pytest.mark.parametrize('drafter', ['lookup', 'hybrid,stop_below=0.2'])
+@pytest.mark.parametrize('drafter', ['lookup', 'hybrid,stop_below=0.2,lenience=0.5'])
 def test_sample_sps_with_other_drafters(drafter):
   run = _run('experiments/sample.py',
              f'--config=configs/sample.py:method=sps,k=3,batch=2,runlocal,drafter={drafter}',
@@ -41,6 +41,7 @@ def test_sample_sps_with_other_drafters(drafter):
   assert run.returncode == 0, run.stderr[-3000:]
   name = 'PromptLookup(max_ngram=3' if drafter == 'lookup' else 'Hybrid(stop_below=0.2'
   assert f'drafter {name}' in run.stdout and run.stdout.count('--- row ') == 2, run.stdout[-2000:]
+  assert ('LOSSY: lenience 0.5' in run.stdout) == ('lenience' in drafter)
 
 
 def test_bad_config_argument_is_a_clear_error():

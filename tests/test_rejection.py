@@ -3,8 +3,9 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from spsjax.sampling.rejection import accept_and_resample_rows
+from spsjax.sampling.rejection import accept_and_resample_rows, check_lenience, lenient_law
 from tests.stats import g_test_pvalue
 
 V, K = 6, 3
@@ -91,3 +92,41 @@ def test_edge_uniforms_never_accept_zero_target_mass():
   drafts = jnp.zeros((1000, 1), jnp.int32)
   n, token = accept_and_resample_rows(jax.random.split(jax.random.key(2), 1000), p, q, drafts)
   assert (np.asarray(n) == 0).all() and (np.asarray(token) == 1).all()
+
+
+def _first_token(p, q, n_draws, lenience, num=None):
+  key_d, key_a = jax.random.split(jax.random.key(2))
+  drafts = jax.random.categorical(key_d, jnp.log(jnp.asarray(q)), shape=(n_draws, K)).astype(
+      jnp.int32)
+  num_B = None if num is None else jnp.full((n_draws,), num, jnp.int32)
+  n, token = jax.jit(accept_and_resample_rows, static_argnums=5)(
+      jax.random.split(key_a, n_draws), jnp.broadcast_to(p, (n_draws, K + 1, V)),
+      jnp.broadcast_to(q, (n_draws, K, V)), drafts, num_B, lenience)
+  n, token, drafts = np.asarray(n), np.asarray(token), np.asarray(drafts)
+  return n, np.where(n >= 1, drafts[:, 0], token), token
+
+
+def test_lenience_follows_its_own_law():
+  """l = 0.5: the first position follows `lenient_law` (not p), and a draft is accepted with
+  probability sum min(q, p / l); the law sums to 1 and is p at l = 1."""
+  p, q = _laws()
+  law = np.asarray(lenient_law(jnp.asarray(p[0]), jnp.asarray(q[0]), 0.5), np.float64)
+  assert law.sum() == pytest.approx(1.0, abs=1e-6) and np.abs(law - p[0]).sum() > 0.1
+  np.testing.assert_allclose(lenient_law(jnp.asarray(p[:K]), jnp.asarray(q), 1.0), p[:K],
+                             atol=1e-6)
+  n, first, _ = _first_token(p, q, 400_000, 0.5)
+  assert g_test_pvalue(np.bincount(first, minlength=V), law) > P_MIN
+  assert g_test_pvalue(np.bincount(first, minlength=V), p[0]) < 1e-20  # Lossy, detectably.
+  alpha = np.minimum(q[0], p[0] / 0.5).sum()
+  assert np.mean(n >= 1) == pytest.approx(alpha, abs=5e-3)
+
+
+def test_fewer_proposals_than_k():
+  """num = 1 of k = 3 drafts proposed: n <= 1, and the token after an accepted draft is drawn
+  from p_2 itself (no residual against the unproposed q_2)."""
+  p, q = _laws()
+  n, first, token = _first_token(p, q, 200_000, 1.0, num=1)
+  assert n.max() == 1 and g_test_pvalue(np.bincount(first, minlength=V), p[0]) > P_MIN
+  assert g_test_pvalue(np.bincount(token[n == 1], minlength=V), p[1]) > P_MIN
+  with pytest.raises(ValueError, match='lenience must be in'):
+    check_lenience(0.0)

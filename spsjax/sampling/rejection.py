@@ -3,13 +3,16 @@
 Given the target laws p_1..p_{k+1} and the draft laws q_1..q_k of the k draft tokens, accept draft i
 with probability min(1, p_i(d_i) / q_i(d_i)), left to right; at the first rejection draw from
 norm(max(0, p - q)) at that position; if all k are accepted draw a bonus token from p_{k+1}. A
-drafter may propose fewer than k (per row): the first `num` drafts are then the only ones tried. The
+drafter may propose fewer than k (per row): the first `num` drafts are then the only ones tried.
+Lenience l < 1 (Leviathan et al.; opt-in, LOSSY) accepts more drafts than exactness allows. The
 emitted tokens are then distributed exactly as sampling from p one token at a time.
 
 Numerics: acceptance compares u * q < p (no division, so no NaN for q = 0 or p = 0; u in [0, 1)
 never accepts a token with p = 0); a residual with zero mass (p equal to q up to rounding) falls back
 to p; draws use `processors.draw`, which only returns ids of positive weight.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,13 +26,32 @@ def acceptance_probability(p_xV: jax.Array, q_xV: jax.Array) -> jax.Array:
   return jnp.sum(jnp.minimum(p_xV.astype(jnp.float32), q_xV.astype(jnp.float32)), axis=-1)
 
 
+def check_lenience(lenience: float) -> None:
+  if not 0.0 < lenience <= 1.0:
+    raise ValueError(f'lenience must be in (0, 1] (1: exact), got {lenience}.')
+
+
+def lenient_law(p_xV: jax.Array, q_xV: jax.Array, lenience: float) -> jax.Array:
+  """The law of a draft position's token under lenience l (Leviathan et al.): a draft x ~ q is
+  accepted with probability min(1, p(x) / (l q(x))), else the token comes from the residual
+  norm(max(0, p - q)); so P = min(q, p / l) + (1 - sum min(q, p / l)) norm(max(0, p - q)).
+  l = 1 gives p."""
+  p_xV, q_xV = p_xV.astype(jnp.float32), q_xV.astype(jnp.float32)
+  accepted_xV = jnp.minimum(q_xV, p_xV / lenience)
+  residual_xV = jnp.maximum(p_xV - q_xV, 0.0)
+  mass_x1 = jnp.sum(residual_xV, axis=-1, keepdims=True)
+  residual_xV = jnp.where(mass_x1 > 0, residual_xV / jnp.where(mass_x1 > 0, mass_x1, 1.0), p_xV)
+  return accepted_xV + (1.0 - jnp.sum(accepted_xV, axis=-1, keepdims=True)) * residual_xV
+
+
 def accept_and_resample(key: jax.Array, p_Kp1xV: jax.Array, q_KxV: jax.Array,
-                        drafts_K: jax.Array, num: jax.Array | int | None = None
-                        ) -> tuple[jax.Array, jax.Array]:
+                        drafts_K: jax.Array, num: jax.Array | int | None = None,
+                        lenience: float = 1.0) -> tuple[jax.Array, jax.Array]:
   """One row: (n accepted drafts in [0, num], the token drawn after them).
 
   Only the first `num` drafts (default: all k) were proposed: the others are never accepted, and
-  after all `num` the token is drawn from p_{num+1} itself.
+  after all `num` the token is drawn from p_{num+1} itself. `lenience` l < 1 accepts a draft with
+  probability min(1, p / (l q)): LOSSY, the drafts' positions then follow `lenient_law`, not p.
   """
   k = drafts_K.shape[0]
   num = k if num is None else num
@@ -38,7 +60,7 @@ def accept_and_resample(key: jax.Array, p_Kp1xV: jax.Array, q_KxV: jax.Array,
   u_K = jax.random.uniform(accept_key, (k,), jnp.float32)  # In [0, 1).
   p_at_K = jnp.take_along_axis(p_Kp1xV[:k], drafts_K[:, None], axis=1)[:, 0]
   q_at_K = jnp.take_along_axis(q_KxV, drafts_K[:, None], axis=1)[:, 0]
-  accepted_K = (u_K * q_at_K < p_at_K) & (jnp.arange(k) < num)
+  accepted_K = (u_K * (lenience * q_at_K) < p_at_K) & (jnp.arange(k) < num)
   n = jnp.sum(jnp.cumprod(accepted_K.astype(jnp.int32)))
   # Position n: residual of p_{n+1} against q_{n+1}, or p_{n+1} itself after all proposed drafts.
   p_V = p_Kp1xV[n]
@@ -49,8 +71,10 @@ def accept_and_resample(key: jax.Array, p_Kp1xV: jax.Array, q_KxV: jax.Array,
   return n.astype(jnp.int32), token.astype(jnp.int32)
 
 
-def accept_and_resample_rows(keys_B, p_BxKp1xV, q_BxKxV, drafts_BxK, num_B=None):
+def accept_and_resample_rows(keys_B, p_BxKp1xV, q_BxKxV, drafts_BxK, num_B=None,
+                             lenience: float = 1.0):
   """Batched `accept_and_resample`: each row with its own key (and number of proposed drafts)."""
   if num_B is None:
     num_B = jnp.full(drafts_BxK.shape[:1], drafts_BxK.shape[1], jnp.int32)
-  return jax.vmap(accept_and_resample)(keys_B, p_BxKp1xV, q_BxKxV, drafts_BxK, num_B)
+  row = functools.partial(accept_and_resample, lenience=lenience)
+  return jax.vmap(row)(keys_B, p_BxKp1xV, q_BxKxV, drafts_BxK, num_B)

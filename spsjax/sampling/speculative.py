@@ -32,7 +32,7 @@ from spsjax.sampling import common, drafters
 from spsjax.sampling.processors import (SamplingConfig, native_probabilities, probabilities,
                                         probabilities_and_sample)
 from spsjax.sampling.drafters import Drafter
-from spsjax.sampling.rejection import accept_and_resample_rows
+from spsjax.sampling.rejection import accept_and_resample_rows, check_lenience
 
 @flax.struct.dataclass
 class _State:
@@ -70,6 +70,7 @@ class Loop(common.LoopSettings):
   k: int
   draft_sampling: SamplingConfig
   drafter: Drafter = drafters.ModelDrafter()
+  lenience: float = 1.0  # < 1: LOSSY (`rejection.lenient_law`); 1: exact.
 
   def init(self, target: Model, draft: Model | None, prompts_BxP, prompt_lengths_B,
            rng) -> _State:
@@ -122,7 +123,7 @@ class Loop(common.LoopSettings):
       p_BxKp1xV = (native_probabilities(logits_BxKp1xV, self.sampling) if self.native_kernel
                    else probabilities(logits_BxKp1xV, self.sampling))
       n_B, token_B = accept_and_resample_rows(accept_keys_B, p_BxKp1xV, proposal.q_BxKxV,
-                                              drafts_BxK, proposal.num_B)
+                                              drafts_BxK, proposal.num_B, self.lenience)
       block_BxKp1 = jnp.where(jnp.arange(k + 1)[None, :] < n_B[:, None],
                               jnp.pad(drafts_BxK, ((0, 0), (0, 1))), token_B[:, None])
       tokens_BxW, num_generated_B, done_B, emitted_B = common.commit(
@@ -178,12 +179,13 @@ def prepare(target: Model, draft: Model | None, prompts, prompt_lengths, *, k: i
             max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
             draft_sampling: SamplingConfig | None = None, eos_id: int | None = None,
             mesh: Mesh | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES,
-            drafter: Drafter = drafters.ModelDrafter()):
+            drafter: Drafter = drafters.ModelDrafter(), lenience: float = 1.0):
   """Checks the inputs and places them: (loop, (target, draft, prompts, prompt_lengths)).
 
   `loop.run(*args, rng)` is the program `speculative_sample` runs (the profiler lowers it too).
   """
   check_pair(target, draft, k, drafter)
+  check_lenience(lenience)
   for model in (target, draft) if draft is not None else (target,):
     common.check_inputs(model, prompts, prompt_lengths, max_new_tokens=max_new_tokens,
                         eos_id=eos_id, mesh=mesh, headroom=headroom(k))
@@ -192,7 +194,7 @@ def prepare(target: Model, draft: Model | None, prompts, prompt_lengths, *, k: i
     draft = common.place_params(draft, mesh, rules)
   loop = Loop(k=k, max_new_tokens=max_new_tokens, sampling=sampling,
               draft_sampling=draft_sampling or sampling, eos_id=eos_id, mesh=mesh, rules=rules,
-              drafter=drafter)
+              drafter=drafter, lenience=float(lenience))
   return loop, (target, draft, prompts, prompt_lengths)
 
 
@@ -201,15 +203,18 @@ def speculative_sample(target: Model, draft: Model | None, prompts, prompt_lengt
                        sampling: SamplingConfig = SamplingConfig(),
                        draft_sampling: SamplingConfig | None = None, eos_id: int | None = None,
                        mesh: Mesh | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES,
-                       drafter: Drafter = drafters.ModelDrafter()) -> common.SampleOutput:
+                       drafter: Drafter = drafters.ModelDrafter(),
+                       lenience: float = 1.0) -> common.SampleOutput:
   """Samples from `target` with `drafter` proposing up to k tokens per loop (by default the
   `draft` model, k per loop); the output law is the target's.
 
   `draft_sampling` (default: `sampling`) sets how a draft model samples; acceptance always uses
   the distribution the draft really sampled from, so the output law does not depend on it. A
-  drafter without a model (`drafters.PromptLookup`) takes draft=None.
+  drafter without a model (`drafters.PromptLookup`) takes draft=None. `lenience` < 1 (opt-in)
+  accepts more drafts and is LOSSY: the output law is then no longer the target's
+  (`rejection.lenient_law`).
   """
   loop, args = prepare(target, draft, prompts, prompt_lengths, k=k, max_new_tokens=max_new_tokens,
                        sampling=sampling, draft_sampling=draft_sampling, eos_id=eos_id, mesh=mesh,
-                       rules=rules, drafter=drafter)
+                       rules=rules, drafter=drafter, lenience=lenience)
   return loop.run(*args, rng)
