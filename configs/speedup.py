@@ -5,7 +5,9 @@ docstrings (number of examples; 0: all), batches ('+'-separated, e.g. 1+8), seed
 directory; default results/speedup_<family>), runlocal (a few examples, for a smoke run), demo
 (the README's main job: 8 examples per task, batch 1), draft_weights (how the native CPU path stores
 the draft's packed weights: bfloat16 by default, half the bytes per draft step; SpS stays exact,
-the target is float32 either way; float32 for the draft as trained).
+the target is float32 either way; float32 for the draft as trained); drafter (model | lookup |
+hybrid: `spsjax.sampling.drafters`), max_ngram, min_ngram, stop_below (dynamic k), lenience (in
+(0, 1]; below 1 is LOSSY, labelled in the title and the SpS rows with its total variation).
 The table (printed and in `table.md`) opens with `title`, a template of config fields (`{root}`),
 and for the demo and runlocal variants a note that they check the pipeline and measure little.
 Paper settings by default: k = 4; HumanEval at temperature 0.8, top_p 0.95; summarisation
@@ -23,7 +25,8 @@ from spsjax.eval import tasks
 def get_config(arg=None):
   a = parse_arg(arg, root='checkpoints/tiny', draft='draft_wide', k=4, humaneval=164,
                 docstrings=200, batches='1+8', seed=0, results='', runlocal=False, demo=False,
-                data=1, model_axis=1, draft_weights='bfloat16')
+                data=1, model_axis=1, draft_weights='bfloat16', drafter='model', max_ngram=3,
+                min_ngram=1, stop_below=0.0, lenience=1.0)
   if a.demo:
     a.humaneval, a.docstrings, a.batches = 8, 8, '1'
   c = ml_collections.ConfigDict()
@@ -31,6 +34,9 @@ def get_config(arg=None):
   c.target = 'target'
   c.draft = a.draft
   c.draft_weights = a.draft_weights  # The draft's packed weights (native CPU path).
+  c.drafter = dict(kind=a.drafter, max_ngram=a.max_ngram, min_ngram=a.min_ngram,
+                   stop_below=a.stop_below)
+  c.lenience = a.lenience  # < 1: LOSSY.
   c.k = a.k
   c.seed = a.seed
   c.batches = [int(b) for b in a.batches.split('+') if b]
@@ -45,6 +51,13 @@ def get_config(arg=None):
       'results', 'speedup_' + os.path.basename(os.path.normpath(a.root)))
   c.title = ('# Table 1 (Chen et al., 2023): ArS vs SpS, {root}/{target} and draft {draft}, k = {k}'
              ' (draft weights stored in {draft_weights} on the native CPU path)')
+  if a.drafter != 'model' or a.stop_below:
+    c.title += (f'\n\nDrafter: {a.drafter} (n-grams {a.max_ngram} down to {a.min_ngram}; '
+                f'dynamic k below confidence {a.stop_below}; 0: fixed k).')
+  if a.lenience < 1:
+    c.title += (f'\n\nLOSSY: lenience {a.lenience} accepts a draft with probability '
+                f'min(1, p / ({a.lenience} q)); SpS does not sample the target\'s law. TV: the mean '
+                'total variation of a draft slot\'s law from the target\'s along the outputs.')
   if a.demo:
     c.title += ('\n\nDemo run (`make demo`): 8 prompts per task at batch 1 on the demo pair (a 5M '
                 'target and a 0.5M draft distilled from it, trained for minutes). It is a '

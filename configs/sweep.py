@@ -1,9 +1,13 @@
 """Figure 1 sweeps: `--config=configs/sweep.py:root=checkpoints/reference,sweep=k`.
 
-Arguments: root (family), sweep (k | draft | temperature), draft (the draft of the k and temperature
-sweeps), drafts (the draft sweep's checkpoints, '+'-separated; default all three topologies),
-k (of the draft and temperature sweeps), prompts (HumanEval prompts, one timed call each),
-max_new_tokens (128 as in the paper), temperature (of the k and draft sweeps), seed, results, runlocal.
+Arguments: root (family), sweep (k | draft | temperature | drafter | lenience), draft (the draft
+model of every sweep but `draft`), drafts (the draft sweep's checkpoints, '+'-separated; default
+all three topologies), k (of the draft, temperature and lenience sweeps), prompts (HumanEval
+prompts, one timed call each), max_new_tokens (128 as in the paper), temperature (of every sweep
+but `temperature`), seed, results, runlocal; ks and thresholds ('+'-separated) for the drafter
+sweep: model, prompt lookup and hybrid drafters at each k, then dynamic k (a model draft that stops
+below each confidence threshold) at the largest k. The lenience sweep is LOSSY below 1 and reports
+each point's total variation from the target's law.
 The swept points are `points(sweep, ...)` below: a list of overrides, one per point.
 """
 
@@ -16,29 +20,46 @@ from spsjax.config_args import parse_arg
 DRAFTS = ('draft_wide', 'draft_mid', 'draft_deep', 'draft_wide_distill')
 
 
+SWEEPS = ('k', 'draft', 'temperature', 'drafter', 'lenience')
+MODEL = dict(kind='model', max_ngram=3, min_ngram=1, stop_below=0.0)
+
+
 def points(sweep: str, k: int, draft: str, temperature: float,
-           drafts: tuple[str, ...] = DRAFTS) -> list[dict]:
+           drafts: tuple[str, ...] = DRAFTS, ks: tuple[int, ...] = (2, 4, 6),
+           thresholds: tuple[float, ...] = (0.1, 0.2, 0.4)) -> list[dict]:
+  point = lambda label, **kw: dict(dict(label=label, k=k, draft=draft, temperature=temperature,
+                                        drafter=MODEL, lenience=1.0), **kw)
   if sweep == 'k':
-    return [dict(label=str(i), k=i, draft=draft, temperature=temperature) for i in range(1, 9)]
+    return [point(str(i), k=i) for i in range(1, 9)]
   if sweep == 'draft':
-    return [dict(label=d, k=k, draft=d, temperature=temperature) for d in drafts]
+    return [point(d, draft=d) for d in drafts]
   if sweep == 'temperature':
-    return [dict(label=str(t), k=k, draft=draft, temperature=t) for t in (0.0, 0.5, 0.8, 1.0)]
-  raise ValueError(f'sweep must be k, draft or temperature, got {sweep!r}.')
+    return [point(str(t), temperature=t) for t in (0.0, 0.5, 0.8, 1.0)]
+  if sweep == 'drafter':  # Drafter x k, then dynamic k's threshold at the largest k.
+    kinds = [point(f'{kind} k={i}', k=i, drafter=dict(MODEL, kind=kind))
+             for kind in ('model', 'lookup', 'hybrid') for i in ks]
+    return kinds + [point(f'dynamic {t} k={max(ks)}', k=max(ks), drafter=dict(MODEL, stop_below=t))
+                    for t in thresholds]
+  if sweep == 'lenience':  # LOSSY below 1: each point reports its total variation from p.
+    return [point(str(l), lenience=l) for l in (1.0, 0.8, 0.5, 0.3)]
+  raise ValueError(f'sweep must be one of {list(SWEEPS)}, got {sweep!r}.')
 
 
 def get_config(arg=None):
   a = parse_arg(arg, root='checkpoints/tiny', sweep='k', draft='draft_wide', k=4, prompts=16,
                 max_new_tokens=128, temperature=0.8, seed=0, results='', runlocal=False,
-                drafts='+'.join(DRAFTS), data=1, model_axis=1, draft_weights='bfloat16')
+                drafts='+'.join(DRAFTS), data=1, model_axis=1, draft_weights='bfloat16',
+                ks='2+4+6', thresholds='0.1+0.2+0.4')
   drafts = tuple(d for d in a.drafts.split('+') if d)
+  ks = tuple(int(x) for x in a.ks.split('+') if x)
+  thresholds = tuple(float(x) for x in a.thresholds.split('+') if x)
   if not drafts:
     raise ValueError('drafts names no checkpoint.')
   c = ml_collections.ConfigDict()
   c.root = a.root
   c.sweep = a.sweep
   c.draft_weights = a.draft_weights  # The drafts' packed weights (native CPU path).
-  c.points = points(a.sweep, a.k, a.draft, a.temperature, drafts)
+  c.points = points(a.sweep, a.k, a.draft, a.temperature, drafts, ks, thresholds)
   if a.runlocal:
     c.points = c.points[:2]
   c.prompts = 2 if a.runlocal else a.prompts

@@ -18,7 +18,7 @@ from ml_collections import config_flags
 from spsjax import cli, distributed, models, sharding
 from spsjax.bench import speedup
 from spsjax.eval import tasks
-from spsjax.sampling import SamplingConfig
+from spsjax.sampling import SamplingConfig, drafters
 from spsjax.train import load
 
 print0 = distributed.print0
@@ -31,14 +31,20 @@ def main(argv):
   c = _CONFIG.value
   started = time.time()
   mesh = sharding.mesh_from_axes(c.mesh.data, c.mesh.model)
-  target, drafts, tok, _ = load.load_family(c.root, c.target, [c.draft], mesh=mesh,
+  drafter = drafters.build(**c.drafter)
+  names = [c.draft] if drafter.needs_model else []
+  target, drafts, tok, _ = load.load_family(c.root, c.target, names, mesh=mesh,
                                             draft_weights=c.draft_weights)
-  draft = drafts[c.draft]
-  c_hat = models.num_params(draft.params) / models.num_params(target.params)
-  print0(f'{c.root}: target {models.num_params(target.params):,} parameters, draft {c.draft} '
-         f'{models.num_params(draft.params):,}; k={c.k}; JAX {jax.__version__} on '
-         f'{jax.devices()[0].device_kind}' + (f', mesh {dict(mesh.shape)}' if mesh else ''),
-         flush=True)
+  draft = drafts.get(c.draft)
+  draft_params = models.num_params(draft.params) if draft else 0
+  c_hat = draft_params / models.num_params(target.params)
+  lossy = (f'; LOSSY: lenience {c.lenience}, the output law is not the target\'s'
+           if c.lenience < 1 else '')
+  print0(f'{c.root}: target {models.num_params(target.params):,} parameters, drafter {drafter}'
+         + (f' with draft {c.draft} {draft_params:,}' if draft else '')
+         + f'; k={c.k}{lossy}; JAX {jax.__version__} on {jax.devices()[0].device_kind}'
+         + (f', mesh {dict(mesh.shape)}' if mesh else ''), flush=True)
+  kw = dict(mesh=mesh, drafter=drafter, lenience=c.lenience)
 
   comparisons = []
   for task_name, task_config in c.tasks.items():
@@ -49,12 +55,12 @@ def main(argv):
       sampling_config = SamplingConfig(**settings)
       for batch in c.batches:
         rows = speedup.run_rows(target, draft, tok, task, decoding, sampling_config, batch, c.k,
-                                c.seed, mesh=mesh)
+                                c.seed, **kw)
         costs = speedup.measure_costs(target, draft, c.k, batch, capacity, c.cost_repeats,
                                       mesh=mesh)
         loop_profile = speedup.profile_row(
             target, draft, tok, task, sampling_config, batch, c.k, c.seed,
-            os.path.join(c.results, 'traces', f'{task_name}_{decoding}_b{batch}'), mesh=mesh)
+            os.path.join(c.results, 'traces', f'{task_name}_{decoding}_b{batch}'), **kw)
         cmp = speedup.Comparison(ars=rows[0], sps=rows[1], costs=costs, k=c.k, c_hat=c_hat,
                                  loop_profile=loop_profile)
         comparisons.append(cmp)

@@ -2,6 +2,7 @@
 
   python experiments/sweep.py --config=configs/sweep.py:root=checkpoints/reference,sweep=k
   python experiments/sweep.py --config=configs/sweep.py:root=checkpoints/reference,sweep=draft
+  python experiments/sweep.py --config=configs/sweep.py:root=checkpoints/reference,sweep=drafter
 
 Writes `points.csv` and `figure1.png` to the config's results directory; each point's ArS time
 is measured call by call in turn with its SpS calls.
@@ -14,7 +15,7 @@ from ml_collections import config_flags
 from spsjax import cli, distributed, sharding
 from spsjax.bench import sweep
 from spsjax.data import humaneval, prompts as prompts_lib
-from spsjax.sampling import SamplingConfig, speculative
+from spsjax.sampling import SamplingConfig, drafters, speculative
 from spsjax.train import load
 
 print0 = distributed.print0
@@ -26,8 +27,9 @@ def main(argv):
   distributed.start(argv, _RUNTIME())
   c = _CONFIG.value
   mesh = sharding.mesh_from_axes(c.mesh.data, c.mesh.model)
-  target, drafts, tok, _ = load.load_family(c.root, 'target',
-                                            sorted({p['draft'] for p in c.points}), mesh=mesh,
+  point_drafters = [drafters.build(**p['drafter']) for p in c.points]
+  names = sorted({p['draft'] for p, d in zip(c.points, point_drafters) if d.needs_model})
+  target, drafts, tok, _ = load.load_family(c.root, 'target', names, mesh=mesh,
                                             draft_weights=c.draft_weights)
   print0(f'{c.root}: sweep of {c.sweep} over {len(c.points)} points, {c.prompts} prompts, '
          + (f'mesh {dict(mesh.shape)}' if mesh else 'one device'))
@@ -42,16 +44,21 @@ def main(argv):
     print0(note)
   kw = dict(max_new_tokens=c.max_new_tokens, seed=c.seed, mesh=mesh)
   points = []
-  for p in c.points:
+  for p, drafter in zip(c.points, point_drafters):
     sampling_config = SamplingConfig(temperature=p['temperature'], top_p=c.top_p)
-    point = sweep.run_point(p['label'], target, drafts[p['draft']], p['draft'], prompts, lengths,
-                            k=p['k'], sampling_config=sampling_config, **kw)
+    draft = drafts[p['draft']] if drafter.needs_model else None
+    point = sweep.run_point(p['label'], target, draft, p['draft'], prompts,
+                            lengths, k=p['k'], sampling_config=sampling_config, drafter=drafter,
+                            lenience=p['lenience'], **kw)
     points.append(point)
+    lossy = (f', LOSSY: lenience {point.lenience}, total variation from p {point.tv:.4f} per '
+             'draft slot' if point.lenience < 1 else '')
     print0(f'{c.sweep}={point.label}: {point.mean_seconds * 1e3:.1f} ± '
            f'{point.std_seconds * 1e3:.1f} ms per {c.max_new_tokens} tokens (ArS in turn '
            f'{point.ars_seconds * 1e3:.1f}: {point.speedup:.2f}x), tokens/loop/(k+1) '
-           f'{point.accepted_fraction:.3f}, alpha {point.alpha:.3f}, c {point.c:.3f}, '
-           f'{point.loop_seconds * 1e3:.2f} ms per loop', flush=True)
+           f'{point.accepted_fraction:.3f}, alpha {point.alpha:.3f}, drafts/loop '
+           f'{point.drafted_per_loop:.2f}, c {point.c:.3f}, '
+           f'{point.loop_seconds * 1e3:.2f} ms per loop{lossy}', flush=True)
   os.makedirs(c.results, exist_ok=True)
   sweep.write_csv(points, os.path.join(c.results, 'points.csv'))
   sweep.plot(points, os.path.join(c.results, 'figure1.png'),

@@ -11,6 +11,8 @@ import pytest
 from spsjax import models, sampling
 from spsjax.bench import speedup, sweep, timing
 from spsjax.data import prompts as prompts_lib
+from spsjax.eval import acceptance
+from spsjax.sampling import drafters
 from tests import data_helpers
 
 
@@ -153,3 +155,42 @@ def test_sweep_point_csv_and_plot(family, tmp_path):
   sweep.plot([point], str(tmp_path / 'fig.png'), 'test', 'k')
   assert (tmp_path / 'fig.png').stat().st_size > 1000
   del tok
+
+
+def test_sweep_points_of_other_drafters_and_of_lenience(family):
+  """A lookup point runs without a draft model (c = 0, ragged drafts); a lenient point is labelled
+  with its lenience and carries the total variation `lenient_tv` gives on the same outputs."""
+  target, draft, _ = family
+  prompts, lengths = np.array([[5, 6, 5, 6, 5], [8, 9, 8, 9, 0]], np.int32), np.array([5, 4],
+                                                                                       np.int32)
+  cfg = sampling.SamplingConfig(temperature=0.8)
+  lookup = sweep.run_point('lookup', target, None, '', prompts, lengths, k=3, sampling_config=cfg,
+                           max_new_tokens=8, seed=0, drafter=drafters.PromptLookup())
+  assert lookup.k == 3 and lookup.c == 0.0 and lookup.drafter.startswith('PromptLookup(')
+  assert 0 < lookup.drafted_per_loop <= 3 and lookup.tv == 0.0
+  lenient = sweep.run_point('0.5', target, draft, 'd', prompts, lengths, k=2, sampling_config=cfg,
+                            max_new_tokens=8, seed=0, lenience=0.5)
+  outs = [sampling.speculative_sample(
+      target, draft, *prompts_lib.for_call(prompts, lengths, [i]),
+      jax.random.fold_in(jax.random.fold_in(jax.random.key(0), i), 1), k=2, max_new_tokens=8,
+      sampling=cfg, lenience=0.5) for i in range(2)]
+  sums = [acceptance.lenient_tv(target, draft, cfg, 0.5,
+                                *prompts_lib.for_call(prompts, lengths, [i]), outs[i])
+          for i in range(2)]
+  assert lenient.lenience == 0.5 and lenient.tv == pytest.approx(
+      sum(s[0] for s in sums) / sum(s[1] for s in sums), rel=1e-5)
+  assert 0 < lenient.tv < 1
+
+
+def test_lossy_rows_are_labelled_with_their_total_variation(family):
+  target, draft, tok = family
+  task = speedup.Task('docstrings', ('def add(a, b):\n    """', 'x = 1\n'), ('Add.', 'Set x.'),
+                      max_new_tokens=6)
+  cfg = sampling.SamplingConfig(temperature=0.9)
+  ars, sps = speedup.run_rows(target, draft, tok, task, 'nucleus', cfg, batch=1, k=2, seed=0,
+                              drafter=drafters.Hybrid(), lenience=0.5)
+  assert ars.lenience == 1.0 and sps.lenience == 0.5 and 0 < sps.tv < 1
+  costs = speedup.Costs(target_step=1e-3, draft_step=1e-4, score_call=1.2e-3)
+  table = speedup.markdown([speedup.Comparison(ars=ars, sps=sps, costs=costs, k=2, c_hat=0.1)])
+  assert f'| SpS (LOSSY: lenience 0.5, TV {sps.tv:.3f}) |' in table
+  assert '| ArS |' in table

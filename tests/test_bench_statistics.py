@@ -31,9 +31,9 @@ def test_model_alpha_counts_each_prompt_once_and_methods_get_their_own_keys(fami
   seen_rows, keys = [], {'ArS': [], 'SpS': []}
   model_alpha = speedup.model_alpha
 
-  def recording_alpha(t, d, cfg, prompts_BxP, lengths_B, out, mesh=None):
+  def recording_alpha(t, d, cfg, prompts_BxP, lengths_B, out, mesh=None, **kw):
     seen_rows.append([tuple(p[:n]) for p, n in zip(np.asarray(prompts_BxP), lengths_B)])
-    return model_alpha(t, d, cfg, prompts_BxP, lengths_B, out, mesh)
+    return model_alpha(t, d, cfg, prompts_BxP, lengths_B, out, mesh, **kw)
 
   def recording(method, fn):
     def run(*args, **kwargs):

@@ -97,3 +97,33 @@ def test_prompts_are_cut_to_the_room_of_the_smallest_model(family):
   samples = acceptance.sample_task(target, tok, long_task, sampling.SamplingConfig(), batch=1,
                                    max_seq_lens=[('draft', 32)], headroom=3)
   assert int(samples.calls[0][1][0]) == 32 - 6 - 3
+
+
+def test_lenient_alpha_and_total_variation(family):
+  """l = 0.5: beta = sum min(q, p / l) and the total variation of the lenient draft slot's law
+  from p, both recomputed here in float64 along the same outputs."""
+  target, draft, tok = family
+  cfg = sampling.SamplingConfig(temperature=0.9)
+  samples = acceptance.sample_task(target, tok, _task(), cfg, batch=5, seed=1)
+  prompts_BxP, lengths_B, out = samples.calls[0]
+  beta, count = acceptance.model_alpha(target, draft, cfg, prompts_BxP, lengths_B, out,
+                                       lenience=0.5)
+  tv, tv_count = acceptance.lenient_tv(target, draft, cfg, 0.5, prompts_BxP, lengths_B, out)
+  want_beta, want_tv = [], []
+  laws = _softmax(0.9)
+  for b in range(prompts_BxP.shape[0]):
+    L, n = int(lengths_B[b]), int(out.num_generated[b])
+    seq = np.concatenate([prompts_BxP[b, :L], np.asarray(out.tokens)[b, :n]])[None]
+    p, q = (laws(models.logits(m.config, m.params, jnp.asarray(seq))[0])[L - 1:L - 1 + n]
+            for m in (target, draft))
+    accepted = np.minimum(q, p / 0.5)
+    residual = np.maximum(p - q, 0)
+    law = accepted + (1 - accepted.sum(-1, keepdims=True)) * residual / residual.sum(
+        -1, keepdims=True)
+    want_beta += list(accepted.sum(-1))
+    want_tv += list(0.5 * np.abs(law - p).sum(-1))
+  assert count == tv_count == len(want_beta)
+  assert beta / count == pytest.approx(np.mean(want_beta), abs=1e-5)
+  assert tv / count == pytest.approx(np.mean(want_tv), abs=1e-5) and tv > 0
+  exact, _ = acceptance.model_alpha(target, draft, cfg, prompts_BxP, lengths_B, out)
+  assert exact < beta

@@ -167,6 +167,10 @@ def test_speedup_table_title_says_what_the_demo_is():
   assert full.title.format(**full) == ('# Table 1 (Chen et al., 2023): ArS vs SpS, '
                                        'checkpoints/reference/target and draft draft_wide, k = 4 '
                                        '(draft weights stored in float32 on the native CPU path)')
+  lossy = config.get_config('root=checkpoints/reference,drafter=hybrid,lenience=0.5')
+  title = lossy.title.format(**lossy)
+  assert '\n\nDrafter: hybrid (n-grams 3 down to 1; ' in title
+  assert '\n\nLOSSY: lenience 0.5 accepts a draft with probability min(1, p / (0.5 q))' in title
 
 
 def test_sweep_runs_sharded_on_a_mesh(family, tmp_path):

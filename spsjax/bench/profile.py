@@ -47,6 +47,7 @@ from spsjax.bench.hlo import OTHER, PHASES, Hlo, Instruction, hlo_phases, parse_
 from spsjax.bench.trace import OpEvent, ProfileError, read_op_events, record
 from spsjax.models import Model
 from spsjax.sampling import common, speculative
+from spsjax.sampling.drafters import Drafter, ModelDrafter
 from spsjax.sampling.processors import SamplingConfig
 
 __all__ = ['PHASES', 'OTHER', 'ProfileError', 'Hlo', 'Instruction', 'OpEvent', 'parse_hlo',
@@ -316,12 +317,14 @@ def profile_speculative(target: Model, draft: Model, prompts, prompt_lengths, rn
                         sampling: SamplingConfig = SamplingConfig(),
                         draft_sampling: SamplingConfig | None = None, eos_id: int | None = None,
                         mesh: Mesh | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES,
-                        warmup: int = 1) -> tuple[common.SampleOutput, PhaseProfile]:
+                        warmup: int = 1, drafter: Drafter = ModelDrafter(),
+                        lenience: float = 1.0) -> tuple[common.SampleOutput, PhaseProfile]:
   """`speculative_sample` (same checks and placement), profiled; loops = the program's iterations
   (the most loops any row took part in)."""
   loop, placed = speculative.prepare(
       target, draft, prompts, prompt_lengths, k=k, max_new_tokens=max_new_tokens,
-      sampling=sampling, draft_sampling=draft_sampling, eos_id=eos_id, mesh=mesh, rules=rules)
+      sampling=sampling, draft_sampling=draft_sampling, eos_id=eos_id, mesh=mesh, rules=rules,
+      drafter=drafter, lenience=lenience)
   args = placed + (rng,)
   compiled = speculative.Loop.run.lower(loop, *args).compile()
   return profile_compiled(compiled, *args, log_dir=log_dir, warmup=warmup,

@@ -31,9 +31,10 @@ from spsjax.bench import decode, profile, theory, timing
 from spsjax.data import prompts as prompts_lib
 from spsjax.data.tokenizer import Tokenizer
 from spsjax.eval import metrics, tasks
+from spsjax.eval import acceptance
 from spsjax.eval.acceptance import model_alpha
 from spsjax.eval.tasks import Task, score
-from spsjax.sampling import speculative
+from spsjax.sampling import drafters, speculative
 
 @dataclasses.dataclass(frozen=True)
 class Costs:
@@ -51,12 +52,17 @@ class Costs:
     return self.score_call / self.target_step
 
 
-def measure_costs(target: models.Model, draft: models.Model, k: int, batch: int, capacity: int,
-                  repeats: int = 20, mesh: Mesh | None = None) -> Costs:
+def measure_costs(target: models.Model, draft: models.Model | None, k: int, batch: int,
+                  capacity: int, repeats: int = 20, mesh: Mesh | None = None) -> Costs:
+  """Step costs; a drafter without a model (draft None) costs nothing per step (c = 0)."""
   t, _, _ = decode.extend_seconds(target, (1, k + 1), capacity, repeats=repeats, batch=batch,
                                   mesh=mesh)
-  d, _, _ = decode.extend_seconds(draft, (1,), capacity, repeats=repeats, batch=batch, mesh=mesh)
-  return Costs(target_step=t[1], draft_step=d[1], score_call=t[k + 1])
+  draft_step = 0.0
+  if draft is not None:
+    d, _, _ = decode.extend_seconds(draft, (1,), capacity, repeats=repeats, batch=batch,
+                                    mesh=mesh)
+    draft_step = d[1]
+  return Costs(target_step=t[1], draft_step=draft_step, score_call=t[k + 1])
 
 
 @dataclasses.dataclass
@@ -71,6 +77,8 @@ class Row:
   timing: dict
   completions: list[str]
   alpha_model: float = float('nan')
+  lenience: float = 1.0  # < 1: LOSSY (SpS rows only).
+  tv: float = 0.0  # Lenient draft slot's law against p, mean along the outputs.
 
   @property
   def metric_mean(self) -> float:
@@ -81,24 +89,29 @@ class Row:
     return metrics.mean_and_stderr(self.values)[1]
 
 
-def run_rows(target: models.Model, draft: models.Model, tok: Tokenizer, task: Task,
+def run_rows(target: models.Model, draft: models.Model | None, tok: Tokenizer, task: Task,
              decoding: str, sampling_config: sampling.SamplingConfig, batch: int, k: int,
-             seed: int, mesh: Mesh | None = None) -> tuple[Row, Row]:
-  """ArS and SpS on every prompt of `task` (in calls of `batch` rows), scored: (ArS, SpS).
+             seed: int, mesh: Mesh | None = None,
+             drafter: drafters.Drafter = drafters.ModelDrafter(),
+             lenience: float = 1.0) -> tuple[Row, Row]:
+  """ArS and SpS (with `drafter`; `draft` None for one without a model) on every prompt of `task`
+  (in calls of `batch` rows), scored: (ArS, SpS). Lenience < 1 is LOSSY: the SpS row then carries
+  the mean total variation of a draft slot's law from p along its outputs.
 
   The two take turns call by call (`timing.time_interleaved`), so that the machine's drift falls on
   both alike. On `mesh` (models placed on it beforehand, e.g. by `load_family`) the calls run
   sharded, rows on `data`; every process gets the whole outputs to score.
   """
   sharding.check_batch(batch, mesh)
-  prompts_NxP, lengths_N = tasks.encode(
-      task, tok, [('target', target.config.max_seq_len), ('draft', draft.config.max_seq_len)],
-      speculative.headroom(k))
+  sizes = [('target', target.config.max_seq_len)]
+  if draft is not None:
+    sizes.append(('draft', draft.config.max_seq_len))
+  prompts_NxP, lengths_N = tasks.encode(task, tok, sizes, speculative.headroom(k))
   num = len(task.prompts)
   num_calls = -(-num // batch)
   rows_of = lambda i: [min(j, num - 1) for j in range(i * batch, (i + 1) * batch)]  # Pad: repeat.
   completions = {'ArS': [''] * num, 'SpS': [''] * num}
-  beta = [0.0, 0]
+  beta, tv = [0.0, 0], [0.0, 0]
 
   def run(method, i):
     prompts_BxP, lengths_B = prompts_lib.for_call(prompts_NxP, lengths_N, rows_of(i))
@@ -109,21 +122,27 @@ def run_rows(target: models.Model, draft: models.Model, tok: Tokenizer, task: Ta
               mesh=mesh)
     if method == 'ArS':
       return sampling.autoregressive_sample(target, prompts_BxP, lengths_B, key, **kw)
-    return sampling.speculative_sample(target, draft, prompts_BxP, lengths_B, key, k=k, **kw)
+    return sampling.speculative_sample(target, draft, prompts_BxP, lengths_B, key, k=k,
+                                       drafter=drafter, lenience=lenience, **kw)
 
   def collect(method, i, out):
     rows = rows_of(i)
     tokens, n = np.asarray(out.tokens), np.asarray(out.num_generated)
     for r, row in enumerate(rows[:num - i * batch]):
       completions[method][row] = tok.decode(tokens[r, :n[r]])
-    if method == 'SpS':  # Over the call's real rows: the last call's padding rows repeat one.
-      real = len(rows[:num - i * batch])
+    if method == 'SpS' and draft is not None:  # Over the call's real rows: the last call's
+      real = len(rows[:num - i * batch])  # padding rows repeat one.
       prompts_BxP, lengths_B = prompts_lib.for_call(prompts_NxP, lengths_N, rows[:real])
       out = sampling.SampleOutput(tokens=out.tokens[:real], num_generated=out.num_generated[:real])
       total, count = model_alpha(target, draft, sampling_config, prompts_BxP, lengths_B, out,
-                                 mesh)
+                                 mesh, lenience=lenience)
       beta[0] += total
       beta[1] += count
+      if lenience < 1:
+        total, count = acceptance.lenient_tv(target, draft, sampling_config, lenience,
+                                             prompts_BxP, lengths_B, out, mesh)
+        tv[0] += total
+        tv[1] += count
 
   # One compiled program per padded width (`prompts.for_call`), compiled before it is timed.
   width = lambda i: prompts_lib.for_call(prompts_NxP, lengths_N, rows_of(i))[0].shape[1]
@@ -137,7 +156,9 @@ def run_rows(target: models.Model, draft: models.Model, tok: Tokenizer, task: Ta
                    values=values, extra=extra, timing=timings[method].summary(),
                    completions=completions[method],
                    alpha_model=(beta[0] / beta[1] if beta[1] else float('nan'))
-                   if method == 'SpS' else float('nan')))
+                   if method == 'SpS' else float('nan'),
+                   lenience=lenience if method == 'SpS' else 1.0,
+                   tv=tv[0] / tv[1] if method == 'SpS' and tv[1] else 0.0))
   return out[0], out[1]
 
 
@@ -175,7 +196,8 @@ class Comparison:
                 predicted_tokens_per_loop=p.tokens_per_loop, operations_factor=p.operations,
                 alpha_measured=p.alpha,
                 acceptance_rate=self.sps.timing['acceptance_rate'],
-                alpha_model=self.sps.alpha_model, c=self.costs.c,
+                alpha_model=self.sps.alpha_model, lenience=self.sps.lenience,
+                total_variation=self.sps.tv, c=self.costs.c,
                 s=self.costs.s, metrics_differ_beyond_noise=self.metrics_differ)
 
 
@@ -203,9 +225,11 @@ class LoopProfile:
     return 1.0 - (self.draft + self.score - self.forward_gaps) / self.loop
 
 
-def profile_row(target: models.Model, draft: models.Model, tok: Tokenizer, task: Task,
+def profile_row(target: models.Model, draft: models.Model | None, tok: Tokenizer, task: Task,
                 sampling_config: sampling.SamplingConfig, batch: int, k: int, seed: int,
-                log_dir: str, mesh: Mesh | None = None) -> LoopProfile:
+                log_dir: str, mesh: Mesh | None = None,
+                drafter: drafters.Drafter = drafters.ModelDrafter(),
+                lenience: float = 1.0) -> LoopProfile:
   """Profiles the SpS call on the first `batch` prompts of `task` (after a warm-up run); on a mesh,
   the events of this process's first device."""
   texts = [task.prompts[i % len(task.prompts)] for i in range(batch)]
@@ -214,7 +238,7 @@ def profile_row(target: models.Model, draft: models.Model, tok: Tokenizer, task:
   _, trace = profile.profile_speculative(
       target, draft, prompts_NxP, lengths_N, jax.random.key(seed), k=k,
       max_new_tokens=task.max_new_tokens, log_dir=log_dir, sampling=sampling_config,
-      eos_id=tok.eos_id, mesh=mesh)
+      eos_id=tok.eos_id, mesh=mesh, drafter=drafter, lenience=lenience)
   if not trace.loops:
     raise profile.ProfileError('The profiled call ran no loop.')
   its = trace.iterations
@@ -240,12 +264,14 @@ def markdown(comparisons: Sequence[Comparison]) -> str:
     for row in (cmp.ars, cmp.sps):
       t = row.timing
       sps = row.method == 'SpS'
+      method = row.method + (f' (LOSSY: lenience {row.lenience}, TV {row.tv:.3f})'
+                             if row.lenience < 1 else '')
       parses = f'{row.extra["parse_rate"]:.0%}' if 'parse_rate' in row.extra else ''
       speed = f'{cmp.speedup:.2f}x' if sps else '1x'
       accept = f'{t["acceptance_rate"]:.3f}' if sps else ''
       per_loop = f'{t["tokens_per_loop"]:.2f}' if sps else ''
       lines.append(
-          f'| {row.task} | {row.decoding} | {row.batch} | {row.method} | {row.metric} '
+          f'| {row.task} | {row.decoding} | {row.batch} | {method} | {row.metric} '
           f'{row.metric_mean:.3f} ± {row.metric_stderr:.3f} | {parses} | '
           f'{t["mean_ms_per_token"]:.3f} ({t["std_ms_per_token"]:.3f}) | {t["p90_ms"]:.3f} | '
           f'{speed} | {accept} | {per_loop} |')

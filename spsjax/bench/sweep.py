@@ -24,6 +24,8 @@ from jax.sharding import Mesh
 from spsjax import models, sampling
 from spsjax.bench import speedup as speedup_lib, timing
 from spsjax.data import prompts as prompts_lib
+from spsjax.eval import acceptance
+from spsjax.sampling import drafters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +41,11 @@ class Point:
   acceptance_rate: float  # Accepted drafts / drafted tokens.
   alpha: float  # Per-draft acceptance (`theory.alpha_from_counts`).
   ars_seconds: float  # ArS per sequence on the same prompts, timed in turn with this point.
-  c: float = float('nan')  # Draft step / target step (nan for ArS).
+  c: float = float('nan')  # Draft step / target step (nan for ArS; 0 for a drafter without model).
+  drafter: str = ''  # e.g. 'ModelDrafter(stop_below=0.0)'; '' for ArS.
+  drafted_per_loop: float = float('nan')  # Drafts proposed per loop (k unless ragged).
+  lenience: float = 1.0  # < 1: LOSSY.
+  tv: float = 0.0  # Lenient draft slot's law against p: mean total variation along the outputs.
 
   @property
   def speedup(self) -> float:
@@ -54,9 +60,14 @@ class Point:
 def run_point(label: str, target: models.Model, draft: models.Model | None, draft_name: str,
               prompts_NxP: np.ndarray, lengths_N: np.ndarray, *, k: int,
               sampling_config: sampling.SamplingConfig, max_new_tokens: int, seed: int,
-              mesh: Mesh | None = None) -> Point:
-  """Times SpS (or only ArS when `draft` is None) on every prompt, one call per prompt, with ArS
-  on the same prompts in turn (on `mesh`, if given, with the models placed on it beforehand)."""
+              mesh: Mesh | None = None, drafter: drafters.Drafter = drafters.ModelDrafter(),
+              lenience: float = 1.0) -> Point:
+  """Times SpS with `drafter` (or only ArS when it needs a draft model and `draft` is None) on
+  every prompt, one call per prompt, with ArS on the same prompts in turn (on `mesh`, if given,
+  with the models placed on it beforehand). With lenience < 1 (LOSSY) and a draft model, the
+  point also carries the mean total variation of a draft slot's law from p along the outputs."""
+  ars_only = draft is None and drafter.needs_model
+  tv = [0.0, 0]
 
   def run(method, i):
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), i), method == 'SpS')
@@ -65,29 +76,42 @@ def run_point(label: str, target: models.Model, draft: models.Model | None, draf
       return sampling.autoregressive_sample(target, *args, max_new_tokens=max_new_tokens,
                                             sampling=sampling_config, mesh=mesh)
     return sampling.speculative_sample(target, draft, *args, k=k, max_new_tokens=max_new_tokens,
-                                       sampling=sampling_config, mesh=mesh)
+                                       sampling=sampling_config, mesh=mesh, drafter=drafter,
+                                       lenience=lenience)
 
-  methods = ('ArS',) if draft is None else ('ArS', 'SpS')
+  def on_output(method, i, out):
+    if method == 'SpS' and lenience < 1 and draft is not None:
+      prompts_1xP, lengths_1 = prompts_lib.for_call(prompts_NxP, lengths_N, [i])
+      total, count = acceptance.lenient_tv(target, draft, sampling_config, lenience, prompts_1xP,
+                                           lengths_1, out, mesh)
+      tv[0] += total
+      tv[1] += count
+
+  methods = ('ArS',) if ars_only else ('ArS', 'SpS')
   # One compiled program per padded width (`prompts.for_call`), compiled before it is timed.
   width = lambda i: prompts_lib.for_call(prompts_NxP, lengths_N, [i])[0].shape[1]
-  timings = timing.time_interleaved({m: functools.partial(run, m) for m in methods},
-                                    len(prompts_NxP), bucket=width, ks={'SpS': k})
+  timings = timing.time_interleaved(
+      {m: functools.partial(run, m) for m in methods}, len(prompts_NxP), bucket=width,
+      ks={'SpS': k}, on_output=on_output)
   result = timings[methods[-1]]
   seconds = [c.seconds for c in result.calls]
   loops = sum(c.loops for c in result.calls)
-  draft_cost = float('nan')
+  drafted = sum(c.drafted for c in result.calls)
+  draft_cost = float('nan') if ars_only else 0.0
   if draft is not None:
     capacity = prompts_NxP.shape[1] + max_new_tokens + k
     draft_cost = speedup_lib.measure_costs(target, draft, k, batch=1, capacity=capacity,
                                            mesh=mesh).c
-  return Point(label=label, k=k if draft else 0, draft=draft_name if draft else '',
+  return Point(label=label, k=0 if ars_only else k, draft=draft_name if draft else '',
                temperature=sampling_config.temperature, mean_seconds=float(np.mean(seconds)),
                std_seconds=float(np.std(seconds, ddof=1)) if len(seconds) > 1 else 0.0,
                tokens_per_loop=result.tokens_per_loop,
                loop_seconds=sum(seconds) / loops if loops else float('nan'),
                acceptance_rate=result.acceptance_rate, alpha=result.alpha,
                ars_seconds=float(np.mean([c.seconds for c in timings['ArS'].calls])),
-               c=draft_cost)
+               c=draft_cost, drafter='' if ars_only else str(drafter),
+               drafted_per_loop=drafted / loops if loops else float('nan'),
+               lenience=lenience, tv=tv[0] / tv[1] if tv[1] else 0.0)
 
 
 def write_csv(points: Sequence[Point], path: str) -> None:

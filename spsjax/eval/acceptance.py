@@ -28,23 +28,46 @@ from spsjax.eval import tasks
 from spsjax.sampling import rejection
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _beta_sum(target_config, draft_config, sampling_config, target_params, draft_params,
-              tokens_BxL, mask_BxL):
-  """Sum and count of sum_x min(p(x), q(x)) over masked positions (next-token laws)."""
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _sums(target_config, draft_config, sampling_config, lenience, target_params, draft_params,
+          tokens_BxL, mask_BxL):
+  """Over masked positions (next-token laws): sum of beta = sum_x min(q(x), p(x) / lenience) (the
+  probability a draft is accepted; sum min(p, q) when exact), count, and sum of the total
+  variation between a draft slot's law under `lenience` and p."""
   p = sampling.probabilities(models.logits(target_config, target_params, tokens_BxL),
                              sampling_config)
   q = sampling.probabilities(models.logits(draft_config, draft_params, tokens_BxL),
                              sampling_config)
-  beta_BxL = rejection.acceptance_probability(p, q)
-  return jnp.sum(jnp.where(mask_BxL, beta_BxL, 0.0)), jnp.sum(mask_BxL)
+  beta_BxL = rejection.acceptance_probability(p / lenience, q)
+  tv_BxL = 0.5 * jnp.sum(jnp.abs(rejection.lenient_law(p, q, lenience) - p), axis=-1)
+  total = lambda x_BxL: jnp.sum(jnp.where(mask_BxL, x_BxL, 0.0))
+  return total(beta_BxL), jnp.sum(mask_BxL), total(tv_BxL)
+
+
+def lenient_tv(target: models.Model, draft: models.Model, sampling_config, lenience: float,
+               prompts_BxP, lengths_B, out: sampling.SampleOutput, mesh: Mesh | None = None
+               ) -> tuple[float, int]:
+  """(sum, positions) of the total variation between the law of a draft slot under `lenience`
+  (`rejection.lenient_law`) and the target's, over the positions of `out` as for `model_alpha`:
+  its mean bounds what lenience costs per token (bonus tokens are exact)."""
+  _, count, tv = _positions_sums(target, draft, sampling_config, lenience, prompts_BxP,
+                                 lengths_B, out, mesh)
+  return tv, count
 
 
 def model_alpha(target: models.Model, draft: models.Model, sampling_config, prompts_BxP,
-                lengths_B, out: sampling.SampleOutput, mesh: Mesh | None = None
-                ) -> tuple[float, int]:
+                lengths_B, out: sampling.SampleOutput, mesh: Mesh | None = None,
+                lenience: float = 1.0) -> tuple[float, int]:
   """(sum of beta, positions) over the positions that produced the generated tokens of `out`
-  (host arrays, or gathered here); on `mesh` the sequences are replicated to the models' devices."""
+  (host arrays, or gathered here); on `mesh` the sequences are replicated to the models' devices.
+  With lenience < 1, beta is the lenient acceptance sum_x min(q(x), p(x) / lenience)."""
+  beta, count, _ = _positions_sums(target, draft, sampling_config, lenience, prompts_BxP,
+                                   lengths_B, out, mesh)
+  return beta, count
+
+
+def _positions_sums(target, draft, sampling_config, lenience, prompts_BxP, lengths_B, out, mesh):
+  """`_sums` over the positions that produced the generated tokens of `out`."""
   out = distributed.gather(out)
   tokens = np.asarray(out.tokens)
   n_B = np.asarray(out.num_generated)
@@ -59,9 +82,9 @@ def model_alpha(target: models.Model, draft: models.Model, sampling_config, prom
   if mesh is not None:
     replicated = NamedSharding(mesh, PartitionSpec())
     seq, mask = sharding.put((seq, mask), (replicated, replicated))
-  total, count = _beta_sum(target.config, draft.config, sampling_config, target.params,
-                           draft.params, seq, mask)
-  return float(total), int(count)
+  beta, count, tv = _sums(target.config, draft.config, sampling_config, float(lenience),
+                         target.params, draft.params, seq, mask)
+  return float(beta), int(count), float(tv)
 
 
 @dataclasses.dataclass(frozen=True)

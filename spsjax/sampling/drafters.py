@@ -14,7 +14,9 @@ Drafters are frozen dataclasses (static settings: one compiled program per draft
 - `init(loop, draft, prompts_BxP, lengths_B, capacity) -> state`, after the target's prefill;
 - `propose(loop, draft, state, committed, keys_BxK) -> (Proposal, state)`;
 - `rollback(loop, state, base_B, target_lengths_B) -> state`, after the accept step (base_B: the
-  committed tokens before the loop, less one; target_lengths_B: the target cache's new lengths).
+  committed tokens before the loop, less one; target_lengths_B: the target cache's new lengths);
+- `needs_model` and `ragged` (whether rows may propose fewer than k: the loop then scores only as
+  many positions as the longest proposal needs).
 `draft` is the draft model (a jit argument) or None for drafters that need none; `loop` is the
 `speculative.Loop` (k, draft sampling, mesh and rules, native kernel).
 
@@ -93,6 +95,7 @@ class PromptLookup:
                        f'{self.min_ngram}, max_ngram={self.max_ngram}.')
 
   needs_model = False
+  ragged = True  # Rows without a match propose nothing.
 
   def lookup(self, committed: Committed, k: int) -> tuple[jax.Array, jax.Array]:
     """(tokens int32[B, k], count int32[B]): the k tokens that followed the latest earlier match
@@ -155,6 +158,11 @@ class ModelDrafter:
   stop_below: float = 0.0
 
   needs_model = True
+
+  @property
+  def ragged(self) -> bool:
+    """Whether rows may propose fewer than k (dynamic k)."""
+    return self.stop_below > 0
 
   def __post_init__(self):
     if not 0.0 <= self.stop_below <= 1.0:

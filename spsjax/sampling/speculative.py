@@ -14,7 +14,9 @@ every loop for every number of accepted drafts; each drafter keeps its own state
 (`drafters.ModelDrafter`).
 
 Positions written reach c_b + k - 1 < prompt length + max_new_tokens + k - 1, so a row needs k - 1
-positions of headroom past prompt + max_new_tokens within max_seq_len.
+positions of headroom past prompt + max_new_tokens within max_seq_len. A ragged drafter (fewer
+than k drafts in some rows) has the target score only as many positions as the longest proposal
+of the loop needs (`_score`): scoring is not free on every machine.
 """
 
 import dataclasses
@@ -52,6 +54,26 @@ class _State:
 def headroom(k: int) -> int:
   """Positions past prompt + max_new_tokens that the loop writes to (see the module docstring)."""
   return k - 1
+
+
+def _score(target: Model, cache: KVCache, tokens_BxKp1, longest):
+  """The target's logits on the last committed token and the drafts: float32[B, k + 1, V].
+
+  With `longest` (the most drafts any active row proposed, traced) only its first longest + 1
+  positions are scored, by one of k + 1 compiled branches; the others' logits are zeros (uniform
+  laws), never read: a row accepts at most what it proposed.
+  """
+  if longest is None:
+    return extend(target.config, target.params, cache, tokens_BxKp1)
+  Kp1 = tokens_BxKp1.shape[1]
+
+  def positions(n):
+    def score(cache):
+      logits_BxNxV, cache = extend(target.config, target.params, cache, tokens_BxKp1[:, :n])
+      return jnp.pad(logits_BxNxV.astype(jnp.float32), ((0, 0), (0, Kp1 - n), (0, 0))), cache
+    return score
+
+  return jax.lax.switch(longest, [positions(n) for n in range(1, Kp1 + 1)], cache)
 
 
 def _loop_keys(row_keys_B, num_loops_B, k):
@@ -115,9 +137,9 @@ class Loop(common.LoopSettings):
       drafts_BxK = proposal.tokens_BxK
 
     with jax.named_scope('score'):  # The target cache holds committed - 1 tokens.
-      logits_BxKp1xV, target_cache = extend(
-          target.config, target.params, state.target_cache,
-          jnp.concatenate([last_B[:, None], drafts_BxK], axis=1))
+      logits_BxKp1xV, target_cache = _score(
+          target, state.target_cache, jnp.concatenate([last_B[:, None], drafts_BxK], axis=1),
+          jnp.max(jnp.where(active_B, proposal.num_B, 0)) if self.drafter.ragged else None)
 
     with jax.named_scope('accept'):
       p_BxKp1xV = (native_probabilities(logits_BxKp1xV, self.sampling) if self.native_kernel
