@@ -6,7 +6,8 @@ all three topologies), k (of the draft, temperature and lenience sweeps), prompt
 prompts, one timed call each), max_new_tokens (128 as in the paper), temperature (of every sweep
 but `temperature`), seed, results, runlocal; ks and thresholds ('+'-separated) for the drafter
 sweep: model, prompt lookup and hybrid drafters at each k, then dynamic k (a model draft that stops
-below each confidence threshold) at the largest k. The lenience sweep is LOSSY below 1 and reports
+below each confidence threshold) at the largest k, and the ragged ones (lookup, dynamic k) again
+with `trim_score` (the target scores only the positions proposed). The lenience sweep is LOSSY below 1 and reports
 each point's total variation from the target's law.
 The swept points are `points(sweep, ...)` below: a list of overrides, one per point.
 """
@@ -28,18 +29,21 @@ def points(sweep: str, k: int, draft: str, temperature: float,
            drafts: tuple[str, ...] = DRAFTS, ks: tuple[int, ...] = (2, 4, 6),
            thresholds: tuple[float, ...] = (0.1, 0.2, 0.4)) -> list[dict]:
   point = lambda label, **kw: dict(dict(label=label, k=k, draft=draft, temperature=temperature,
-                                        drafter=MODEL, lenience=1.0), **kw)
+                                        drafter=MODEL, lenience=1.0, trim_score=False), **kw)
   if sweep == 'k':
     return [point(str(i), k=i) for i in range(1, 9)]
   if sweep == 'draft':
     return [point(d, draft=d) for d in drafts]
   if sweep == 'temperature':
     return [point(str(t), temperature=t) for t in (0.0, 0.5, 0.8, 1.0)]
-  if sweep == 'drafter':  # Drafter x k, then dynamic k's threshold at the largest k.
+  if sweep == 'drafter':  # Drafter x k, then dynamic k's threshold at the largest k; the ragged
+    # ones (lookup, dynamic k) also with the target scoring only the positions they proposed.
     kinds = [point(f'{kind} k={i}', k=i, drafter=dict(MODEL, kind=kind))
              for kind in ('model', 'lookup', 'hybrid') for i in ks]
-    return kinds + [point(f'dynamic {t} k={max(ks)}', k=max(ks), drafter=dict(MODEL, stop_below=t))
-                    for t in thresholds]
+    kinds += [point(f'dynamic {t} k={max(ks)}', k=max(ks), drafter=dict(MODEL, stop_below=t))
+              for t in thresholds]
+    ragged = [p for p in kinds if p['drafter']['kind'] == 'lookup' or p['drafter']['stop_below']]
+    return kinds + [dict(p, label=p['label'] + ' trimmed', trim_score=True) for p in ragged]
   if sweep == 'lenience':  # LOSSY below 1: each point reports its total variation from p.
     return [point(str(l), lenience=l) for l in (1.0, 0.8, 0.5, 0.3)]
   raise ValueError(f'sweep must be one of {list(SWEEPS)}, got {sweep!r}.')

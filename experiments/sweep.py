@@ -49,7 +49,7 @@ def main(argv):
     draft = drafts[p['draft']] if drafter.needs_model else None
     point = sweep.run_point(p['label'], target, draft, p['draft'], prompts,
                             lengths, k=p['k'], sampling_config=sampling_config, drafter=drafter,
-                            lenience=p['lenience'], **kw)
+                            lenience=p['lenience'], trim_score=p['trim_score'], **kw)
     points.append(point)
     lossy = (f', LOSSY: lenience {point.lenience}, total variation from p {point.tv:.4f} per '
              'draft slot' if point.lenience < 1 else '')

@@ -76,10 +76,12 @@ def test_bad_settings_are_refused(pair):
 
 V_SMALL, PROMPT, NEW, ROWS = 7, (1, 4, 2, 1, 4), 3, 100_000  # The prompt repeats: lookup matches.
 
-DRAFTERS = {
-    'lookup': drafters.PromptLookup(max_ngram=2),
-    'hybrid': drafters.Hybrid(max_ngram=2),
-    'dynamic_k': drafters.ModelDrafter(stop_below=0.5),
+DRAFTERS = {  # name: (drafter, trim_score)
+    'lookup': (drafters.PromptLookup(max_ngram=2), False),
+    'lookup_trimmed': (drafters.PromptLookup(max_ngram=2), True),
+    'hybrid': (drafters.Hybrid(max_ngram=2), False),
+    'dynamic_k': (drafters.ModelDrafter(stop_below=0.5), False),
+    'dynamic_k_trimmed': (drafters.ModelDrafter(stop_below=0.5), True),
 }
 
 
@@ -96,11 +98,12 @@ def tiny_pair():
 @pytest.mark.parametrize('name', list(DRAFTERS))
 def test_output_law_is_target_law(tiny_pair, name, sampling):
   target, draft = tiny_pair
-  drafter = DRAFTERS[name]
+  drafter, trim_score = DRAFTERS[name]
   prompts = np.tile(np.array(PROMPT, np.int32), (ROWS, 1))
   out = speculative_sample(target, draft if drafter.needs_model else None, prompts,
                            np.full((ROWS,), len(PROMPT), np.int32), jax.random.key(7), k=3,
-                           max_new_tokens=NEW, sampling=sampling, drafter=drafter)
+                           max_new_tokens=NEW, sampling=sampling, drafter=drafter,
+                           trim_score=trim_score)
   assert (np.asarray(out.num_generated) == NEW).all()
   law = exact_sequence_law(target, PROMPT, NEW, sampling)
   pvalue = g_test_pvalue(sequence_counts(np.asarray(out.tokens), V_SMALL), law)
@@ -151,20 +154,23 @@ def test_greedy_sps_equals_greedy_ars(pair, drafter, k):
   prompts, lengths = _ragged(k + 30, batch=6)
   ars = autoregressive_sample(target, prompts, lengths, jax.random.key(0), max_new_tokens=24,
                               sampling=GREEDY, eos_id=5)
-  sps = speculative_sample(target, draft if drafter.needs_model else None, prompts, lengths,
-                           jax.random.key(1), k=k, max_new_tokens=24, sampling=GREEDY, eos_id=5,
-                           drafter=drafter)
-  np.testing.assert_array_equal(sps.tokens, ars.tokens)
-  np.testing.assert_array_equal(sps.num_generated, ars.num_generated)
+  for trim_score in (False, True) if drafter.ragged else (False,):
+    sps = speculative_sample(target, draft if drafter.needs_model else None, prompts, lengths,
+                             jax.random.key(1), k=k, max_new_tokens=24, sampling=GREEDY, eos_id=5,
+                             drafter=drafter, trim_score=trim_score)
+    np.testing.assert_array_equal(sps.tokens, ars.tokens)
+    np.testing.assert_array_equal(sps.num_generated, ars.num_generated)
   assert int(np.sum(sps.num_accepted)) > 0  # Greedy text repeats itself: lookup hits too.
 
 
-@pytest.mark.parametrize('drafter', [drafters.Hybrid(), drafters.ModelDrafter(stop_below=0.3)],
+@pytest.mark.parametrize('drafter,trim_score', [(drafters.Hybrid(), False),
+                                                (drafters.ModelDrafter(stop_below=0.3), True)],
                          ids=str)
-def test_draft_cache_equals_fresh_prefill_after_every_loop(pair, drafter):
+def test_caches_equal_fresh_prefill_after_every_loop(pair, drafter, trim_score):
   target, draft = pair
   prompts, lengths = _ragged(8, batch=6)
   loop = speculative.Loop(k=3, max_new_tokens=14, sampling=SamplingConfig(temperature=1.5),
-                          draft_sampling=SamplingConfig(temperature=1.5), drafter=drafter)
+                          draft_sampling=SamplingConfig(temperature=1.5), drafter=drafter,
+                          trim_score=trim_score)
   accepted = _run_checking_caches(target, draft, loop, prompts, lengths, jax.random.key(4))
   assert len(set(np.concatenate(accepted).tolist()) - {-1}) >= 2

@@ -61,7 +61,7 @@ def run_point(label: str, target: models.Model, draft: models.Model | None, draf
               prompts_NxP: np.ndarray, lengths_N: np.ndarray, *, k: int,
               sampling_config: sampling.SamplingConfig, max_new_tokens: int, seed: int,
               mesh: Mesh | None = None, drafter: drafters.Drafter = drafters.ModelDrafter(),
-              lenience: float = 1.0) -> Point:
+              lenience: float = 1.0, trim_score: bool = False) -> Point:
   """Times SpS with `drafter` (or only ArS when it needs a draft model and `draft` is None) on
   every prompt, one call per prompt, with ArS on the same prompts in turn (on `mesh`, if given,
   with the models placed on it beforehand). With lenience < 1 (LOSSY) and a draft model, the
@@ -77,7 +77,7 @@ def run_point(label: str, target: models.Model, draft: models.Model | None, draf
                                             sampling=sampling_config, mesh=mesh)
     return sampling.speculative_sample(target, draft, *args, k=k, max_new_tokens=max_new_tokens,
                                        sampling=sampling_config, mesh=mesh, drafter=drafter,
-                                       lenience=lenience)
+                                       lenience=lenience, trim_score=trim_score)
 
   def on_output(method, i, out):
     if method == 'SpS' and lenience < 1 and draft is not None:

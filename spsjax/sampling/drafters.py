@@ -15,8 +15,8 @@ Drafters are frozen dataclasses (static settings: one compiled program per draft
 - `propose(loop, draft, state, committed, keys_BxK) -> (Proposal, state)`;
 - `rollback(loop, state, base_B, target_lengths_B) -> state`, after the accept step (base_B: the
   committed tokens before the loop, less one; target_lengths_B: the target cache's new lengths);
-- `needs_model` and `ragged` (whether rows may propose fewer than k: the loop then scores only as
-  many positions as the longest proposal needs).
+- `needs_model` and `ragged` (whether rows may propose fewer than k: the loop can then score only
+  as many positions as the longest proposal needs, `speculative.Loop.trim_score`).
 `draft` is the draft model (a jit argument) or None for drafters that need none; `loop` is the
 `speculative.Loop` (k, draft sampling, mesh and rules, native kernel).
 

@@ -14,9 +14,10 @@ every loop for every number of accepted drafts; each drafter keeps its own state
 (`drafters.ModelDrafter`).
 
 Positions written reach c_b + k - 1 < prompt length + max_new_tokens + k - 1, so a row needs k - 1
-positions of headroom past prompt + max_new_tokens within max_seq_len. A ragged drafter (fewer
-than k drafts in some rows) has the target score only as many positions as the longest proposal
-of the loop needs (`_score`): scoring is not free on every machine.
+positions of headroom past prompt + max_new_tokens within max_seq_len. With `trim_score`, a ragged
+drafter (fewer than k drafts in some rows) has the target score only as many positions as the
+longest proposal of the loop needs (`_score`); off by default: on this CPU the branch costs more
+than the positions it saves (docs/sampling.md).
 """
 
 import dataclasses
@@ -93,6 +94,7 @@ class Loop(common.LoopSettings):
   draft_sampling: SamplingConfig
   drafter: Drafter = drafters.ModelDrafter()
   lenience: float = 1.0  # < 1: LOSSY (`rejection.lenient_law`); 1: exact.
+  trim_score: bool = False  # Ragged drafters: score only the positions the longest proposal needs.
 
   def init(self, target: Model, draft: Model | None, prompts_BxP, prompt_lengths_B,
            rng) -> _State:
@@ -139,7 +141,8 @@ class Loop(common.LoopSettings):
     with jax.named_scope('score'):  # The target cache holds committed - 1 tokens.
       logits_BxKp1xV, target_cache = _score(
           target, state.target_cache, jnp.concatenate([last_B[:, None], drafts_BxK], axis=1),
-          jnp.max(jnp.where(active_B, proposal.num_B, 0)) if self.drafter.ragged else None)
+          jnp.max(jnp.where(active_B, proposal.num_B, 0))
+          if self.trim_score and self.drafter.ragged else None)
 
     with jax.named_scope('accept'):
       p_BxKp1xV = (native_probabilities(logits_BxKp1xV, self.sampling) if self.native_kernel
@@ -201,7 +204,8 @@ def prepare(target: Model, draft: Model | None, prompts, prompt_lengths, *, k: i
             max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
             draft_sampling: SamplingConfig | None = None, eos_id: int | None = None,
             mesh: Mesh | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES,
-            drafter: Drafter = drafters.ModelDrafter(), lenience: float = 1.0):
+            drafter: Drafter = drafters.ModelDrafter(), lenience: float = 1.0,
+            trim_score: bool = False):
   """Checks the inputs and places them: (loop, (target, draft, prompts, prompt_lengths)).
 
   `loop.run(*args, rng)` is the program `speculative_sample` runs (the profiler lowers it too).
@@ -216,7 +220,7 @@ def prepare(target: Model, draft: Model | None, prompts, prompt_lengths, *, k: i
     draft = common.place_params(draft, mesh, rules)
   loop = Loop(k=k, max_new_tokens=max_new_tokens, sampling=sampling,
               draft_sampling=draft_sampling or sampling, eos_id=eos_id, mesh=mesh, rules=rules,
-              drafter=drafter, lenience=float(lenience))
+              drafter=drafter, lenience=float(lenience), trim_score=bool(trim_score))
   return loop, (target, draft, prompts, prompt_lengths)
 
 
@@ -225,8 +229,8 @@ def speculative_sample(target: Model, draft: Model | None, prompts, prompt_lengt
                        sampling: SamplingConfig = SamplingConfig(),
                        draft_sampling: SamplingConfig | None = None, eos_id: int | None = None,
                        mesh: Mesh | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES,
-                       drafter: Drafter = drafters.ModelDrafter(),
-                       lenience: float = 1.0) -> common.SampleOutput:
+                       drafter: Drafter = drafters.ModelDrafter(), lenience: float = 1.0,
+                       trim_score: bool = False) -> common.SampleOutput:
   """Samples from `target` with `drafter` proposing up to k tokens per loop (by default the
   `draft` model, k per loop); the output law is the target's.
 
@@ -234,9 +238,10 @@ def speculative_sample(target: Model, draft: Model | None, prompts, prompt_lengt
   the distribution the draft really sampled from, so the output law does not depend on it. A
   drafter without a model (`drafters.PromptLookup`) takes draft=None. `lenience` < 1 (opt-in)
   accepts more drafts and is LOSSY: the output law is then no longer the target's
-  (`rejection.lenient_law`).
+  (`rejection.lenient_law`). `trim_score` (ragged drafters only) scores only the positions the
+  loop's longest proposal needs.
   """
   loop, args = prepare(target, draft, prompts, prompt_lengths, k=k, max_new_tokens=max_new_tokens,
                        sampling=sampling, draft_sampling=draft_sampling, eos_id=eos_id, mesh=mesh,
-                       rules=rules, drafter=drafter, lenience=lenience)
+                       rules=rules, drafter=drafter, lenience=lenience, trim_score=trim_score)
   return loop.run(*args, rng)
