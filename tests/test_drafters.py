@@ -93,12 +93,18 @@ def tiny_pair():
   return scaled_model(config(2), 0, 1.5), scaled_model(config(1), 1, 1.5)
 
 
-@pytest.mark.parametrize('sampling', [SamplingConfig(), SamplingConfig(temperature=0.7, top_p=0.8)],
-                         ids=['temperature_1', 'top_p_0.8'])
-@pytest.mark.parametrize('name', list(DRAFTERS))
-def test_output_law_is_target_law(tiny_pair, name, sampling):
+SAMPLINGS = {'temperature_1': SamplingConfig(),
+             'top_p_0.8': SamplingConfig(temperature=0.7, top_p=0.8)}
+
+
+@pytest.mark.parametrize('name,setting', [
+    ('lookup', 'temperature_1'), ('lookup', 'top_p_0.8'), ('lookup_trimmed', 'top_p_0.8'),
+    ('hybrid', 'top_p_0.8'), ('dynamic_k', 'temperature_1'), ('dynamic_k', 'top_p_0.8'),
+    ('dynamic_k_trimmed', 'temperature_1')])
+def test_output_law_is_target_law(tiny_pair, name, setting):
   target, draft = tiny_pair
   drafter, trim_score = DRAFTERS[name]
+  sampling = SAMPLINGS[setting]
   prompts = np.tile(np.array(PROMPT, np.int32), (ROWS, 1))
   out = speculative_sample(target, draft if drafter.needs_model else None, prompts,
                            np.full((ROWS,), len(PROMPT), np.int32), jax.random.key(7), k=3,
