@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from spsjax import models, sharding
 from spsjax.models import kv_cache
 from spsjax.sampling import (SamplingConfig, autoregressive, autoregressive_sample, common,
-                             speculative, speculative_sample)
+                             drafters, speculative, speculative_sample)
 
 GREEDY = SamplingConfig(temperature=0.0)
 RULES = sharding.DEFAULT_RULES
@@ -274,3 +274,22 @@ def test_sharded_sampling_at_temperature_above_0_draws_the_unsharded_tokens():
       np.testing.assert_array_equal(getattr(sharded, field), getattr(single, field),
                                     err_msg=f'{name} {field}')
   assert 0 < int(np.sum(single.num_accepted)) < 3 * int(np.sum(single.num_loops))
+
+
+@pytest.mark.parametrize('drafter,trim_score', [
+    (drafters.PromptLookup(), True), (drafters.Hybrid(), False),
+    (drafters.ModelDrafter(stop_below=0.3), False)], ids=str)
+def test_sharded_sps_with_other_drafters_equals_single_device(drafter, trim_score):
+  """Greedy SpS with each drafter on a 2 x 4 mesh: the tokens and counts of one device."""
+  config, params, prompts, lengths, _, expected_ars = _reference(4)
+  draft_config, draft_params = _draft(4)
+  target = models.Model(config, params)
+  draft = models.Model(draft_config, draft_params) if drafter.needs_model else None
+  kw = dict(k=3, max_new_tokens=MAX_NEW, sampling=GREEDY, drafter=drafter, trim_score=trim_score)
+  single = jax.device_get(speculative_sample(target, draft, prompts, lengths, jax.random.key(2),
+                                             **kw))
+  np.testing.assert_array_equal(single.tokens, expected_ars.tokens)  # Greedy parity.
+  sharded = jax.device_get(speculative_sample(target, draft, prompts, lengths, jax.random.key(2),
+                                              mesh=sharding.make_mesh(2, 4), **kw))
+  for field in ('tokens', 'num_loops', 'num_accepted', 'num_drafted'):
+    np.testing.assert_array_equal(getattr(sharded, field), getattr(single, field), err_msg=field)
