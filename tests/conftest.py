@@ -13,3 +13,15 @@ if _DEVICES_FLAG not in os.environ.get('XLA_FLAGS', ''):
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 jax.config.update('jax_numpy_rank_promotion', 'raise')
+
+import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+@pytest.fixture(autouse=True, scope='module')
+def _release_compiled_programs():
+  """Drops JAX's compiled programs after each test module. Every XLA:CPU executable keeps its
+  machine code in memory maps of its own; one process running the whole suite compiles over a
+  thousand programs and would otherwise reach the kernel's limit on maps per process
+  (vm.max_map_count, 65530 by default), where the next compile aborts the process."""
+  yield
+  jax.clear_caches()
