@@ -277,10 +277,10 @@ def test_sharded_sampling_at_temperature_above_0_draws_the_unsharded_tokens():
 
 
 @pytest.mark.parametrize('drafter,trim_score', [
-    (drafters.PromptLookup(), True), (drafters.Hybrid(), False),
-    (drafters.ModelDrafter(stop_below=0.3), False)], ids=str)
+    (drafters.PromptLookup(), True), (drafters.Hybrid(stop_below=0.3), False)], ids=str)
 def test_sharded_sps_with_other_drafters_equals_single_device(drafter, trim_score):
-  """Greedy SpS with each drafter on a 2 x 4 mesh: the tokens and counts of one device."""
+  """Greedy SpS with prompt lookup (scoring trimmed) and hybrid with dynamic k on a 2 x 4 mesh:
+  the tokens and counts of one device."""
   config, params, prompts, lengths, _, expected_ars = _reference(4)
   draft_config, draft_params = _draft(4)
   target = models.Model(config, params)
