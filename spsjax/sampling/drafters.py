@@ -185,18 +185,21 @@ class ModelDrafter:
     B = keys_BxK.shape[0]
     V = draft.config.vocab_size
     uniforms_BxK = uniforms(keys_BxK)  # At once: per step, threefry is a handful of small ops.
-    if forced_BxK is None:
-      forced_BxK, num_forced_B = jnp.zeros((B, k), jnp.int32), jnp.zeros((B,), jnp.int32)
 
     def choose(i, logits_BxV):
+      """(q, draft, whether the row drafts on); the plain model draft (no forced tokens, fixed
+      k) pays for nothing else per step."""
       q_BxV, d_B = probabilities_and_sample_with(uniforms_BxK[:, i], logits_BxV, sampling,
                                                  native_kernel=native)
-      forced_B = i < num_forced_B
-      q_BxV = jnp.where(forced_B[:, None], jax.nn.one_hot(forced_BxK[:, i], V), q_BxV)
-      d_B = jnp.where(forced_B, forced_BxK[:, i], d_B)
-      confident_B = forced_B | (jnp.max(jax.nn.softmax(logits_BxV.astype(jnp.float32), -1), -1)
-                                >= self.stop_below)
-      return q_BxV, d_B, confident_B
+      forced_B = jnp.zeros((B,), bool)
+      if forced_BxK is not None:
+        forced_B = i < num_forced_B
+        q_BxV = jnp.where(forced_B[:, None], jax.nn.one_hot(forced_BxK[:, i], V), q_BxV)
+        d_B = jnp.where(forced_B, forced_BxK[:, i], d_B)
+      if not self.ragged:
+        return q_BxV, d_B, jnp.ones((B,), bool)
+      confidence_B = jnp.max(jax.nn.softmax(logits_BxV.astype(jnp.float32), -1), -1)
+      return q_BxV, d_B, forced_B | (confidence_B >= self.stop_below)
 
     cache = cache.with_lengths(committed.lengths_B - 2)
     last2_Bx2 = jnp.stack([committed.last(2), committed.last(1)], axis=1)
