@@ -49,14 +49,26 @@ def points(sweep: str, k: int, draft: str, temperature: float,
   raise ValueError(f'sweep must be one of {list(SWEEPS)}, got {sweep!r}.')
 
 
+def _values(name, text, kind, valid, what):
+  """'+'-separated values of one kind, or a ValueError naming the argument."""
+  try:
+    values = tuple(kind(x) for x in str(text).split('+') if x)
+  except ValueError:
+    values = ()
+  if not values or not all(valid(v) for v in values):
+    raise ValueError(f'{name} must be \'+\'-separated {what}, got {text!r}.')
+  return values
+
+
 def get_config(arg=None):
   a = parse_arg(arg, root='checkpoints/tiny', sweep='k', draft='draft_wide', k=4, prompts=16,
                 max_new_tokens=128, temperature=0.8, seed=0, results='', runlocal=False,
                 drafts='+'.join(DRAFTS), data=1, model_axis=1, draft_weights='bfloat16',
                 ks='2+4+6', thresholds='0.1+0.2+0.4')
   drafts = tuple(d for d in a.drafts.split('+') if d)
-  ks = tuple(int(x) for x in a.ks.split('+') if x)
-  thresholds = tuple(float(x) for x in a.thresholds.split('+') if x)
+  ks = _values('ks', a.ks, int, lambda k: k >= 1, 'integers >= 1')
+  thresholds = _values('thresholds', a.thresholds, float, lambda t: 0 < t <= 1,
+                       'numbers in (0, 1]')
   if not drafts:
     raise ValueError('drafts names no checkpoint.')
   c = ml_collections.ConfigDict()

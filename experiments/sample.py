@@ -137,7 +137,9 @@ def main(argv):
     print0(f'k={c.k}, drafter {drafter}: acceptance rate {accepted / max(1, drafted):.3f} '
            f'({accepted} of {drafted} drafts), mean tokens per loop '
            f'{(tokens - c.batch) / max(1, loops):.2f} (the first token of each row comes from the '
-           f'prefill), accepted-drafts histogram {np.asarray(out.accepted_histogram).tolist()}')
+           f'prefill), accepted-drafts histogram {np.asarray(out.accepted_histogram).tolist()}'
+           + (f', proposed-drafts histogram {np.asarray(out.proposed_histogram).tolist()}'
+              if drafter.ragged else ''))
   print0(f'method={c.method} batch={c.batch} new_tokens={tokens} first call (compile + run) '
          f'{compile_s:.2f}s; run {best * 1e3:.1f} ms (best of {c.repeats}): '
          f'{tokens / best:.1f} tokens/s')

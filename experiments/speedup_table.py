@@ -62,7 +62,7 @@ def main(argv):
             target, draft, tok, task, sampling_config, batch, c.k, c.seed,
             os.path.join(c.results, 'traces', f'{task_name}_{decoding}_b{batch}'), **kw)
         cmp = speedup.Comparison(ars=rows[0], sps=rows[1], costs=costs, k=c.k, c_hat=c_hat,
-                                 loop_profile=loop_profile)
+                                 loop_profile=loop_profile, drafter=drafter)
         comparisons.append(cmp)
         logging.info('%s %s batch %d: %s %.3f vs %.3f, speedup %.2fx (predicted %.2fx) '
                      '[%.0f s elapsed]', task_name, decoding, batch, rows[0].metric,

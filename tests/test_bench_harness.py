@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from spsjax import models, sampling
-from spsjax.bench import speedup, sweep, timing
+from spsjax.bench import speedup, sweep, theory, timing
 from spsjax.data import prompts as prompts_lib
 from spsjax.eval import acceptance
 from spsjax.sampling import drafters
@@ -168,6 +168,7 @@ def test_sweep_points_of_other_drafters_and_of_lenience(family):
                            max_new_tokens=8, seed=0, drafter=drafters.PromptLookup())
   assert lookup.k == 3 and lookup.c == 0.0 and lookup.drafter.startswith('PromptLookup(')
   assert 0 < lookup.drafted_per_loop <= 3 and lookup.tv == 0.0
+  assert 1.0 <= lookup.predicted_tokens_per_loop <= 1.0 + lookup.drafted_per_loop
   lenient = sweep.run_point('0.5', target, draft, 'd', prompts, lengths, k=2, sampling_config=cfg,
                             max_new_tokens=8, seed=0, lenience=0.5)
   outs = [sampling.speculative_sample(
@@ -194,3 +195,27 @@ def test_lossy_rows_are_labelled_with_their_total_variation(family):
   table = speedup.markdown([speedup.Comparison(ars=ars, sps=sps, costs=costs, k=2, c_hat=0.1)])
   assert f'| SpS (LOSSY: lenience 0.5, TV {sps.tv:.3f}) |' in table
   assert '| ArS |' in table
+
+
+def test_table_theory_for_prompt_lookup_uses_the_proposals_made(family):
+  """Prompt lookup proposes no drafts where it finds no match: the predicted tokens per loop come
+  from the loops that proposed each count, the cost has no draft steps, and there is no model
+  alpha to show."""
+  target, _, tok = family
+  task = speedup.Task('docstrings', ('ab ab ab ab', 'x = 1\n'), ('ab', 'Set x.'), max_new_tokens=6)
+  greedy = sampling.SamplingConfig(temperature=0.0)
+  lookup = drafters.PromptLookup()
+  ars, sps = speedup.run_rows(target, None, tok, task, 'greedy', greedy, batch=1, k=3, seed=0,
+                              drafter=lookup)
+  assert ars.completions == sps.completions and np.isnan(sps.alpha_model)
+  t = sps.timing
+  assert sum(t['loops_by_proposed']) >= 2 and len(t['loops_by_proposed']) == 4
+  costs = speedup.Costs(target_step=1e-3, draft_step=0.0, score_call=1.2e-3)
+  cmp = speedup.Comparison(ars=ars, sps=sps, costs=costs, k=3, c_hat=0.0, drafter=lookup)
+  p = cmp.prediction
+  assert p.loops_by_proposed == tuple(t['loops_by_proposed']) and p.draft_steps == 0.0
+  assert p.tokens_per_loop == pytest.approx(
+      theory.expected_tokens_per_loop_proposed(t['alpha'], t['loops_by_proposed']))
+  assert p.speedup == pytest.approx(p.tokens_per_loop / 1.2)
+  assert f'| docstrings | greedy | 1 | {p.alpha:.3f} / - | 0.000 | 1.20 |' in speedup.markdown(
+      [cmp])

@@ -54,3 +54,36 @@ def test_alpha_from_counts_recovers_iid_alpha_where_the_drafted_fraction_does_no
   assert theory.alpha_from_counts(8, 2, 2) == 1.0 and theory.alpha_from_counts(0, 3, 0) == 0.0
   with pytest.raises(ValueError, match='full_loops'):
     theory.alpha_from_counts(4, 2, 3)
+
+
+def test_ragged_proposals_predict_from_the_loops_that_proposed_each_count():
+  """A drafter proposing n = 0 .. k drafts: each loop yields E(alpha, n) tokens (1 for n = 0), and
+  a simulation of i.i.d. acceptances with those proposal counts agrees; the cost per loop counts
+  only the draft steps run."""
+  alpha, loops_by_proposed = 0.6, (10, 0, 30, 60)  # k = 3.
+  expected = (10 * 1 + 30 * (1 + 0.6 + 0.36) + 60 * (1 + 0.6 + 0.36 + 0.216)) / 100
+  assert theory.expected_tokens_per_loop_proposed(alpha, loops_by_proposed) == pytest.approx(
+      expected)
+  rng = np.random.default_rng(1)
+  proposed_L = rng.choice(4, size=40_000, p=np.array(loops_by_proposed) / 100)
+  accepted_L = np.minimum(rng.geometric(1 - alpha, proposed_L.size) - 1, proposed_L)
+  assert np.mean(accepted_L + 1) == pytest.approx(expected, rel=0.01)
+  # Full loops (every proposal accepted, including the loops that proposed none) recover alpha.
+  estimate = theory.alpha_from_counts(int(accepted_L.sum()), proposed_L.size,
+                                      int(np.sum(accepted_L == proposed_L)))
+  assert estimate == pytest.approx(alpha, abs=0.01)
+  lookup = theory.Prediction(alpha=alpha, k=3, c=0.2, s=1.25, c_hat=0.1,
+                             loops_by_proposed=loops_by_proposed, draft_steps=0.0)
+  assert lookup.tokens_per_loop == pytest.approx(expected)
+  assert lookup.speedup == pytest.approx(expected / 1.25)  # No draft model steps: c plays no part.
+  assert lookup.speedup_free_scoring == pytest.approx(expected)
+  assert lookup.operations == pytest.approx(4 / expected)
+  dynamic = theory.Prediction(alpha=alpha, k=3, c=0.2, s=1.25, c_hat=0.1,
+                              loops_by_proposed=loops_by_proposed, draft_steps=2.4)
+  assert dynamic.speedup == pytest.approx(expected / (2.4 * 0.2 + 1.25))
+  # Every loop proposing k is the fixed-k formula.
+  fixed = theory.Prediction(alpha=alpha, k=3, c=0.2, s=1.25, c_hat=0.1, loops_by_proposed=(0, 0,
+                                                                                          0, 5))
+  assert fixed.speedup == pytest.approx(theory.expected_speedup(alpha, 3, 0.2, 1.25))
+  with pytest.raises(ValueError, match='loop counts'):
+    theory.expected_tokens_per_loop_proposed(alpha, (0, 0, 0))

@@ -117,6 +117,8 @@ def test_output_law_is_target_law(tiny_pair, name, setting):
   # Lookup and dynamic k proposed fewer than k in some loops (hybrid's model fills every slot).
   loops, drafted = int(np.sum(out.num_loops)), int(np.sum(out.num_drafted))
   assert (drafted == 3 * loops) if name == 'hybrid' else (0 < drafted < 3 * loops)
+  proposed_N = np.asarray(out.proposed_histogram)  # Loops that proposed n = 0 .. k drafts.
+  assert proposed_N.sum() == loops and (proposed_N * np.arange(4)).sum() == drafted
   assert int(np.sum(out.num_accepted)) > 0
   assert int(np.sum(out.num_full_loops)) <= loops
 

@@ -42,6 +42,7 @@ def test_sample_sps_with_other_drafters(drafter):
   name = 'PromptLookup(max_ngram=3' if drafter == 'lookup' else 'Hybrid(stop_below=0.2'
   assert f'drafter {name}' in run.stdout and run.stdout.count('--- row ') == 2, run.stdout[-2000:]
   assert ('LOSSY: lenience 0.5' in run.stdout) == ('lenience' in drafter)
+  assert 'proposed-drafts histogram [' in run.stdout  # Both drafters are ragged.
 
 
 def test_bad_config_argument_is_a_clear_error():
@@ -99,6 +100,8 @@ def _one_line_error(run, *parts):
      ['stop_below=0.5: prompt lookup has no draft model']),
     (['experiments/sample.py', '--config=configs/sample.py:method=sps,drafter=ngram'],
      ["Unknown drafter 'ngram'; known: ['model', 'lookup', 'hybrid']."]),
+    (['experiments/sweep.py', '--config=configs/sweep.py:sweep=drafter,ks=2+x'],
+     ["ks must be '+'-separated integers >= 1, got '2+x'."]),
     (['experiments/sweep.py', '--config=configs/nope.py'],
      ['--config=configs/nope.py: no such file']),
     (['experiments/speedup_table.py'],

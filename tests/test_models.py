@@ -15,6 +15,11 @@ from spsjax import models
 
 VOCAB = 97
 
+# Jitted: a whole forward dispatched op by op costs seconds per test.
+_logits = jax.jit(models.logits, static_argnums=0)
+_prefill = jax.jit(models.prefill, static_argnums=0, static_argnames=('capacity', 'last_only'))
+_extend = jax.jit(models.extend, static_argnums=0)
+
 
 def _config(num_kv_heads, **kw):
   return models.TransformerConfig(vocab_size=VOCAB, d_model=48, num_layers=2, num_heads=6,
@@ -33,13 +38,12 @@ def test_cached_extension_equals_reference(num_kv_heads, chunk, packed):
   params = models.init_params(config, jax.random.key(0))
   total = 30
   tokens_BxL = jax.random.randint(jax.random.key(1), (3, total), 0, VOCAB)
-  reference_BxLxV = np.asarray(models.logits(config, params, tokens_BxL))
+  reference_BxLxV = np.asarray(_logits(config, params, tokens_BxL))
   params = _decode_params(config, params, packed)
   prompt_lengths = np.array([4, 9, 1])
   width = int(prompt_lengths.max())
-  extend = jax.jit(models.extend, static_argnums=0)
 
-  prefill_BxPxV, cache = models.prefill(config, params, tokens_BxL[:, :width],
+  prefill_BxPxV, cache = _prefill(config, params, tokens_BxL[:, :width],
                                         jnp.asarray(prompt_lengths), capacity=total + chunk)
   for b, length in enumerate(prompt_lengths):
     np.testing.assert_allclose(prefill_BxPxV[b, :length], reference_BxLxV[b, :length], rtol=1e-5,
@@ -47,7 +51,7 @@ def test_cached_extension_equals_reference(num_kv_heads, chunk, packed):
   lengths = prompt_lengths.copy()
   while lengths.max() + chunk <= total:
     chunk_BxT = np.stack([np.asarray(tokens_BxL[b, l:l + chunk]) for b, l in enumerate(lengths)])
-    out_BxTxV, cache = extend(config, params, cache, jnp.asarray(chunk_BxT))
+    out_BxTxV, cache = _extend(config, params, cache, jnp.asarray(chunk_BxT))
     for b, l in enumerate(lengths):
       expected = reference_BxLxV[b, l:l + chunk]
       np.testing.assert_allclose(out_BxTxV[b], expected, rtol=1e-5,
@@ -65,10 +69,10 @@ def test_rollback_is_moving_lengths(packed):
   logits = jax.jit(functools.partial(models.logits, config, reference_params))
   tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, VOCAB)
   other = jax.random.randint(jax.random.key(3), (2, 4), 0, VOCAB)
-  _, cache = models.prefill(config, params, tokens[:, :8], jnp.array([8, 8]), capacity=16)
-  _, cache = models.extend(config, params, cache, other)  # Both rows now at 12.
+  _, cache = _prefill(config, params, tokens[:, :8], jnp.array([8, 8]), capacity=16)
+  _, cache = _extend(config, params, cache, other)  # Both rows now at 12.
   cache = cache.with_lengths(jnp.array([8, 10]))  # Row 0 drops all 4, row 1 keeps 2.
-  out_Bx4xV, cache = models.extend(config, params, cache, tokens[:, 8:12])
+  out_Bx4xV, cache = _extend(config, params, cache, tokens[:, 8:12])
   seq0 = tokens[0]
   seq1 = jnp.concatenate([tokens[1, :8], other[1, :2], tokens[1, 8:12]])
   np.testing.assert_allclose(out_Bx4xV[0], logits(seq0[None])[0, 8:12], rtol=1e-5, atol=1e-5)
@@ -82,18 +86,18 @@ def test_logits_at_selects_positions_per_row(overrides, packed):
   config = _config(2, **overrides)
   params = models.init_params(config, jax.random.key(0))
   tokens_BxL = jax.random.randint(jax.random.key(4), (3, 10), 0, VOCAB)
-  reference_BxLxV = np.asarray(models.logits(config, params, tokens_BxL))
+  reference_BxLxV = np.asarray(_logits(config, params, tokens_BxL))
   params = _decode_params(config, params, packed)
   lengths = np.array([3, 7, 1])
-  last_Bx1xV, cache = models.prefill(config, params, tokens_BxL[:, :7], jnp.asarray(lengths),
-                                     capacity=12, last_only=True)
+  last_Bx1xV, cache = _prefill(config, params, tokens_BxL[:, :7], jnp.asarray(lengths),
+                               capacity=12, last_only=True)
   assert last_Bx1xV.shape == (3, 1, VOCAB)
   for b, length in enumerate(lengths):
     np.testing.assert_allclose(last_Bx1xV[b, 0], reference_BxLxV[b, length - 1], rtol=1e-5,
                                atol=1e-5)
   chunk_Bx3 = np.stack([np.asarray(tokens_BxL[b, l:l + 3]) for b, l in enumerate(lengths)])
   at_Bx2 = jnp.array([[2, 0], [1, 1], [0, 2]], jnp.int32)
-  out_Bx2xV, _ = models.extend(config, params, cache, jnp.asarray(chunk_Bx3), at_Bx2)
+  out_Bx2xV, _ = _extend(config, params, cache, jnp.asarray(chunk_Bx3), at_Bx2)
   for b, l in enumerate(lengths):
     np.testing.assert_allclose(out_Bx2xV[b], reference_BxLxV[b, l + np.asarray(at_Bx2[b])],
                                rtol=1e-5, atol=1e-5)

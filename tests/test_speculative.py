@@ -56,8 +56,9 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize('k', [1, 2, 4])
-@pytest.mark.parametrize('setting', list(SETTINGS))
+# Every setting at k = 1 and k = 4; k = 2 once (the other drafters' tests run k = 3).
+@pytest.mark.parametrize('setting,k', [(s, k) for k in (1, 4) for s in SETTINGS]
+                         + [('temperature_1', 2)])
 def test_output_law_is_target_law(tiny_pair, setting, k):
   target, draft = tiny_pair
   sampling, draft_sampling = SETTINGS[setting]
@@ -124,7 +125,7 @@ def _ragged(seed, batch=5, width=7, vocab=48):
   return prompts, lengths
 
 
-@pytest.mark.parametrize('k', [1, 3, 4, 7])
+@pytest.mark.parametrize('k', [1, 4, 7])
 def test_greedy_sps_equals_greedy_ars(pair, k):
   target, draft = pair
   prompts, lengths = _ragged(k)

@@ -16,6 +16,12 @@ sum_x min(p, q) over the generated positions, p and q after the processors:
 `eval.acceptance.model_alpha`); c and s from jitted
 `extend` calls of the two models at the row's batch and cache size. One SpS call per row is also
 profiled (`bench.profile`): time per loop and per phase read from the trace.
+
+A drafter that proposes fewer than k drafts in some loops (prompt lookup, dynamic k) is predicted
+from the measured number of loops that proposed each count (`theory.Prediction.loops_by_proposed`)
+and the draft steps it runs per loop (none for prompt lookup). The model alpha is the draft
+model's; prompt lookup has none ("-"), and hybrid's is its draft model's, not that of the mix of
+lookup and model tokens it proposes (marked "draft model").
 """
 
 import dataclasses
@@ -171,6 +177,7 @@ class Comparison:
   k: int
   c_hat: float  # Draft / target parameters: the ratio of operations per token.
   loop_profile: 'LoopProfile | None' = None
+  drafter: drafters.Drafter = drafters.ModelDrafter()
 
   @property
   def speedup(self) -> float:
@@ -178,8 +185,12 @@ class Comparison:
 
   @property
   def prediction(self) -> theory.Prediction:
-    return theory.Prediction(alpha=self.sps.timing['alpha'], k=self.k, c=self.costs.c,
-                             s=self.costs.s, c_hat=self.c_hat)
+    t = self.sps.timing
+    ragged = self.drafter.ragged
+    return theory.Prediction(
+        alpha=t['alpha'], k=self.k, c=self.costs.c, s=self.costs.s, c_hat=self.c_hat,
+        loops_by_proposed=tuple(t.get('loops_by_proposed', ())) if ragged else (),
+        draft_steps=self.drafter.draft_steps(self.k, t.get('proposed_per_loop', self.k)))
 
   @property
   def metrics_differ(self) -> bool:
@@ -281,9 +292,11 @@ def markdown(comparisons: Sequence[Comparison]) -> str:
             '|---|---|---|---|---|---|---|---|---|---|---|']
   for cmp in comparisons:
     p, t = cmp.prediction, cmp.sps.timing
+    model_alpha = ('-' if np.isnan(cmp.sps.alpha_model) else f'{cmp.sps.alpha_model:.3f}'
+                   + (' (draft model)' if isinstance(cmp.drafter, drafters.Hybrid) else ''))
     lines.append(
         f'| {cmp.sps.task} | {cmp.sps.decoding} | {cmp.sps.batch} | {p.alpha:.3f} / '
-        f'{cmp.sps.alpha_model:.3f} | {p.c:.3f} | {p.s:.2f} | {t["uncut_tokens_per_loop"]:.2f} / '
+        f'{model_alpha} | {p.c:.3f} | {p.s:.2f} | {t["uncut_tokens_per_loop"]:.2f} / '
         f'{p.tokens_per_loop:.2f} | {cmp.speedup:.2f}x / {p.speedup:.2f}x / '
         f'{p.speedup_free_scoring:.2f}x | {cmp.speedup / p.speedup:.2f} | {p.operations:.2f}x | '
         f'{"yes" if cmp.metrics_differ else "no"} |')

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spsjax import models, sampling
-from spsjax.bench import speedup as speedup_lib, timing
+from spsjax.bench import speedup as speedup_lib, theory, timing
 from spsjax.data import prompts as prompts_lib
 from spsjax.eval import acceptance
 from spsjax.sampling import drafters
@@ -46,6 +46,8 @@ class Point:
   drafted_per_loop: float = float('nan')  # Drafts proposed per loop (k unless ragged).
   lenience: float = 1.0  # < 1: LOSSY.
   tv: float = 0.0  # Lenient draft slot's law against p: mean total variation along the outputs.
+  # From alpha and the loops that proposed each number of drafts (`theory.Prediction`).
+  predicted_tokens_per_loop: float = float('nan')
 
   @property
   def speedup(self) -> float:
@@ -111,7 +113,11 @@ def run_point(label: str, target: models.Model, draft: models.Model | None, draf
                ars_seconds=float(np.mean([c.seconds for c in timings['ArS'].calls])),
                c=draft_cost, drafter='' if ars_only else str(drafter),
                drafted_per_loop=drafted / loops if loops else float('nan'),
-               lenience=lenience, tv=tv[0] / tv[1] if tv[1] else 0.0)
+               lenience=lenience, tv=tv[0] / tv[1] if tv[1] else 0.0,
+               predicted_tokens_per_loop=theory.expected_tokens_per_loop_proposed(
+                   result.alpha, result.loops_by_proposed)
+               if loops and result.loops_by_proposed and not np.isnan(result.alpha)
+               else float('nan'))
 
 
 def write_csv(points: Sequence[Point], path: str) -> None:

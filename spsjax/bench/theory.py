@@ -25,6 +25,18 @@ def expected_tokens_per_loop(alpha: float, k: int) -> float:
   return (1.0 - alpha**(k + 1)) / (1.0 - alpha)
 
 
+def expected_tokens_per_loop_proposed(alpha: float, loops_by_proposed) -> float:
+  """E[tokens per loop] for a drafter that proposes a varying number of drafts (prompt lookup,
+  dynamic k): `loops_by_proposed[n]` loops proposed n drafts (n = 0 .. k), and a loop with n
+  proposed yields (1 - alpha^(n+1)) / (1 - alpha) tokens in expectation (1 when n = 0)."""
+  counts = [float(c) for c in loops_by_proposed]
+  if not counts or min(counts) < 0 or sum(counts) <= 0:
+    raise ValueError(f'Need non-negative loop counts by drafts proposed, not all zero; got '
+                     f'{list(loops_by_proposed)}.')
+  per_n = [1.0] + [expected_tokens_per_loop(alpha, n) for n in range(1, len(counts))]
+  return sum(c * e for c, e in zip(counts, per_n)) / sum(counts)
+
+
 def alpha_from_counts(accepted: int, loops: int, full_loops: int) -> float:
   """The per-draft acceptance alpha estimated from SpS loop counts (maximum likelihood).
 
@@ -62,26 +74,49 @@ def best_k(alpha: float, c: float, s_of_k=lambda k: 1.0, k_max: int = 16) -> int
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
-  """Theory for one setting, to print beside the measurement."""
+  """Theory for one setting, to print beside the measurement.
+
+  A drafter that proposes fewer than k drafts in some loops (prompt lookup, dynamic k) gives the
+  measured `loops_by_proposed` (loops that proposed n = 0 .. k drafts; empty: k in every loop)
+  and the draft model steps it runs per loop, `draft_steps` (None: k; 0 without a draft model).
+  The loop's cost is then draft_steps c + s, scoring still k + 1 positions.
+  """
   alpha: float
   k: int
   c: float
   s: float
   c_hat: float
+  loops_by_proposed: tuple[int, ...] = ()
+  draft_steps: float | None = None
 
   @property
   def tokens_per_loop(self) -> float:
+    if self.loops_by_proposed:
+      return expected_tokens_per_loop_proposed(self.alpha, self.loops_by_proposed)
     return expected_tokens_per_loop(self.alpha, self.k)
 
   @property
+  def _steps(self) -> float:
+    return self.k if self.draft_steps is None else self.draft_steps
+
+  def _speedup(self, s: float) -> float:
+    if self.c < 0 or s <= 0:
+      raise ValueError(f'c must be >= 0 and s > 0, got c={self.c}, s={s}.')
+    return self.tokens_per_loop / (self._steps * self.c + s)  # Theorem 3.8 with k fixed.
+
+  @property
   def speedup(self) -> float:
-    return expected_speedup(self.alpha, self.k, self.c, self.s)
+    return self._speedup(self.s)
 
   @property
   def speedup_free_scoring(self) -> float:
     """The speedup if scoring k + 1 positions cost one step (s = 1), as on TPUs in the paper."""
-    return expected_speedup(self.alpha, self.k, self.c, 1.0)
+    return self._speedup(1.0)
 
   @property
   def operations(self) -> float:
-    return operations_factor(self.alpha, self.k, self.c_hat)
+    """Operations relative to ArS: draft_steps c_hat + k + 1 per loop over the tokens it yields
+    (Theorem 3.11 with k fixed)."""
+    if self.c_hat < 0:
+      raise ValueError(f'c_hat must be >= 0, got {self.c_hat}.')
+    return (self._steps * self.c_hat + self.k + 1) / self.tokens_per_loop

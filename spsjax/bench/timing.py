@@ -32,6 +32,7 @@ class Call:
   accepted: int = 0  # Accepted draft tokens, summed over rows.
   full_loops: int = 0  # Loops that accepted every draft proposed, summed over rows.
   drafted: int = 0  # Draft tokens proposed (k per loop, or fewer for ragged drafters).
+  proposed: tuple[int, ...] = ()  # Loops that proposed n = 0 .. k drafts (empty if not reported).
 
   @property
   def token_time(self) -> float:
@@ -87,6 +88,20 @@ class Timing:
     return (sum(c.accepted for c in self.calls) + loops) / loops if loops else float('nan')
 
   @property
+  def loops_by_proposed(self) -> tuple[int, ...]:
+    """Loops that proposed n = 0 .. k drafts, over all calls (empty if a call did not say)."""
+    if not self.calls or not all(c.proposed for c in self.calls):
+      return ()
+    return tuple(int(x) for x in np.sum([c.proposed for c in self.calls], axis=0))
+
+  @property
+  def proposed_per_loop(self) -> float:
+    """Drafts proposed per loop (k unless the drafter is ragged)."""
+    loops = sum(c.loops for c in self.calls)
+    drafted = sum(c.drafted or self.k * c.loops for c in self.calls)
+    return drafted / loops if loops else float('nan')
+
+  @property
   def acceptance_rate(self) -> float:
     """Accepted drafts / proposed drafts (k per loop unless the drafter proposed fewer)."""
     drafted = sum(c.drafted or self.k * c.loops for c in self.calls)
@@ -110,7 +125,8 @@ class Timing:
         p50_ms=self.token_time_percentile(50) * ms, p90_ms=self.token_time_percentile(90) * ms,
         p99_ms=self.token_time_percentile(99) * ms, tokens_per_loop=self.tokens_per_loop,
         uncut_tokens_per_loop=self.uncut_tokens_per_loop,
-        acceptance_rate=self.acceptance_rate, alpha=self.alpha)
+        acceptance_rate=self.acceptance_rate, alpha=self.alpha,
+        loops_by_proposed=list(self.loops_by_proposed), proposed_per_loop=self.proposed_per_loop)
 
 
 def medians(fns: Mapping[Hashable, Callable[[], object]], *, repeats: int,
@@ -147,7 +163,9 @@ def call_record(seconds: float, out: SampleOutput) -> Call:
     full_loops = 0 if histogram is None else int(np.asarray(histogram)[-1])
   return Call(seconds=seconds, rows=len(num_generated), tokens=int(num_generated.sum()),
               loops=loops, accepted=accepted, full_loops=full_loops,
-              drafted=total(out.num_drafted))
+              drafted=total(out.num_drafted),
+              proposed=() if out.proposed_histogram is None
+              else tuple(int(x) for x in np.asarray(out.proposed_histogram)))
 
 
 def time_calls(run: Callable[[int], SampleOutput], num_calls: int,

@@ -29,6 +29,7 @@ class SampleOutput:
   accepted_histogram: jax.Array | None = None  # int32[k + 1]: loops that accepted exactly n drafts.
   num_drafted: jax.Array | None = None  # int32[B]: draft tokens proposed (k per loop, or fewer).
   num_full_loops: jax.Array | None = None  # int32[B]: loops that accepted every proposed draft.
+  proposed_histogram: jax.Array | None = None  # int32[k + 1]: loops that proposed exactly n drafts.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,9 @@ Drafters are frozen dataclasses (static settings: one compiled program per draft
 - `rollback(loop, state, base_B, target_lengths_B) -> state`, after the accept step (base_B: the
   committed tokens before the loop, less one; target_lengths_B: the target cache's new lengths);
 - `needs_model` and `ragged` (whether rows may propose fewer than k: the loop can then score only
-  as many positions as the longest proposal needs, `speculative.Loop.trim_score`).
+  as many positions as the longest proposal needs, `speculative.Loop.trim_score`);
+- `draft_steps(k, proposed_per_loop)`: the draft model steps a loop runs (for the theory's cost
+  per loop, `bench.theory.Prediction`).
 `draft` is the draft model (a jit argument) or None for drafters that need none; `loop` is the
 `speculative.Loop` (k, draft sampling, mesh and rules, native kernel).
 
@@ -126,6 +128,10 @@ class PromptLookup:
     count_B = jnp.where(found_B, k, 0)
     return tokens_BxK.astype(jnp.int32), count_B.astype(jnp.int32)
 
+  def draft_steps(self, k: int, proposed_per_loop: float) -> float:
+    del k, proposed_per_loop
+    return 0.0
+
   def init(self, loop, draft, prompts_BxP, prompt_lengths_B, capacity):
     del loop, draft, prompts_BxP, prompt_lengths_B, capacity
     return ()
@@ -168,6 +174,11 @@ class ModelDrafter:
     if not 0.0 <= self.stop_below <= 1.0:
       raise ValueError(f'stop_below (dynamic k confidence threshold) must be in [0, 1], got '
                        f'{self.stop_below}.')
+
+  def draft_steps(self, k: int, proposed_per_loop: float) -> float:
+    """k; with dynamic k, the drafts proposed (exact at batch 1; a batch drafts on until its
+    last row stops, so more there)."""
+    return proposed_per_loop if self.ragged else float(k)
 
   def init(self, loop, draft: Model, prompts_BxP, prompt_lengths_B, capacity) -> KVCache:
     _, cache = prefill(draft.config, draft.params, prompts_BxP, prompt_lengths_B, capacity,

@@ -49,7 +49,8 @@ class _State:
   num_accepted_B: jax.Array
   num_drafted_B: jax.Array
   num_full_loops_B: jax.Array  # Loops that accepted every draft proposed.
-  histogram_Kp1: jax.Array
+  histogram_Kp1: jax.Array  # Loops that accepted exactly n drafts.
+  proposed_Kp1: jax.Array  # Loops that proposed exactly n drafts.
 
 
 def headroom(k: int) -> int:
@@ -120,7 +121,8 @@ class Loop(common.LoopSettings):
         target_cache=kv_cache.constrain(target_cache, mesh, rules), draft_state=draft_state,
         row_keys_B=row_keys_B, num_loops_B=zeros_B, num_accepted_B=zeros_B,
         num_drafted_B=zeros_B, num_full_loops_B=zeros_B,
-        histogram_Kp1=jnp.zeros((k + 1,), jnp.int32))
+        histogram_Kp1=jnp.zeros((k + 1,), jnp.int32),
+        proposed_Kp1=jnp.zeros((k + 1,), jnp.int32))
 
   def body(self, target: Model, draft: Model | None, prompts_BxP, prompt_lengths_B,
            state: _State) -> _State:
@@ -160,6 +162,8 @@ class Loop(common.LoopSettings):
       target_lengths_B = jnp.where(active_B, base_B + emitted_B, base_B)
       draft_state = self.drafter.rollback(self, draft_state, base_B, target_lengths_B)
       count = lambda x_B: jnp.where(active_B, x_B, 0)
+      histogram = lambda n_B: jnp.sum(
+          jax.nn.one_hot(n_B, k + 1, dtype=jnp.int32) * active_B[:, None], axis=0)
       return state.replace(
           tokens_BxW=tokens_BxW, num_generated_B=num_generated_B, done_B=done_B,
           target_cache=kv_cache.constrain(target_cache.with_lengths(target_lengths_B), mesh, rules),
@@ -168,8 +172,8 @@ class Loop(common.LoopSettings):
           num_accepted_B=state.num_accepted_B + count(n_B),
           num_drafted_B=state.num_drafted_B + count(proposal.num_B),
           num_full_loops_B=state.num_full_loops_B + count(n_B == proposal.num_B),
-          histogram_Kp1=state.histogram_Kp1 + jnp.sum(
-              jax.nn.one_hot(n_B, k + 1, dtype=jnp.int32) * active_B[:, None], axis=0))
+          histogram_Kp1=state.histogram_Kp1 + histogram(n_B),
+          proposed_Kp1=state.proposed_Kp1 + histogram(proposal.num_B))
 
   @functools.partial(jax.jit, static_argnames=('self',))
   def run(self, target: Model, draft: Model | None, prompts_BxP, prompt_lengths_B,
@@ -184,7 +188,7 @@ class Loop(common.LoopSettings):
         tokens=state.tokens_BxW[:, :self.max_new_tokens], num_generated=state.num_generated_B,
         num_loops=state.num_loops_B, num_accepted=state.num_accepted_B,
         accepted_histogram=state.histogram_Kp1, num_drafted=state.num_drafted_B,
-        num_full_loops=state.num_full_loops_B)
+        num_full_loops=state.num_full_loops_B, proposed_histogram=state.proposed_Kp1)
 
 
 def check_pair(target: Model, draft: Model | None, k: int,
