@@ -14,7 +14,8 @@ _MLP_KINDS = ('gated_silu', 'gelu')
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-  """Decoder-only transformer: RoPE, pre-norm RMSNorm, MHA/GQA/MQA, gated-SiLU or GELU MLP."""
+  """Decoder-only transformer: RoPE, pre-norm RMSNorm, MHA/GQA/MQA, gated-SiLU or GELU MLP,
+  optional q/k/v biases."""
 
   vocab_size: int
   d_model: int
@@ -29,6 +30,7 @@ class TransformerConfig:
   tie_embeddings: bool = True
   rope_base: float = 10_000.0
   norm_eps: float = 1e-6
+  qkv_bias: bool = False  # Biases on the q, k and v projections (Qwen2).
 
   def __post_init__(self):
     for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'max_seq_len'):

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from spsjax import native
 from spsjax.models.config import TransformerConfig
 
-def _param(module, name, shape, names, fan_in, dtype):
-  init = nn.initializers.normal(stddev=fan_in**-0.5)
+def _param(module, name, shape, names, fan_in, dtype, zeros=False):
+  init = nn.initializers.zeros if zeros else nn.initializers.normal(stddev=fan_in**-0.5)
   return module.param(name, nn.with_logical_partitioning(init, names), shape, dtype)
 
 
@@ -68,8 +68,15 @@ class Attention(nn.Module):
     D, N, K, H, dt = c.d_model, c.num_heads, c.kv_heads, c.dims_per_head, c.jnp_dtype
     wqkv = _packed(self, 'wqkv')
     B, T = x_BxTxD.shape[:2]
+    if c.qkv_bias:  # Biases stay unpacked: [N + 2K, H], added after the product.
+      bias_MxH = jnp.concatenate([
+          _param(self, 'bq', (N, H), ('heads', 'head_dim'), 1, dt, zeros=True),
+          _param(self, 'bk', (K, H), ('kv_heads', 'head_dim'), 1, dt, zeros=True),
+          _param(self, 'bv', (K, H), ('kv_heads', 'head_dim'), 1, dt, zeros=True)])
     if wqkv is not None:  # Packed: one product for q, k and v, the norm applied by the kernel.
       qkv_BxTxMxH = native.matmul(x_BxTxD, wqkv, norm=norm.fused).astype(dt)
+      if c.qkv_bias:
+        qkv_BxTxMxH = qkv_BxTxMxH + bias_MxH
       wo = _packed(self, 'wo')
     else:
       wq = _param(self, 'wq', (D, N, H), ('embed', 'heads', 'head_dim'), D, dt)
@@ -91,6 +98,10 @@ class Attention(nn.Module):
         q_BxTxNxH = jnp.einsum('BTD,DNH->BTNH', h_BxTxD, wq)
         k_BxTxKxH = jnp.einsum('BTD,DKH->BTKH', h_BxTxD, wk)
         v_BxTxKxH = jnp.einsum('BTD,DKH->BTKH', h_BxTxD, wv)
+        if c.qkv_bias:
+          q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = (
+              q_BxTxNxH + bias_MxH[:N], k_BxTxKxH + bias_MxH[N:N + K],
+              v_BxTxKxH + bias_MxH[N + K:])
       q_BxTxKxGxH = native.rope(q_BxTxNxH, positions_BxT, c.rope_base).reshape(B, T, K, N // K, H)
       k_BxTxKxH = native.rope(k_BxTxKxH, positions_BxT, c.rope_base)
       if layer_cache is None:  # Full causal pass: keys are the new positions themselves.

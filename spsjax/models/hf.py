@@ -1,0 +1,246 @@
+"""Hugging Face checkpoints in and out: Llama-family and Qwen2 directories as `Model`s, and back.
+
+A checkpoint directory holds `config.json` and safetensors weights: `model.safetensors`, or shards
+listed by `model.safetensors.index.json`. `load` maps the config to a `TransformerConfig`, refusing
+by name every field whose value would make a different model than ours computes (rope scaling,
+sliding windows, biases we do not have, other activations), reads each tensor with numpy, puts it
+into our layout and onto the mesh by the rules table one tensor at a time (each process builds
+only its own devices' shards). `save_llama` writes a model as a `LlamaForCausalLM` directory.
+
+Layouts. HF linear weights are [out, in]; ours are [in, out] with heads split:
+q_proj [N H, D] -> wq [D, N, H]; k_proj, v_proj [K H, D] -> [D, K, H]; o_proj [D, N H] ->
+wo [N, H, D]; gate_proj, up_proj [F, D] -> w_gate, w_in [D, F]; down_proj [D, F] -> w_out [F, D];
+lm_head [V, D] -> head [D, V]. Both use the half-split rotary convention (rotate_half), so q and
+k need no permutation.
+
+Invariant: `load(save_llama(model))` has exactly `model`'s parameters, and a loaded model's
+logits are transformers' (tests/test_hf.py against fixtures transformers wrote).
+"""
+
+import json
+import os
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from spsjax import sharding
+from spsjax.models.api import Model, param_shardings
+from spsjax.models.config import TransformerConfig
+
+CONFIG = 'config.json'
+WEIGHTS = 'model.safetensors'
+INDEX = 'model.safetensors.index.json'
+LLAMA_TYPES = ('llama', 'mistral', 'qwen2')
+
+
+class UnsupportedCheckpoint(ValueError):
+  """A checkpoint whose config asks for something this transformer does not compute."""
+
+
+def read_config(path: str) -> dict:
+  file = os.path.join(path, CONFIG)
+  if not os.path.isfile(file):
+    raise FileNotFoundError(f'{path} is not a Hugging Face checkpoint directory: no {CONFIG}.')
+  with open(file, encoding='utf-8') as f:
+    return json.load(f)
+
+
+def _refuse(hf: dict, field: str, allowed, why: str) -> None:
+  value = hf.get(field)
+  if value not in allowed:
+    raise UnsupportedCheckpoint(f'{CONFIG}: {field}={value!r} is not supported ({why}); '
+                                f'supported: {allowed}.')
+
+
+def _rope_theta(hf: dict) -> float:
+  """The rotary base, from `rope_theta` or `rope_parameters` (newer transformers); any rope
+  scaling is refused."""
+  params = hf.get('rope_parameters') or {}
+  scaling = hf.get('rope_scaling')
+  for name, value in (('rope_scaling', scaling), ('rope_parameters', params)):
+    kind = (value or {}).get('rope_type', (value or {}).get('type', 'default'))
+    if kind != 'default':
+      raise UnsupportedCheckpoint(f'{CONFIG}: {name} of type {kind!r} is not supported (only '
+                                  f'plain rotary embeddings, rope_type "default").')
+  return float(params.get('rope_theta', hf.get('rope_theta', 10_000.0)))
+
+
+def config_from_hf(hf: dict, dtype: str = 'float32') -> TransformerConfig:
+  """Our config for a Llama, Mistral or Qwen2 `config.json` (a dict)."""
+  model_type = hf.get('model_type')
+  if model_type not in LLAMA_TYPES:
+    raise UnsupportedCheckpoint(f'{CONFIG}: model_type={model_type!r} is not supported; '
+                                f'supported: {list(LLAMA_TYPES)}.')
+  _refuse(hf, 'hidden_act', ('silu',), 'the gated MLP is SiLU-gated')
+  _refuse(hf, 'mlp_bias', (None, False), 'the MLP has no biases')
+  _refuse(hf, 'attention_bias', (None, False), 'q/k/v biases only come with Qwen2, o_proj has none')
+  if model_type == 'qwen2':
+    _refuse(hf, 'use_sliding_window', (None, False), 'attention is global')
+  else:
+    _refuse(hf, 'sliding_window', (None,), 'attention is global')
+  if hf.get('layer_types') and set(hf['layer_types']) != {'full_attention'}:
+    raise UnsupportedCheckpoint(f'{CONFIG}: layer_types={sorted(set(hf["layer_types"]))} is '
+                                f'not supported (every layer attends globally).')
+  num_heads = hf['num_attention_heads']
+  head_dim = hf.get('head_dim')
+  if head_dim == hf['hidden_size'] // num_heads:
+    head_dim = None
+  return TransformerConfig(
+      vocab_size=hf['vocab_size'], d_model=hf['hidden_size'], num_layers=hf['num_hidden_layers'],
+      num_heads=num_heads, num_kv_heads=hf.get('num_key_value_heads') or num_heads,
+      d_ff=hf['intermediate_size'], max_seq_len=hf['max_position_embeddings'], dtype=dtype,
+      head_dim=head_dim, mlp='gated_silu',
+      tie_embeddings=bool(hf.get('tie_word_embeddings', model_type != 'llama')),
+      rope_base=_rope_theta(hf), norm_eps=float(hf['rms_norm_eps']),
+      qkv_bias=model_type == 'qwen2')
+
+
+def _weight_files(path: str) -> list[str]:
+  if os.path.isfile(os.path.join(path, WEIGHTS)):
+    return [WEIGHTS]
+  index = os.path.join(path, INDEX)
+  if os.path.isfile(index):
+    with open(index, encoding='utf-8') as f:
+      return sorted(set(json.load(f)['weight_map'].values()))
+  raise FileNotFoundError(f'{path}: no {WEIGHTS} and no {INDEX}.')
+
+
+def _tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
+  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+  for name in _weight_files(path):
+    with safe_open(os.path.join(path, name), framework='numpy') as f:
+      for key in f.keys():
+        yield key, f.get_tensor(key)
+
+
+def _layout(config: TransformerConfig) -> dict[str, tuple[tuple[str, ...], object]]:
+  """HF tensor name -> (our parameter path, HF array -> our array)."""
+  D, N, K, H = config.d_model, config.num_heads, config.kv_heads, config.dims_per_head
+  heads = lambda n: (lambda w: w.T.reshape(D, n, H))
+  out = {'model.embed_tokens.weight': (('embedding',), lambda w: w),
+         'model.norm.weight': (('final_norm', 'scale'), lambda w: w)}
+  if not config.tie_embeddings:
+    out['lm_head.weight'] = (('head',), lambda w: w.T)
+  for i in range(config.num_layers):
+    hf, ours = f'model.layers.{i}.', f'layer_{i}'
+    out.update({
+        hf + 'self_attn.q_proj.weight': ((ours, 'attn', 'wq'), heads(N)),
+        hf + 'self_attn.k_proj.weight': ((ours, 'attn', 'wk'), heads(K)),
+        hf + 'self_attn.v_proj.weight': ((ours, 'attn', 'wv'), heads(K)),
+        hf + 'self_attn.o_proj.weight': ((ours, 'attn', 'wo'), lambda w: w.T.reshape(N, H, D)),
+        hf + 'mlp.gate_proj.weight': ((ours, 'mlp', 'w_gate'), lambda w: w.T),
+        hf + 'mlp.up_proj.weight': ((ours, 'mlp', 'w_in'), lambda w: w.T),
+        hf + 'mlp.down_proj.weight': ((ours, 'mlp', 'w_out'), lambda w: w.T),
+        hf + 'input_layernorm.weight': ((ours, 'attn_norm', 'scale'), lambda w: w),
+        hf + 'post_attention_layernorm.weight': ((ours, 'mlp_norm', 'scale'), lambda w: w),
+    })
+    if config.qkv_bias:
+      out.update({
+          hf + 'self_attn.q_proj.bias': ((ours, 'attn', 'bq'), lambda b: b.reshape(N, H)),
+          hf + 'self_attn.k_proj.bias': ((ours, 'attn', 'bk'), lambda b: b.reshape(K, H)),
+          hf + 'self_attn.v_proj.bias': ((ours, 'attn', 'bv'), lambda b: b.reshape(K, H)),
+      })
+  return out
+
+
+def _get(tree: dict, path: tuple[str, ...]):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
+
+
+def load(path: str, *, mesh: Mesh | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES,
+         dtype: str = 'float32') -> Model:
+  """The checkpoint at `path` as a Model in `dtype`, placed on `mesh` by `rules` if given.
+
+  Every tensor the layout expects must be present with its shape, and every tensor present must
+  be used (a tied checkpoint may carry a copy of the embedding as lm_head).
+  """
+  hf = read_config(path)
+  config = config_from_hf(hf, dtype)
+  layout = _layout(config)
+  abstract = _abstract_params(config)
+  shardings = param_shardings(config, mesh, rules) if mesh is not None else None
+  params, seen = {}, set()
+  for name, array in _tensors(path):
+    if name not in layout:
+      if name == 'lm_head.weight' and config.tie_embeddings:
+        continue  # A tied checkpoint's copy of the embedding.
+      if name.endswith('rotary_emb.inv_freq'):
+        continue  # Old checkpoints store the rotary frequencies, which follow from rope_theta.
+      raise UnsupportedCheckpoint(f'{path}: tensor {name} has no place in a {hf["model_type"]} '
+                                  f'model of this config.')
+    ours, convert = layout[name]
+    value = np.asarray(convert(array.astype(np.float32)), config.jnp_dtype)
+    want = _get(abstract, ours).shape
+    if value.shape != want:
+      raise UnsupportedCheckpoint(f'{path}: tensor {name} has shape {array.shape}, which does '
+                                  f'not give {"/".join(ours)} its shape {want}.')
+    if shardings is None:
+      _set(params, ours, jax.device_put(value))
+    else:
+      _set(params, ours, sharding.put(value, _get(shardings, ours)))
+    seen.add(name)
+  missing = sorted(set(layout) - seen)
+  if missing:
+    raise UnsupportedCheckpoint(f'{path}: missing tensors {missing[:4]}'
+                                + (f' and {len(missing) - 4} more' if len(missing) > 4 else '')
+                                + '.')
+  return Model(config, params)
+
+
+def _abstract_params(config: TransformerConfig):
+  """Our parameter tree's shapes (no values)."""
+  from spsjax.models.api import _boxed_init  # pylint: disable=g-import-not-at-top
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  return nn.unbox(jax.eval_shape(lambda: _boxed_init(config, jax.random.key(0))))
+
+
+def hf_config(config: TransformerConfig, **extra) -> dict:
+  """The `LlamaForCausalLM` config.json of a model (gated SiLU MLP, RMSNorm, rotary, no
+  biases); `extra` adds fields such as token ids."""
+  if config.mlp != 'gated_silu' or config.qkv_bias:
+    raise UnsupportedCheckpoint(f'Only a gated-SiLU model without biases exports as Llama; this '
+                                f'one has mlp={config.mlp!r}, qkv_bias={config.qkv_bias}.')
+  return dict(
+      architectures=['LlamaForCausalLM'], model_type='llama', vocab_size=config.vocab_size,
+      hidden_size=config.d_model, intermediate_size=config.ff_dim,
+      num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+      num_key_value_heads=config.kv_heads, head_dim=config.dims_per_head, hidden_act='silu',
+      max_position_embeddings=config.max_seq_len, rms_norm_eps=config.norm_eps,
+      rope_theta=config.rope_base, tie_word_embeddings=config.tie_embeddings,
+      attention_bias=False, mlp_bias=False, torch_dtype='float32', **extra)
+
+
+def save_llama(model: Model, path: str, **extra) -> str:
+  """Writes `model` (unpacked, gathered to the host) as a Llama directory: config.json and
+  model.safetensors, in float32 whatever the model's dtype. Returns `path`."""
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  from spsjax.models.packing import unpack  # pylint: disable=g-import-not-at-top
+  model = unpack(model)
+  config = model.config
+  hf = hf_config(config, **extra)
+  tensors = {}
+  D = config.d_model
+  for name, (ours, _) in _layout(config).items():
+    value = np.asarray(jax.device_get(_get(model.params, ours)), np.float32)
+    if name.endswith(('q_proj.weight', 'k_proj.weight', 'v_proj.weight')):
+      value = value.reshape(D, -1).T
+    elif name.endswith('o_proj.weight'):
+      value = value.reshape(-1, D).T
+    elif name.endswith(('_proj.weight',)) or name == 'lm_head.weight':
+      value = value.T
+    tensors[name] = np.ascontiguousarray(value)
+  os.makedirs(path, exist_ok=True)
+  save_file(tensors, os.path.join(path, WEIGHTS), metadata={'format': 'pt'})
+  with open(os.path.join(path, CONFIG), 'w', encoding='utf-8') as f:
+    json.dump(hf, f, indent=1)
+  return path
