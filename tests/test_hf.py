@@ -1,0 +1,163 @@
+"""Hugging Face checkpoints: tiny random Llama and Qwen2 models that transformers saved load into
+spsjax and compute transformers' logits (full and cached paths, packed for the CPU kernels and
+sharded), greedy ArS and SpS give transformers' greedy `generate`, unsupported configs are refused
+by name, and an exported model is what transformers computed from the same export.
+
+The expected values were recorded by tests/fixtures/make_hf_fixtures.py with transformers (see
+its docstring for why they are fixtures).
+"""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spsjax import models, sharding
+from spsjax.models import hf
+from spsjax.sampling import SamplingConfig, autoregressive_sample, drafters, speculative_sample
+from tests.fixtures import make_hf_fixtures as fixtures
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures', 'hf')
+NAMES = list(fixtures.MODELS)
+GREEDY = SamplingConfig(temperature=0.0)
+RTOL = 1e-4  # Relative to the largest logit of the row.
+
+_logits = jax.jit(models.logits, static_argnums=0)
+_prefill = jax.jit(models.prefill, static_argnums=0, static_argnames=('capacity',))
+
+
+def _expected(name):
+  return dict(np.load(os.path.join(FIXTURES, name, 'expected.npz')))
+
+
+def _check_logits(got_BxPxV, want, what):
+  for b, n in enumerate(want['lengths']):
+    expected = want['logits'][b, :n]
+    np.testing.assert_allclose(np.asarray(got_BxPxV[b, :n]), expected, rtol=0,
+                               atol=RTOL * np.abs(expected).max(), err_msg=f'{what}, row {b}')
+
+
+@pytest.fixture(scope='module')
+def loaded():
+  return {name: hf.load(os.path.join(FIXTURES, name)) for name in NAMES}
+
+
+def test_configs_map_every_field(loaded):
+  gqa, mqa, qwen = (loaded[n].config for n in NAMES)
+  assert (gqa.num_kv_heads, gqa.tie_embeddings, gqa.rope_base, gqa.norm_eps) == (
+      2, False, 500_000.0, 1e-5)
+  assert (mqa.num_kv_heads, mqa.dims_per_head, mqa.tie_embeddings) == (1, 16, True)
+  assert mqa.head_dim == 16 and mqa.d_model == 48  # 48 / 4 heads would be 12.
+  assert qwen.qkv_bias and qwen.rope_base == 1e6 and qwen.tie_embeddings
+  assert 'head' not in loaded['qwen2'].params and 'head' in loaded['llama_gqa'].params
+
+
+@pytest.mark.parametrize('name', NAMES)
+def test_logits_equal_transformers_full_cached_and_packed(loaded, name):
+  model, want = loaded[name], _expected(name)
+  prompts, lengths = jnp.asarray(want['prompts']), jnp.asarray(want['lengths'])
+  _check_logits(_logits(model.config, model.params, prompts), want, f'{name} full forward')
+  for placed in (model, models.pack(model)):
+    # Cached: the first 3 positions (or fewer) by prefill, the rest one extend per position.
+    first = jnp.minimum(lengths, 3)
+    out_BxPxV, cache = _prefill(placed.config, placed.params, prompts, first, capacity=16)
+    got = np.array(out_BxPxV)
+    for t in range(3, prompts.shape[1]):
+      step_Bx1xV, cache = models.extend(placed.config, placed.params,
+                                        cache.with_lengths(jnp.full_like(lengths, t)),
+                                        prompts[:, t:t + 1])
+      got[:, t] = np.asarray(step_Bx1xV[:, 0])
+    _check_logits(got, want, f'{name} cached, packed={models.is_packed(placed)}')
+
+
+@pytest.mark.parametrize('name,draft', [('llama_gqa', 'llama_tied_mqa'), ('qwen2', 'llama_gqa'),
+                                        ('llama_tied_mqa', None)])
+def test_greedy_ars_and_sps_equal_transformers_generate(loaded, name, draft):
+  model, want = loaded[name], _expected(name)
+  assert want['margin'] >= fixtures.MIN_MARGIN  # No argmax is closer than float noise.
+  args = (want['prompts'], want['lengths'], jax.random.key(0))
+  kw = dict(max_new_tokens=fixtures.NEW, sampling=GREEDY)
+  ars = autoregressive_sample(models.pack(model), *args, **kw)
+  np.testing.assert_array_equal(np.asarray(ars.tokens), want['greedy'], err_msg=f'{name} ArS')
+  if draft is None:
+    sps = speculative_sample(model, None, *args, k=3, drafter=drafters.PromptLookup(), **kw)
+  else:
+    sps = speculative_sample(model, loaded[draft], *args, k=3, **kw)
+  np.testing.assert_array_equal(np.asarray(sps.tokens), want['greedy'], err_msg=f'{name} SpS')
+
+
+def test_loads_sharded_on_a_mesh_by_the_rules():
+  mesh = sharding.make_mesh(data=4, model=2)
+  model = hf.load(os.path.join(FIXTURES, 'qwen2'), mesh=mesh)
+  wq = model.params['layer_0']['attn']['wq']
+  bq = model.params['layer_0']['attn']['bq']
+  assert wq.sharding.spec == jax.sharding.PartitionSpec(None, 'model', None)
+  assert bq.sharding.spec == jax.sharding.PartitionSpec('model', None)
+  want = _expected('qwen2')
+  _check_logits(_logits(model.config, model.params, jnp.asarray(want['prompts'])), want,
+                'qwen2 on a 4x2 mesh')
+
+
+def _copy_with(tmp_path, name, **changes):
+  """A copy of fixture `name` whose config.json has `changes` (None deletes a field)."""
+  path = tmp_path / name
+  shutil.copytree(os.path.join(FIXTURES, name), path)
+  config = json.loads((path / 'config.json').read_text())
+  for key, value in changes.items():
+    if value is None:
+      config.pop(key, None)
+    else:
+      config[key] = value
+  (path / 'config.json').write_text(json.dumps(config))
+  return str(path)
+
+
+@pytest.mark.parametrize('name,changes,message', [
+    ('llama_tied_mqa', dict(rope_parameters={'rope_type': 'linear', 'factor': 2.0}),
+     "rope_parameters of type 'linear' is not supported"),
+    ('llama_tied_mqa', dict(rope_scaling={'type': 'yarn', 'factor': 4.0}),
+     "rope_scaling of type 'yarn' is not supported"),
+    ('llama_tied_mqa', dict(model_type='mistral', sliding_window=4096),
+     'sliding_window=4096 is not supported'),
+    ('qwen2', dict(use_sliding_window=True), 'use_sliding_window=True is not supported'),
+    ('llama_tied_mqa', dict(hidden_act='gelu'), "hidden_act='gelu' is not supported"),
+    ('llama_tied_mqa', dict(attention_bias=True), 'attention_bias=True is not supported'),
+    ('llama_tied_mqa', dict(model_type='gpt_neox'), "model_type='gpt_neox' is not supported"),
+    ('llama_tied_mqa', dict(num_key_value_heads=2), 'has shape (16, 48), which does not give'),
+    ('llama_gqa', dict(num_hidden_layers=3), "missing tensors ['model.layers.2."),
+])
+def test_unsupported_or_inconsistent_checkpoints_are_refused_by_name(tmp_path, name, changes,
+                                                                     message):
+  with pytest.raises(hf.UnsupportedCheckpoint) as error:
+    hf.load(_copy_with(tmp_path, name, **changes))
+  assert message in str(error.value)
+
+
+def test_a_directory_without_a_checkpoint_is_a_clear_error(tmp_path):
+  with pytest.raises(FileNotFoundError, match='no config.json'):
+    hf.load(str(tmp_path))
+  (tmp_path / 'config.json').write_text(
+      (open(os.path.join(FIXTURES, 'qwen2', 'config.json'), encoding='utf-8')).read())
+  with pytest.raises(FileNotFoundError, match='no model.safetensors'):
+    hf.load(str(tmp_path))
+
+
+def test_export_round_trips_and_is_what_transformers_computed(tmp_path):
+  model = fixtures.export_model()
+  path = hf.save_llama(models.pack(model), str(tmp_path / 'export'))  # Packed: unpacked first.
+  config = json.loads(open(os.path.join(path, 'config.json'), encoding='utf-8').read())
+  assert config['architectures'] == ['LlamaForCausalLM'] and config['num_key_value_heads'] == 2
+  back = hf.load(path)
+  assert back.config == model.config
+  jax.tree.map(np.testing.assert_array_equal, back.params, model.params)
+  want = _expected('export')
+  _check_logits(_logits(back.config, back.params, jnp.asarray(want['prompts'])), want,
+                'exported model against transformers')
+  with pytest.raises(hf.UnsupportedCheckpoint, match="mlp='gelu'"):
+    hf.save_llama(models.Model(
+        models.TransformerConfig(vocab_size=8, d_model=8, num_layers=1, num_heads=2, mlp='gelu'),
+        {}), str(tmp_path / 'gelu'))
