@@ -6,7 +6,9 @@ initialised, random prompts of prompt_len tokens); method (ars|sps), k, batch, d
 max_new_tokens, temperature, top_k, top_p, seed, data/model_axis (mesh axes), runlocal (fewer
 tokens); drafter (model | lookup | hybrid: `spsjax.sampling.drafters`), max_ngram, min_ngram
 (prompt lookup's n-grams), stop_below (dynamic k: a model draft stops below this confidence),
-lenience (in (0, 1]; below 1 is LOSSY: SpS no longer samples the target's law).
+lenience (in (0, 1]; below 1 is LOSSY: SpS no longer samples the target's law); hf_target,
+hf_draft (Hugging Face checkpoint directories with config.json, safetensors and tokenizer.json, in
+place of root's target and draft).
 """
 
 import ml_collections
@@ -20,11 +22,11 @@ def get_config(arg=None):
                 method='ars', k=4, batch=4, prompt_len=16, max_new_tokens=64, temperature=1.0,
                 top_k=0, top_p=1.0, seed=0, data=1, model_axis=1, runlocal=False,
                 draft_weights='bfloat16', drafter='model', max_ngram=3, min_ngram=1,
-                stop_below=0.0, lenience=1.0)
+                stop_below=0.0, lenience=1.0, hf_target='', hf_draft='')
   c = ml_collections.ConfigDict()
   c.root = a.root
-  c.target_name = 'target'
-  c.draft_name = a.draft_name
+  c.target_name = a.hf_target or 'target'
+  c.draft_name = a.hf_draft or a.draft_name
   c.draft_weights = a.draft_weights  # The draft's packed weights (native CPU path).
   c.method = a.method
   c.k = a.k

@@ -7,7 +7,8 @@ directory; default results/speedup_<family>), runlocal (a few examples, for a sm
 the draft's packed weights: bfloat16 by default, half the bytes per draft step; SpS stays exact,
 the target is float32 either way; float32 for the draft as trained); drafter (model | lookup |
 hybrid: `spsjax.sampling.drafters`), max_ngram, min_ngram, stop_below (dynamic k), lenience (in
-(0, 1]; below 1 is LOSSY, labelled in the title and the SpS rows with its total variation).
+(0, 1]; below 1 is LOSSY, labelled in the title and the SpS rows with its total variation);
+hf_target, hf_draft (Hugging Face checkpoint directories in place of root's target and draft).
 The table (printed and in `table.md`) opens with `title`, a template of config fields (`{root}`),
 and for the demo and runlocal variants a note that they check the pipeline and measure little.
 Paper settings by default: k = 4; HumanEval at temperature 0.8, top_p 0.95; summarisation
@@ -26,13 +27,14 @@ def get_config(arg=None):
   a = parse_arg(arg, root='checkpoints/tiny', draft='draft_wide', k=4, humaneval=164,
                 docstrings=200, batches='1+8', seed=0, results='', runlocal=False, demo=False,
                 data=1, model_axis=1, draft_weights='bfloat16', drafter='model', max_ngram=3,
-                min_ngram=1, stop_below=0.0, lenience=1.0)
+                min_ngram=1, stop_below=0.0, lenience=1.0, hf_target='', hf_draft='')
   if a.demo:
     a.humaneval, a.docstrings, a.batches = 8, 8, '1'
   c = ml_collections.ConfigDict()
   c.root = a.root
-  c.target = 'target'
-  c.draft = a.draft
+  c.target = a.hf_target or 'target'
+  c.draft = a.hf_draft or a.draft
+  c.target_path = a.hf_target or os.path.join(a.root, 'target')
   c.draft_weights = a.draft_weights  # The draft's packed weights (native CPU path).
   c.drafter = dict(kind=a.drafter, max_ngram=a.max_ngram, min_ngram=a.min_ngram,
                    stop_below=a.stop_below)
@@ -48,8 +50,8 @@ def get_config(arg=None):
   c.cost_repeats = 20
   c.mesh = dict(data=a.data, model=a.model_axis)  # 1 x 1: one device (the native CPU path).
   c.results = a.results or os.path.join(
-      'results', 'speedup_' + os.path.basename(os.path.normpath(a.root)))
-  c.title = ('# Table 1 (Chen et al., 2023): ArS vs SpS, {root}/{target} and draft {draft}, k = {k}'
+      'results', 'speedup_' + os.path.basename(os.path.normpath(a.hf_target or a.root)))
+  c.title = ('# Table 1 (Chen et al., 2023): ArS vs SpS, {target_path} and draft {draft}, k = {k}'
              ' (draft weights stored in {draft_weights} on the native CPU path)')
   if a.drafter != 'model' or a.stop_below:
     c.title += (f'\n\nDrafter: {a.drafter} (n-grams {a.max_ngram} down to {a.min_ngram}; '

@@ -8,7 +8,8 @@ but `temperature`), seed, results, runlocal; ks and thresholds ('+'-separated) f
 sweep: model, prompt lookup and hybrid drafters at each k, then dynamic k (a model draft that stops
 below each confidence threshold) at the largest k, and the ragged ones (lookup, dynamic k) again
 with `trim_score` (the target scores only the positions proposed). The lenience sweep is LOSSY below 1 and reports
-each point's total variation from the target's law.
+each point's total variation from the target's law. hf_target, hf_draft: Hugging Face checkpoint
+directories in place of root's target and draft (the draft sweep then has that one draft).
 The swept points are `points(sweep, ...)` below: a list of overrides, one per point.
 """
 
@@ -64,8 +65,8 @@ def get_config(arg=None):
   a = parse_arg(arg, root='checkpoints/tiny', sweep='k', draft='draft_wide', k=4, prompts=16,
                 max_new_tokens=128, temperature=0.8, seed=0, results='', runlocal=False,
                 drafts='+'.join(DRAFTS), data=1, model_axis=1, draft_weights='bfloat16',
-                ks='2+4+6', thresholds='0.1+0.2+0.4')
-  drafts = tuple(d for d in a.drafts.split('+') if d)
+                ks='2+4+6', thresholds='0.1+0.2+0.4', hf_target='', hf_draft='')
+  drafts = (a.hf_draft,) if a.hf_draft else tuple(d for d in a.drafts.split('+') if d)
   ks = _values('ks', a.ks, int, lambda k: k >= 1, 'integers >= 1')
   thresholds = _values('thresholds', a.thresholds, float, lambda t: 0 < t <= 1,
                        'numbers in (0, 1]')
@@ -73,9 +74,10 @@ def get_config(arg=None):
     raise ValueError('drafts names no checkpoint.')
   c = ml_collections.ConfigDict()
   c.root = a.root
+  c.target = a.hf_target or 'target'
   c.sweep = a.sweep
   c.draft_weights = a.draft_weights  # The drafts' packed weights (native CPU path).
-  c.points = points(a.sweep, a.k, a.draft, a.temperature, drafts, ks, thresholds)
+  c.points = points(a.sweep, a.k, a.hf_draft or a.draft, a.temperature, drafts, ks, thresholds)
   if a.runlocal:
     c.points = c.points[:2]
   c.prompts = 2 if a.runlocal else a.prompts
@@ -84,5 +86,5 @@ def get_config(arg=None):
   c.seed = a.seed
   c.mesh = dict(data=a.data, model=a.model_axis)  # Batch 1 per call: data must be 1.
   c.results = a.results or os.path.join(
-      'results', f'sweep_{a.sweep}_' + os.path.basename(os.path.normpath(a.root)))
+      'results', f'sweep_{a.sweep}_' + os.path.basename(os.path.normpath(a.hf_target or a.root)))
   return c

@@ -2,9 +2,11 @@
 
   python experiments/sample.py --config=configs/sample.py:root=checkpoints/tiny,method=sps,k=4
   python experiments/sample.py --config=configs/sample.py:batch=2,max_new_tokens=32   # random init
+  python experiments/sample.py --config=configs/sample.py:hf_target=DIR,hf_draft=DIR,method=sps
 
-With `root` the target and draft come from a trained family and the prompts are HumanEval's; without
-it both models are randomly initialised (said in the output) and the prompts are random ids.
+With `root` (or Hugging Face checkpoints, `hf_target` and `hf_draft`) the target and draft are
+trained models and the prompts are HumanEval's; without either, both models are randomly
+initialised (said in the output) and the prompts are random ids.
 """
 
 import time
@@ -43,8 +45,9 @@ def _trained_models(c, mesh, needs_draft):
   target, drafts, tok, _ = load.load_family(c.root, c.target_name, names, mesh=mesh,
                                             draft_weights=c.draft_weights)
   draft = drafts.get(c.draft_name)
-  print0(f'Trained target {c.root}/{c.target_name} ({models.num_params(target.params):,} '
-         'parameters)' + (f' and draft {c.draft_name} ({models.num_params(draft.params):,})'
+  where = lambda name: name if load.is_hf(name) else f'{c.root}/{name}'
+  print0(f'Trained target {where(c.target_name)} ({models.num_params(target.params):,} '
+         'parameters)' + (f' and draft {where(c.draft_name)} ({models.num_params(draft.params):,})'
                           if draft else ''))
   return target, draft, tok
 
@@ -81,7 +84,7 @@ def main(argv):
   needs_draft = c.method == 'sps' and drafter.needs_model
   rng_init, rng_prompt, rng_sample = jax.random.split(jax.random.key(c.seed), 3)
   tok = None
-  if c.root:
+  if c.root or load.is_hf(c.target_name):
     texts = _humaneval_prompts(c.batch)  # Checked before the models load.
     target, draft, tok = _trained_models(c, mesh, needs_draft)
     room = _prompt_room(c, target.config, draft and draft.config)

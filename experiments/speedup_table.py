@@ -40,7 +40,7 @@ def main(argv):
   c_hat = draft_params / models.num_params(target.params)
   lossy = (f'; LOSSY: lenience {c.lenience}, the output law is not the target\'s'
            if c.lenience < 1 else '')
-  print0(f'{c.root}: target {models.num_params(target.params):,} parameters, drafter {drafter}'
+  print0(f'{c.target_path}: target {models.num_params(target.params):,} parameters, drafter {drafter}'
          + (f' with draft {c.draft} {draft_params:,}' if draft else '')
          + f'; k={c.k}{lossy}; JAX {jax.__version__} on {jax.devices()[0].device_kind}'
          + (f', mesh {dict(mesh.shape)}' if mesh else ''), flush=True)

@@ -29,9 +29,10 @@ def main(argv):
   mesh = sharding.mesh_from_axes(c.mesh.data, c.mesh.model)
   point_drafters = [drafters.build(**p['drafter']) for p in c.points]
   names = sorted({p['draft'] for p, d in zip(c.points, point_drafters) if d.needs_model})
-  target, drafts, tok, _ = load.load_family(c.root, 'target', names, mesh=mesh,
+  family = c.target if load.is_hf(c.target) else c.root  # What the output names the models by.
+  target, drafts, tok, _ = load.load_family(c.root, c.target, names, mesh=mesh,
                                             draft_weights=c.draft_weights)
-  print0(f'{c.root}: sweep of {c.sweep} over {len(c.points)} points, {c.prompts} prompts, '
+  print0(f'{family}: sweep of {c.sweep} over {len(c.points)} points, {c.prompts} prompts, '
          + (f'mesh {dict(mesh.shape)}' if mesh else 'one device'))
   texts = [p['prompt'] for p in humaneval.read_problems()[:c.prompts]]
   max_k = max(p['k'] for p in c.points)
@@ -62,7 +63,7 @@ def main(argv):
   os.makedirs(c.results, exist_ok=True)
   sweep.write_csv(points, os.path.join(c.results, 'points.csv'))
   sweep.plot(points, os.path.join(c.results, 'figure1.png'),
-             f'{c.root}: {c.prompts} HumanEval prompts, {c.max_new_tokens} tokens, batch 1',
+             f'{family}: {c.prompts} HumanEval prompts, {c.max_new_tokens} tokens, batch 1',
              c.sweep)
   print0(f'Wrote {c.results}/points.csv and figure1.png')
 

@@ -4,6 +4,9 @@ The checkpoint's `meta` holds the model config and the tokenizer, so the restore
 dtypes and, with a mesh, shardings by logical names) is rebuilt from the checkpoint alone; no config
 file has to agree with it. Only the parameters are read: nothing here depends on training (the
 optimizer's state in the checkpoint is left on disk).
+
+A Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json) loads as well,
+wherever a checkpoint is named (`models.hf`, `data.hf_tokenizer`); its meta is {'hf': config}.
 """
 
 import os
@@ -13,8 +16,15 @@ import jax
 from jax.sharding import Mesh
 
 from spsjax import models, sharding
+from spsjax.data.hf_tokenizer import HFTokenizer
 from spsjax.data.tokenizer import Tokenizer
+from spsjax.models import hf
 from spsjax.train import checkpoint
+
+
+def is_hf(path: str) -> bool:
+  """Whether `path` is a Hugging Face checkpoint directory (it has a config.json)."""
+  return os.path.isfile(os.path.join(path, hf.CONFIG))
 
 
 def load_model(workdir: str, *, step: int | None = None, mesh: Mesh | None = None,
@@ -25,6 +35,11 @@ def load_model(workdir: str, *, step: int | None = None, mesh: Mesh | None = Non
   Parameters come back sharded on `mesh` by their logical names, or on the default device.
   Raises FileNotFoundError for a missing directory or an empty one.
   """
+  if is_hf(workdir):
+    if step is not None:
+      raise ValueError(f'{workdir} is a Hugging Face checkpoint: it has no steps (step={step}).')
+    return (hf.load(workdir, mesh=mesh, rules=rules), HFTokenizer.load(workdir),
+            {'hf': hf.read_config(workdir)})
   mngr = checkpoint.manager(workdir, create=False)
   try:
     config, tokenizer_bytes = checkpoint.decode_meta(checkpoint.read_meta(mngr, step))
@@ -41,8 +56,8 @@ def load_model(workdir: str, *, step: int | None = None, mesh: Mesh | None = Non
 def load_family(root: str, target: str, drafts: Sequence[str], *, mesh: Mesh | None = None,
                 draft_weights: str = 'float32'
                 ) -> tuple[models.Model, dict[str, models.Model], Tokenizer, dict]:
-  """(target, {name: draft}, tokenizer, the target's meta) of one family (`<root>/<name>` each),
-  checked to share one tokenizer.
+  """(target, {name: draft}, tokenizer, the target's meta) of one family (`<root>/<name>` each,
+  or a Hugging Face checkpoint directory given as the name), checked to share one tokenizer.
 
   Without a mesh the models come placed for decoding on this machine (`models.for_decoding`:
   packed for the native CPU kernels where they can run, the drafts' packed weights stored as
@@ -52,10 +67,11 @@ def load_family(root: str, target: str, drafts: Sequence[str], *, mesh: Mesh | N
   if draft_weights not in models.WEIGHT_DTYPES:
     raise ValueError(f'draft_weights must be one of {models.WEIGHT_DTYPES}, not {draft_weights!r}.')
   place = (lambda m, _=None: m) if mesh is not None else models.for_decoding
-  target_model, tok, meta = load_model(os.path.join(root, target), mesh=mesh)
+  path = lambda name: name if is_hf(name) else os.path.join(root, name)
+  target_model, tok, meta = load_model(path(target), mesh=mesh)
   draft_models = {}
   for name in drafts:
-    draft_models[name], draft_tok, _ = load_model(os.path.join(root, name), mesh=mesh)
+    draft_models[name], draft_tok, _ = load_model(path(name), mesh=mesh)
     if draft_tok.to_bytes() != tok.to_bytes():
       raise ValueError(f'{name} and {target} in {root} use different tokenizers: not a pair.')
     draft_models[name] = place(draft_models[name], draft_weights)

@@ -1,0 +1,95 @@
+"""A Hugging Face `tokenizer.json` behind the interface the binaries use (`data.tokenizer`).
+
+`HFTokenizer.load(directory)` reads `tokenizer.json` with the `tokenizers` package; the eos id
+comes from the checkpoint's `config.json` (`eos_token_id`, the first if a list), else from
+`generation_config.json`, else the tokenizer's `eos_token` in `tokenizer_config.json`; None if
+none names one (generation then runs to max_new_tokens). The pad id is `pad_token_id`, else the
+eos id, else 0. `encode` adds no special tokens (prompts are plain text, as with our own
+tokenizer); `decode` drops special tokens. `to_bytes` is the tokenizer.json text: two tokenizers
+are the same if their bytes are.
+"""
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+
+FILE = 'tokenizer.json'
+
+
+def _json(path: str) -> dict:
+  if not os.path.isfile(path):
+    return {}
+  with open(path, encoding='utf-8') as f:
+    return json.load(f)
+
+
+def _first(value):
+  return value[0] if isinstance(value, list) and value else value
+
+
+class HFTokenizer:
+  """`tokenizers.Tokenizer` with the eos and pad ids of its checkpoint."""
+
+  def __init__(self, tokenizer_json: str, eos_id: int | None = None, pad_id: int | None = None):
+    from tokenizers import Tokenizer as _Tokenizer  # pylint: disable=g-import-not-at-top
+    self._json = tokenizer_json
+    self._tok = _Tokenizer.from_str(tokenizer_json)
+    self._eos_id = eos_id
+    self._pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
+
+  @classmethod
+  def load(cls, directory: str) -> 'HFTokenizer':
+    path = os.path.join(directory, FILE)
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f'{directory} has no {FILE}: a Hugging Face checkpoint needs its '
+                              f'tokenizer beside it.')
+    with open(path, encoding='utf-8') as f:
+      text = f.read()
+    config = _json(os.path.join(directory, 'config.json'))
+    generation = _json(os.path.join(directory, 'generation_config.json'))
+    eos_id = _first(config.get('eos_token_id'))
+    if eos_id is None:
+      eos_id = _first(generation.get('eos_token_id'))
+    tok = cls(text)
+    if eos_id is None:
+      eos = _json(os.path.join(directory, 'tokenizer_config.json')).get('eos_token')
+      eos = eos.get('content') if isinstance(eos, dict) else eos
+      eos_id = tok._tok.token_to_id(eos) if eos else None
+    pad_id = _first(config.get('pad_token_id'))
+    return cls(text, eos_id, pad_id)
+
+  @property
+  def vocab_size(self) -> int:
+    return self._tok.get_vocab_size(with_added_tokens=True)
+
+  @property
+  def eos_id(self) -> int | None:
+    return self._eos_id
+
+  @property
+  def pad_id(self) -> int:
+    return self._pad_id
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+  def decode(self, ids: Iterable[int]) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+  def id_to_piece(self, token_id: int) -> str:
+    return self._tok.id_to_token(int(token_id))
+
+  def to_bytes(self) -> bytes:
+    return self._json.encode('utf-8')
+
+  def save(self, directory: str) -> None:
+    """Writes tokenizer.json into `directory` (an exported checkpoint's)."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, FILE), 'w', encoding='utf-8') as f:
+      f.write(self._json)
+
+  def __repr__(self) -> str:
+    return f'HFTokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, pad_id={self.pad_id})'
