@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints: tiny random Llama and Qwen2 models that transformers saved load into
+"""Hugging Face checkpoints: tiny random Llama, Qwen2 and GPT-2 models that transformers saved load into
 spsjax and compute transformers' logits (full and cached paths, packed for the CPU kernels and
 sharded), greedy ArS and SpS give transformers' greedy `generate`, unsupported configs are refused
 by name, and an exported model is what transformers computed from the same export.
@@ -49,21 +49,26 @@ def loaded():
 
 
 def test_configs_map_every_field(loaded):
-  gqa, mqa, qwen = (loaded[n].config for n in NAMES)
+  gqa, mqa, qwen, gpt2 = (loaded[n].config for n in NAMES)
   assert (gqa.num_kv_heads, gqa.tie_embeddings, gqa.rope_base, gqa.norm_eps) == (
       2, False, 500_000.0, 1e-5)
   assert (mqa.num_kv_heads, mqa.dims_per_head, mqa.tie_embeddings) == (1, 16, True)
   assert mqa.head_dim == 16 and mqa.d_model == 48  # 48 / 4 heads would be 12.
   assert qwen.qkv_bias and qwen.rope_base == 1e6 and qwen.tie_embeddings
   assert 'head' not in loaded['qwen2'].params and 'head' in loaded['llama_gqa'].params
+  assert (gpt2.norm, gpt2.position, gpt2.mlp, gpt2.qkv_bias, gpt2.dense_bias) == (
+      'layer', 'learned', 'gelu', True, True)
+  assert gpt2.ff_dim == 4 * 48 and gpt2.norm_eps == 1e-5 and gpt2.tie_embeddings
+  assert loaded['gpt2'].params['position_embedding'].shape == (64, 48)
 
 
 @pytest.mark.parametrize('name', NAMES)
 def test_logits_equal_transformers_full_cached_and_packed(loaded, name):
+  """Packed where the CPU kernels can run it (not GPT-2's options: `models.for_decoding`)."""
   model, want = loaded[name], _expected(name)
   prompts, lengths = jnp.asarray(want['prompts']), jnp.asarray(want['lengths'])
   _check_logits(_logits(model.config, model.params, prompts), want, f'{name} full forward')
-  for placed in (model, models.pack(model)):
+  for placed in (model, models.for_decoding(model)):
     # Cached: the first 3 positions (or fewer) by prefill, the rest one extend per position.
     first = jnp.minimum(lengths, 3)
     out_BxPxV, cache = _prefill(placed.config, placed.params, prompts, first, capacity=16)
@@ -77,13 +82,13 @@ def test_logits_equal_transformers_full_cached_and_packed(loaded, name):
 
 
 @pytest.mark.parametrize('name,draft', [('llama_gqa', 'llama_tied_mqa'), ('qwen2', 'llama_gqa'),
-                                        ('llama_tied_mqa', None)])
+                                        ('gpt2', 'qwen2'), ('llama_tied_mqa', None)])
 def test_greedy_ars_and_sps_equal_transformers_generate(loaded, name, draft):
   model, want = loaded[name], _expected(name)
   assert want['margin'] >= fixtures.MIN_MARGIN  # No argmax is closer than float noise.
   args = (want['prompts'], want['lengths'], jax.random.key(0))
   kw = dict(max_new_tokens=fixtures.NEW, sampling=GREEDY)
-  ars = autoregressive_sample(models.pack(model), *args, **kw)
+  ars = autoregressive_sample(models.for_decoding(model), *args, **kw)
   np.testing.assert_array_equal(np.asarray(ars.tokens), want['greedy'], err_msg=f'{name} ArS')
   if draft is None:
     sps = speculative_sample(model, None, *args, k=3, drafter=drafters.PromptLookup(), **kw)
@@ -131,6 +136,10 @@ def _copy_with(tmp_path, name, **changes):
     ('llama_tied_mqa', dict(model_type='gpt_neox'), "model_type='gpt_neox' is not supported"),
     ('llama_tied_mqa', dict(num_key_value_heads=2), 'has shape (16, 48), which does not give'),
     ('llama_gqa', dict(num_hidden_layers=3), "missing tensors ['model.layers.2."),
+    ('gpt2', dict(activation_function='gelu'), "activation_function='gelu' is not supported"),
+    ('gpt2', dict(scale_attn_by_inverse_layer_idx=True),
+     'scale_attn_by_inverse_layer_idx=True is not supported'),
+    ('gpt2', dict(n_inner=64), 'tensor transformer.h.0.mlp.c_fc.'),
 ])
 def test_unsupported_or_inconsistent_checkpoints_are_refused_by_name(tmp_path, name, changes,
                                                                      message):

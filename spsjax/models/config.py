@@ -10,12 +10,15 @@ import jax.numpy as jnp
 
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 _MLP_KINDS = ('gated_silu', 'gelu')
+_NORMS = ('rms', 'layer')
+_POSITIONS = ('rope', 'learned')
 
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-  """Decoder-only transformer: RoPE, pre-norm RMSNorm, MHA/GQA/MQA, gated-SiLU or GELU MLP,
-  optional q/k/v biases."""
+  """Decoder-only transformer: RoPE, pre-norm RMSNorm, MHA/GQA/MQA, gated-SiLU or GELU MLP;
+  optionally q/k/v biases (Qwen2), and GPT-2's LayerNorm, learned positions and biases on every
+  other projection."""
 
   vocab_size: int
   d_model: int
@@ -31,6 +34,9 @@ class TransformerConfig:
   rope_base: float = 10_000.0
   norm_eps: float = 1e-6
   qkv_bias: bool = False  # Biases on the q, k and v projections (Qwen2).
+  dense_bias: bool = False  # Biases on the attention output and both MLP products (GPT-2).
+  norm: str = 'rms'  # 'rms' or 'layer' (LayerNorm with a bias, GPT-2).
+  position: str = 'rope'  # 'rope' (rotary) or 'learned' (a table of max_seq_len rows, GPT-2).
 
   def __post_init__(self):
     for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'max_seq_len'):
@@ -45,12 +51,16 @@ class TransformerConfig:
     if self.head_dim is None and self.d_model % self.num_heads:
       raise ValueError(
           f'd_model={self.d_model} is not divisible by num_heads={self.num_heads}; set head_dim.')
-    if self.dims_per_head % 2:
+    if self.dims_per_head % 2 and self.position == 'rope':
       raise ValueError(f'head_dim must be even for rotary embeddings, got {self.dims_per_head}.')
     if self.dtype not in _DTYPES:
       raise ValueError(f'dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}.')
     if self.mlp not in _MLP_KINDS:
       raise ValueError(f'mlp must be one of {_MLP_KINDS}, got {self.mlp!r}.')
+    if self.norm not in _NORMS:
+      raise ValueError(f'norm must be one of {_NORMS}, got {self.norm!r}.')
+    if self.position not in _POSITIONS:
+      raise ValueError(f'position must be one of {_POSITIONS}, got {self.position!r}.')
     if self.d_ff < 0:
       raise ValueError(f'd_ff must be >= 0, got {self.d_ff}.')
 
@@ -65,6 +75,11 @@ class TransformerConfig:
   @property
   def ff_dim(self) -> int:
     return self.d_ff or 4 * self.d_model
+
+  @property
+  def gpt2_style(self) -> bool:
+    """Whether any GPT-2 option is on (the CPU kernels implement none of them)."""
+    return self.norm != 'rms' or self.position != 'rope' or self.dense_bias
 
   @property
   def jnp_dtype(self):

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out: Llama-family and Qwen2 directories as `Model`s, and back.
+"""Hugging Face checkpoints in and out: Llama-family, Qwen2 and GPT-2 directories as `Model`s, and
+Llama directories back.
 
 A checkpoint directory holds `config.json` and safetensors weights: `model.safetensors`, or shards
 listed by `model.safetensors.index.json`. `load` maps the config to a `TransformerConfig`, refusing
@@ -11,7 +12,10 @@ Layouts. HF linear weights are [out, in]; ours are [in, out] with heads split:
 q_proj [N H, D] -> wq [D, N, H]; k_proj, v_proj [K H, D] -> [D, K, H]; o_proj [D, N H] ->
 wo [N, H, D]; gate_proj, up_proj [F, D] -> w_gate, w_in [D, F]; down_proj [D, F] -> w_out [F, D];
 lm_head [V, D] -> head [D, V]. Both use the half-split rotary convention (rotate_half), so q and
-k need no permutation.
+k need no permutation. GPT-2's Conv1D weights are already [in, out]: c_attn [D, 3 D] splits into
+wq, wk, wv; c_proj, c_fc and the MLP's c_proj map to wo, w_in and w_out; biases, LayerNorm biases
+and the position table (wpe) map to the model's GPT-2 options (`TransformerConfig.norm`,
+`position`, `dense_bias`).
 
 Invariant: `load(save_llama(model))` has exactly `model`'s parameters, and a loaded model's
 logits are transformers' (tests/test_hf.py against fixtures transformers wrote).
@@ -33,6 +37,7 @@ CONFIG = 'config.json'
 WEIGHTS = 'model.safetensors'
 INDEX = 'model.safetensors.index.json'
 LLAMA_TYPES = ('llama', 'mistral', 'qwen2')
+MODEL_TYPES = LLAMA_TYPES + ('gpt2',)
 
 
 class UnsupportedCheckpoint(ValueError):
@@ -68,11 +73,13 @@ def _rope_theta(hf: dict) -> float:
 
 
 def config_from_hf(hf: dict, dtype: str = 'float32') -> TransformerConfig:
-  """Our config for a Llama, Mistral or Qwen2 `config.json` (a dict)."""
+  """Our config for a Llama, Mistral, Qwen2 or GPT-2 `config.json` (a dict)."""
   model_type = hf.get('model_type')
-  if model_type not in LLAMA_TYPES:
+  if model_type not in MODEL_TYPES:
     raise UnsupportedCheckpoint(f'{CONFIG}: model_type={model_type!r} is not supported; '
-                                f'supported: {list(LLAMA_TYPES)}.')
+                                f'supported: {list(MODEL_TYPES)}.')
+  if model_type == 'gpt2':
+    return _gpt2_config(hf, dtype)
   _refuse(hf, 'hidden_act', ('silu',), 'the gated MLP is SiLU-gated')
   _refuse(hf, 'mlp_bias', (None, False), 'the MLP has no biases')
   _refuse(hf, 'attention_bias', (None, False), 'q/k/v biases only come with Qwen2, o_proj has none')
@@ -97,6 +104,22 @@ def config_from_hf(hf: dict, dtype: str = 'float32') -> TransformerConfig:
       qkv_bias=model_type == 'qwen2')
 
 
+def _gpt2_config(hf: dict, dtype: str) -> TransformerConfig:
+  _refuse(hf, 'activation_function', ('gelu_new', 'gelu_pytorch_tanh'),
+          'the MLP uses the tanh approximation of GELU')
+  _refuse(hf, 'scale_attn_weights', (None, True), 'attention scores are scaled by 1/sqrt(head dim)')
+  _refuse(hf, 'scale_attn_by_inverse_layer_idx', (None, False), 'no per-layer score scaling')
+  _refuse(hf, 'add_cross_attention', (None, False), 'a decoder-only model has no cross-attention')
+  d_model = hf['n_embd']
+  return TransformerConfig(
+      vocab_size=hf['vocab_size'], d_model=d_model, num_layers=hf['n_layer'],
+      num_heads=hf['n_head'], d_ff=hf.get('n_inner') or 4 * d_model,
+      max_seq_len=hf['n_positions'], dtype=dtype, mlp='gelu',
+      tie_embeddings=bool(hf.get('tie_word_embeddings', True)),
+      norm_eps=float(hf.get('layer_norm_epsilon', 1e-5)), qkv_bias=True, dense_bias=True,
+      norm='layer', position='learned')
+
+
 def _weight_files(path: str) -> list[str]:
   if os.path.isfile(os.path.join(path, WEIGHTS)):
     return [WEIGHTS]
@@ -115,8 +138,15 @@ def _tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
         yield key, f.get_tensor(key)
 
 
-def _layout(config: TransformerConfig) -> dict[str, tuple[tuple[str, ...], object]]:
-  """HF tensor name -> (our parameter path, HF array -> our array)."""
+Entry = tuple[tuple[str, ...], object]  # Our parameter path, HF array -> our array.
+
+
+def _layout(config: TransformerConfig) -> dict[str, tuple[Entry, ...]]:
+  """HF tensor name -> the parameters it fills (one, or q, k and v from GPT-2's c_attn)."""
+  return _gpt2_layout(config) if config.gpt2_style else _llama_layout(config)
+
+
+def _llama_layout(config: TransformerConfig) -> dict[str, tuple[Entry, ...]]:
   D, N, K, H = config.d_model, config.num_heads, config.kv_heads, config.dims_per_head
   heads = lambda n: (lambda w: w.T.reshape(D, n, H))
   out = {'model.embed_tokens.weight': (('embedding',), lambda w: w),
@@ -142,7 +172,50 @@ def _layout(config: TransformerConfig) -> dict[str, tuple[tuple[str, ...], objec
           hf + 'self_attn.k_proj.bias': ((ours, 'attn', 'bk'), lambda b: b.reshape(K, H)),
           hf + 'self_attn.v_proj.bias': ((ours, 'attn', 'bv'), lambda b: b.reshape(K, H)),
       })
+  return {name: (entry,) for name, entry in out.items()}
+
+
+def _gpt2_layout(config: TransformerConfig) -> dict[str, tuple[Entry, ...]]:
+  D, N, H = config.d_model, config.num_heads, config.dims_per_head
+  same = lambda w: w
+  third = lambda j, shape: (lambda w: np.split(w, 3, axis=-1)[j].reshape(shape))
+  out = {'wte.weight': ((('embedding',), same),),
+         'wpe.weight': ((('position_embedding',), same),),
+         'ln_f.weight': ((('final_norm', 'scale'), same),),
+         'ln_f.bias': ((('final_norm', 'bias'), same),)}
+  if not config.tie_embeddings:
+    out['lm_head.weight'] = ((('head',), lambda w: w.T),)
+  for i in range(config.num_layers):
+    hf, ours = f'h.{i}.', f'layer_{i}'
+    out.update({
+        hf + 'ln_1.weight': (((ours, 'attn_norm', 'scale'), same),),
+        hf + 'ln_1.bias': (((ours, 'attn_norm', 'bias'), same),),
+        hf + 'ln_2.weight': (((ours, 'mlp_norm', 'scale'), same),),
+        hf + 'ln_2.bias': (((ours, 'mlp_norm', 'bias'), same),),
+        hf + 'attn.c_attn.weight': tuple(((ours, 'attn', w), third(j, (D, N, H)))
+                                         for j, w in enumerate(('wq', 'wk', 'wv'))),
+        hf + 'attn.c_attn.bias': tuple(((ours, 'attn', b), third(j, (N, H)))
+                                       for j, b in enumerate(('bq', 'bk', 'bv'))),
+        hf + 'attn.c_proj.weight': (((ours, 'attn', 'wo'), lambda w: w.reshape(N, H, D)),),
+        hf + 'attn.c_proj.bias': (((ours, 'attn', 'bo'), same),),
+        hf + 'mlp.c_fc.weight': (((ours, 'mlp', 'w_in'), same),),
+        hf + 'mlp.c_fc.bias': (((ours, 'mlp', 'b_in'), same),),
+        hf + 'mlp.c_proj.weight': (((ours, 'mlp', 'w_out'), same),),
+        hf + 'mlp.c_proj.bias': (((ours, 'mlp', 'b_out'), same),),
+    })
   return out
+
+
+def _hf_name(name: str, config: TransformerConfig) -> str | None:
+  """The layout's name for a tensor, or None for one that carries nothing of the model
+  (GPT-2's causal-mask buffers, old checkpoints' rotary frequencies)."""
+  if name.endswith(('attn.bias', 'attn.masked_bias')) and '.c_attn' not in name:
+    return None
+  if name.endswith('rotary_emb.inv_freq'):
+    return None
+  if config.gpt2_style and name.startswith('transformer.'):
+    return name[len('transformer.'):]  # GPT2LMHeadModel's prefix; GPT2Model has none.
+  return name
 
 
 def _get(tree: dict, path: tuple[str, ...]):
@@ -170,24 +243,29 @@ def load(path: str, *, mesh: Mesh | None = None, rules: sharding.Rules = shardin
   abstract = _abstract_params(config)
   shardings = param_shardings(config, mesh, rules) if mesh is not None else None
   params, seen = {}, set()
-  for name, array in _tensors(path):
+  for stored, array in _tensors(path):
+    name = _hf_name(stored, config)
+    if name is None:
+      continue
     if name not in layout:
       if name == 'lm_head.weight' and config.tie_embeddings:
         continue  # A tied checkpoint's copy of the embedding.
-      if name.endswith('rotary_emb.inv_freq'):
-        continue  # Old checkpoints store the rotary frequencies, which follow from rope_theta.
-      raise UnsupportedCheckpoint(f'{path}: tensor {name} has no place in a {hf["model_type"]} '
+      raise UnsupportedCheckpoint(f'{path}: tensor {stored} has no place in a {hf["model_type"]} '
                                   f'model of this config.')
-    ours, convert = layout[name]
-    want = _get(abstract, ours).shape
-    if array.size != np.prod(want) or convert(array).shape != want:
-      raise UnsupportedCheckpoint(f'{path}: tensor {name} has shape {array.shape}, which does '
-                                  f'not give {"/".join(ours)} its shape {want}.')
-    value = np.asarray(convert(array.astype(np.float32)), config.jnp_dtype)
-    if shardings is None:
-      _set(params, ours, jax.device_put(value))
-    else:
-      _set(params, ours, sharding.put(value, _get(shardings, ours)))
+    for ours, convert in layout[name]:
+      want = _get(abstract, ours).shape
+      try:
+        shape = convert(array).shape
+      except ValueError:
+        shape = None
+      if shape != want:
+        raise UnsupportedCheckpoint(f'{path}: tensor {stored} has shape {array.shape}, which '
+                                    f'does not give {"/".join(ours)} its shape {want}.')
+      value = np.asarray(convert(array.astype(np.float32)), config.jnp_dtype)
+      if shardings is None:
+        _set(params, ours, jax.device_put(value))
+      else:
+        _set(params, ours, sharding.put(value, _get(shardings, ours)))
     seen.add(name)
   missing = sorted(set(layout) - seen)
   if missing:
@@ -207,9 +285,10 @@ def _abstract_params(config: TransformerConfig):
 def hf_config(config: TransformerConfig, **extra) -> dict:
   """The `LlamaForCausalLM` config.json of a model (gated SiLU MLP, RMSNorm, rotary, no
   biases); `extra` adds fields such as token ids."""
-  if config.mlp != 'gated_silu' or config.qkv_bias:
+  if config.mlp != 'gated_silu' or config.qkv_bias or config.gpt2_style:
     raise UnsupportedCheckpoint(f'Only a gated-SiLU model without biases exports as Llama; this '
-                                f'one has mlp={config.mlp!r}, qkv_bias={config.qkv_bias}.')
+                                f'one has mlp={config.mlp!r}, qkv_bias={config.qkv_bias}, '
+                                f'GPT-2 options {config.gpt2_style}.')
   return dict(
       architectures=['LlamaForCausalLM'], model_type='llama', vocab_size=config.vocab_size,
       hidden_size=config.d_model, intermediate_size=config.ff_dim,
@@ -230,7 +309,7 @@ def save_llama(model: Model, path: str, **extra) -> str:
   hf = hf_config(config, **extra)
   tensors = {}
   D = config.d_model
-  for name, (ours, _) in _layout(config).items():
+  for name, ((ours, _),) in _layout(config).items():
     value = np.asarray(jax.device_get(_get(model.params, ours)), np.float32)
     if name.endswith(('q_proj.weight', 'k_proj.weight', 'v_proj.weight')):
       value = value.reshape(D, -1).T

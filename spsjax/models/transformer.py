@@ -13,6 +13,9 @@ its projection weights, q, k and v as one (`wqkv`) and the gate and input of a g
 (`w_gate_in`): each block then asks for its product from `native.matmul`, and a cached call rotates,
 writes the cache and attends in one `native.cached_attention`; everything else is the same code.
 
+GPT-2's options (`norm='layer'`, `position='learned'`, `dense_bias`) run on this XLA path only;
+`models.pack` refuses a model that uses them.
+
 Invariant: a cached call at row offsets `lengths` computes exactly what the full causal forward
 computes at those positions (up to float reassociation).
 """
@@ -39,15 +42,29 @@ def _packed(module, name) -> native.PackedWeight | None:
 
 
 class RMSNorm(nn.Module):
-  """Pre-norm: x / rms(x) * scale. A packed product applies it itself (`native.matmul(norm=)`)."""
+  """Pre-norm: x / rms(x) * scale, or with `norm='layer'` LayerNorm, (x - mean) / std * scale +
+  bias. A packed product applies the RMS norm itself (`native.matmul(norm=)`)."""
   config: TransformerConfig
 
   def setup(self):
+    c = self.config
     self.scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones, ('embed',)),
-                            (self.config.d_model,), self.config.jnp_dtype)
+                            (c.d_model,), c.jnp_dtype)
+    if c.norm == 'layer':
+      self.bias = self.param('bias', nn.with_logical_partitioning(nn.initializers.zeros,
+                                                                  ('embed',)),
+                             (c.d_model,), c.jnp_dtype)
 
   def __call__(self, x_BxTxD):
-    return native.rms_norm(x_BxTxD, self.scale, self.config.norm_eps).astype(self.config.jnp_dtype)
+    c = self.config
+    if c.norm == 'layer':
+      x = x_BxTxD.astype(jnp.float32)
+      x = x - jnp.mean(x, axis=-1, keepdims=True)
+      x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + c.norm_eps)
+      scale_1x1xD, bias_1x1xD = (p.astype(jnp.float32).reshape(1, 1, -1)
+                                 for p in (self.scale, self.bias))
+      return (x * scale_1x1xD + bias_1x1xD).astype(c.jnp_dtype)
+    return native.rms_norm(x_BxTxD, self.scale, c.norm_eps).astype(c.jnp_dtype)
 
   @property
   def fused(self) -> tuple[jax.Array, float]:
@@ -102,8 +119,10 @@ class Attention(nn.Module):
           q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = (
               q_BxTxNxH + bias_MxH[None, None, :N], k_BxTxKxH + bias_MxH[None, None, N:N + K],
               v_BxTxKxH + bias_MxH[None, None, N + K:])
-      q_BxTxKxGxH = native.rope(q_BxTxNxH, positions_BxT, c.rope_base).reshape(B, T, K, N // K, H)
-      k_BxTxKxH = native.rope(k_BxTxKxH, positions_BxT, c.rope_base)
+      if c.position == 'rope':
+        q_BxTxNxH = native.rope(q_BxTxNxH, positions_BxT, c.rope_base)
+        k_BxTxKxH = native.rope(k_BxTxKxH, positions_BxT, c.rope_base)
+      q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, N // K, H)
       if layer_cache is None:  # Full causal pass: keys are the new positions themselves.
         keys_BxSxKxH, values_BxSxKxH, key_pos_BxS = k_BxTxKxH, v_BxTxKxH, positions_BxT
       else:  # Write this call's positions first, then attend over the whole cache.
@@ -120,6 +139,8 @@ class Attention(nn.Module):
     out_BxTxF = out_BxTxKxGxH.reshape(B, T, N * H)
     if wqkv is None:
       x_BxTxD = x_BxTxD + jnp.einsum('BTF,FD->BTD', out_BxTxF, wo.reshape(N * H, D))
+      if c.dense_bias:
+        x_BxTxD = x_BxTxD + _param(self, 'bo', (D,), ('embed',), 1, dt, zeros=True)[None, None]
     else:
       x_BxTxD = native.matmul(out_BxTxF, wo, residual=x_BxTxD).astype(dt)
     return x_BxTxD, (keys_BxSxKxH, values_BxSxKxH)
@@ -145,6 +166,8 @@ class Mlp(nn.Module):
     w_out = _param(self, 'w_out', (F, D), ('mlp', 'embed'), F, dt)
     h_BxTxD = norm(x_BxTxD)
     h_BxTxF = jnp.einsum('BTD,DF->BTF', h_BxTxD, w_in)
+    if c.dense_bias:
+      h_BxTxF = h_BxTxF + _param(self, 'b_in', (F,), ('mlp',), 1, dt, zeros=True)[None, None]
     if c.mlp == 'gated_silu':
       w_gate = _param(self, 'w_gate', (D, F), ('embed', 'mlp'), D, dt)
       # Gate and input as two products, not one stacked tensor: stacking made training's
@@ -152,7 +175,10 @@ class Mlp(nn.Module):
       h_BxTxF = native.silu_gate(jnp.einsum('BTD,DF->BTF', h_BxTxD, w_gate), h_BxTxF)
     else:
       h_BxTxF = jax.nn.gelu(h_BxTxF)
-    return x_BxTxD + jnp.einsum('BTF,FD->BTD', h_BxTxF, w_out)
+    out_BxTxD = jnp.einsum('BTF,FD->BTD', h_BxTxF, w_out)
+    if c.dense_bias:
+      out_BxTxD = out_BxTxD + _param(self, 'b_out', (D,), ('embed',), 1, dt, zeros=True)[None, None]
+    return x_BxTxD + out_BxTxD
 
 
 class Block(nn.Module):
@@ -183,6 +209,10 @@ class Transformer(nn.Module):
       x_BxTxD = jnp.take(embedding_VxD, tokens_BxT, axis=0)
     else:  # Placed for CPU decoding: a copy of rows on the calling thread (`native.take_rows`).
       x_BxTxD = native.take_rows(embedding_VxD, tokens_BxT)
+    if c.position == 'learned':  # Positions past the table (never read back) are clipped.
+      table_SxD = _param(self, 'position_embedding', (c.max_seq_len, c.d_model),
+                         ('length', 'embed'), c.d_model, c.jnp_dtype)
+      x_BxTxD = x_BxTxD + jnp.take(table_SxD, positions_BxT, axis=0, mode='clip')
     new_k, new_v = [], []
     for i in range(c.num_layers):
       layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.lengths)
