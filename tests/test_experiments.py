@@ -1,6 +1,7 @@
 """The binaries start, parse their configs and run end to end (smallest settings)."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -189,3 +190,42 @@ def test_sweep_runs_sharded_on_a_mesh(family, tmp_path):
   assert run.returncode == 0, run.stderr[-3000:]
   assert 'mesh' in run.stdout and "'model': 4" in run.stdout, run.stdout[-2000:]
   assert (tmp_path / 'points.csv').exists() and (tmp_path / 'figure1.png').exists()
+
+
+def test_export_hf_writes_a_llama_directory_that_loads_back(family, tmp_path):
+  """The exported directory is the model (transformers' side: tests/test_hf.py, `save_llama`)
+  with spsjax's tokenizer, and the binaries load it as a Hugging Face checkpoint."""
+  out = str(tmp_path / 'exported')
+  run = _run('experiments/export_hf.py',
+             f'--config=configs/export_hf.py:checkpoint={family}/target,out={out}')
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert f'Wrote {out}: ' in run.stdout and 'as LlamaForCausalLM' in run.stdout
+  from spsjax.train import load  # pylint: disable=g-import-not-at-top
+  exported, tok, meta = load.load_model(out)
+  original, original_tok, _ = load.load_model(os.path.join(family, 'target'))
+  assert meta['hf']['architectures'] == ['LlamaForCausalLM'] and load.is_hf(out)
+  assert exported.config == original.config and tok.to_bytes() == original_tok.to_bytes()
+  jax.tree.map(np.testing.assert_array_equal, exported.params, original.params)
+  with open(os.path.join(out, 'generation_config.json'), encoding='utf-8') as f:
+    assert json.load(f)['eos_token_id'] == tok.eos_id
+
+
+def test_binaries_take_hugging_face_directories(tmp_path):
+  target, draft = (os.path.join(_REPO, 'tests', 'fixtures', 'hf', n)
+                   for n in ('llama_gqa', 'llama_tied_mqa'))
+  run = _run('experiments/sample.py', f'--config=configs/sample.py:hf_target={target},'
+             f'hf_draft={draft},method=sps,k=3,batch=2,max_new_tokens=8', '--config.repeats=1')
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert f'Trained target {target} (80,192 parameters) and draft {draft}' in run.stdout
+  assert run.stdout.count('--- row ') == 2 and 'acceptance rate' in run.stdout
+  run = _run('experiments/speedup_table.py',
+             f'--config=configs/speedup.py:hf_target={target},hf_draft={draft},runlocal,'
+             f'batches=1,results={tmp_path}/table', '--config.tasks.humaneval.max_new_tokens=8',
+             '--config.tasks.docstrings.max_new_tokens=8', '--config.cost_repeats=2')
+  assert run.returncode == 0, run.stderr[-3000:]
+  table = (tmp_path / 'table' / 'table.md').read_text()
+  assert f'ArS vs SpS, {target} and draft {draft}' in table and '| humaneval | greedy | 1 |' in table
+  run = _run('experiments/sweep.py', f'--config=configs/sweep.py:hf_target={target},'
+             f'hf_draft={draft},runlocal,results={tmp_path}/sweep', '--config.max_new_tokens=8')
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert f'{target}: sweep of k' in run.stdout and (tmp_path / 'sweep' / 'points.csv').exists()

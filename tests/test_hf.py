@@ -10,8 +10,6 @@ its docstring for why they are fixtures).
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -187,30 +185,3 @@ def test_tokenizer_json_behind_the_binaries_interface():
   assert tok.to_bytes() == HFTokenizer.load(os.path.join(FIXTURES, 'llama_gqa')).to_bytes()
   with pytest.raises(FileNotFoundError, match='no tokenizer.json'):
     HFTokenizer.load(os.path.join(FIXTURES, 'export'))
-
-
-def _binary(*args):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  return subprocess.run([sys.executable, *args], cwd=repo, env=env, capture_output=True,
-                        text=True, timeout=300, check=False)
-
-
-def test_binaries_take_hugging_face_directories(tmp_path):
-  target, draft = (os.path.join(FIXTURES, n) for n in ('llama_gqa', 'llama_tied_mqa'))
-  run = _binary('experiments/sample.py', f'--config=configs/sample.py:hf_target={target},'
-                f'hf_draft={draft},method=sps,k=3,batch=2,max_new_tokens=8', '--config.repeats=1')
-  assert run.returncode == 0, run.stderr[-3000:]
-  assert f'Trained target {target} (80,192 parameters) and draft {draft}' in run.stdout
-  assert run.stdout.count('--- row ') == 2 and 'acceptance rate' in run.stdout
-  run = _binary('experiments/speedup_table.py',
-                f'--config=configs/speedup.py:hf_target={target},hf_draft={draft},runlocal,'
-                f'batches=1,results={tmp_path}/table', '--config.tasks.humaneval.max_new_tokens=8',
-                '--config.tasks.docstrings.max_new_tokens=8', '--config.cost_repeats=2')
-  assert run.returncode == 0, run.stderr[-3000:]
-  table = (tmp_path / 'table' / 'table.md').read_text()
-  assert f'ArS vs SpS, {target} and draft {draft}' in table and '| humaneval | greedy | 1 |' in table
-  run = _binary('experiments/sweep.py', f'--config=configs/sweep.py:hf_target={target},'
-                f'hf_draft={draft},runlocal,results={tmp_path}/sweep', '--config.max_new_tokens=8')
-  assert run.returncode == 0, run.stderr[-3000:]
-  assert f'{target}: sweep of k' in run.stdout and (tmp_path / 'sweep' / 'points.csv').exists()

@@ -91,12 +91,13 @@ def config_from_hf(hf: dict, dtype: str = 'float32') -> TransformerConfig:
     raise UnsupportedCheckpoint(f'{CONFIG}: layer_types={sorted(set(hf["layer_types"]))} is '
                                 f'not supported (every layer attends globally).')
   num_heads = hf['num_attention_heads']
+  num_kv_heads = hf.get('num_key_value_heads') or num_heads
   head_dim = hf.get('head_dim')
   if head_dim == hf['hidden_size'] // num_heads:
     head_dim = None
   return TransformerConfig(
       vocab_size=hf['vocab_size'], d_model=hf['hidden_size'], num_layers=hf['num_hidden_layers'],
-      num_heads=num_heads, num_kv_heads=hf.get('num_key_value_heads') or num_heads,
+      num_heads=num_heads, num_kv_heads=None if num_kv_heads == num_heads else num_kv_heads,
       d_ff=hf['intermediate_size'], max_seq_len=hf['max_position_embeddings'], dtype=dtype,
       head_dim=head_dim, mlp='gated_silu',
       tie_embeddings=bool(hf.get('tie_word_embeddings', model_type != 'llama')),

@@ -5,8 +5,9 @@ dtypes and, with a mesh, shardings by logical names) is rebuilt from the checkpo
 file has to agree with it. Only the parameters are read: nothing here depends on training (the
 optimizer's state in the checkpoint is left on disk).
 
-A Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json) loads as well,
-wherever a checkpoint is named (`models.hf`, `data.hf_tokenizer`); its meta is {'hf': config}.
+A Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json, or the
+spsjax_tokenizer.model that experiments/export_hf.py writes) loads as well, wherever a checkpoint
+is named (`models.hf`, `data.hf_tokenizer`); its meta is {'hf': config}.
 """
 
 import os
@@ -20,6 +21,16 @@ from spsjax.data.hf_tokenizer import HFTokenizer
 from spsjax.data.tokenizer import Tokenizer
 from spsjax.models import hf
 from spsjax.train import checkpoint
+
+
+SPSJAX_TOKENIZER = 'spsjax_tokenizer.model'  # Our tokenizer in an exported HF directory.
+
+
+def _hf_tokenizer(path: str):
+  """An HF directory's tokenizer: tokenizer.json, or spsjax's own where we exported it."""
+  if os.path.isfile(os.path.join(path, SPSJAX_TOKENIZER)):
+    return Tokenizer.load(os.path.join(path, SPSJAX_TOKENIZER))
+  return HFTokenizer.load(path)
 
 
 def is_hf(path: str) -> bool:
@@ -38,7 +49,7 @@ def load_model(workdir: str, *, step: int | None = None, mesh: Mesh | None = Non
   if is_hf(workdir):
     if step is not None:
       raise ValueError(f'{workdir} is a Hugging Face checkpoint: it has no steps (step={step}).')
-    return (hf.load(workdir, mesh=mesh, rules=rules), HFTokenizer.load(workdir),
+    return (hf.load(workdir, mesh=mesh, rules=rules), _hf_tokenizer(workdir),
             {'hf': hf.read_config(workdir)})
   mngr = checkpoint.manager(workdir, create=False)
   try:

@@ -1,0 +1,39 @@
+"""Writes a trained spsjax model as a Hugging Face Llama directory that transformers loads.
+
+  python experiments/export_hf.py --config=configs/export_hf.py:checkpoint=checkpoints/reference/target
+
+The directory holds config.json (`LlamaForCausalLM`), model.safetensors (float32),
+generation_config.json (the tokenizer's eos) and spsjax's SentencePiece model as
+spsjax_tokenizer.model (`spsjax.data.tokenizer.Tokenizer`; not a transformers tokenizer: spsjax
+spells a literal '▁' as bytes, which a plain SentencePiece tokenizer does not). The binaries take
+the directory back as `hf_target=DIR` with that tokenizer.
+"""
+
+import json
+import os
+
+from ml_collections import config_flags
+
+from spsjax import cli, distributed, models
+from spsjax.models import hf
+from spsjax.train import load
+
+print0 = distributed.print0
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.', lock_config=True)
+_RUNTIME = distributed.define_flags()
+
+
+def main(argv):
+  distributed.start(argv, _RUNTIME())
+  c = _CONFIG.value
+  model, tok, _ = load.load_model(c.checkpoint, step=c.step or None)
+  path = hf.save_llama(model, c.out, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+  with open(os.path.join(path, 'generation_config.json'), 'w', encoding='utf-8') as f:
+    json.dump(dict(eos_token_id=tok.eos_id, pad_token_id=tok.pad_id), f, indent=1)
+  tok.save(os.path.join(path, load.SPSJAX_TOKENIZER))
+  print0(f'Wrote {path}: {models.num_params(model.params):,} parameters as LlamaForCausalLM, '
+         f'{load.SPSJAX_TOKENIZER} (SentencePiece, vocab {tok.vocab_size}).')
+
+
+if __name__ == '__main__':
+  cli.run(main)
