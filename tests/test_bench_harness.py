@@ -219,3 +219,20 @@ def test_table_theory_for_prompt_lookup_uses_the_proposals_made(family):
   assert p.speedup == pytest.approx(p.tokens_per_loop / 1.2)
   assert f'| docstrings | greedy | 1 | {p.alpha:.3f} / - | 0.000 | 1.20 |' in speedup.markdown(
       [cmp])
+
+
+def test_peer_report_rates_each_method_against_its_own_framework():
+  """Tokens/s are generated tokens over summed wall time; speedups are over the same
+  framework's ArS; SpS is set against transformers' assisted generation."""
+  from spsjax.bench import peer  # pylint: disable=g-import-not-at-top
+  seconds = dict(hf_ars=4.0, hf_assisted=2.0, ars=1.0, sps=0.5)
+  timings = {m: timing.Timing(calls=(timing.Call(seconds=s / 2, rows=1, tokens=64),) * 2,
+                              compile_seconds=(), k=4 if m == 'sps' else 0)
+             for m, s in seconds.items()}
+  row = peer.Row(decoding='greedy', timings=timings, identical=3, prompts=4)
+  assert row.tokens_per_second('hf_ars') == 32.0 and row.tokens_per_second('sps') == 256.0
+  assert row.speedup('hf_assisted') == 2.0 and row.speedup('sps') == 2.0
+  assert row.sps_over_assisted == 4.0
+  table = peer.markdown([row])
+  assert '| greedy | transformers ArS | 32.0 | 1.00x |  | 3 of 4 |' in table
+  assert '| greedy | spsjax SpS | 256.0 | 2.00x |' in table and '| greedy | 4.00x |' in table
