@@ -47,12 +47,13 @@ def loaded():
 
 
 def test_configs_map_every_field(loaded):
-  gqa, mqa, qwen, gpt2 = (loaded[n].config for n in NAMES)
+  gqa, mqa, qwen, mistral, gpt2 = (loaded[n].config for n in NAMES)
   assert (gqa.num_kv_heads, gqa.tie_embeddings, gqa.rope_base, gqa.norm_eps) == (
       2, False, 500_000.0, 1e-5)
   assert (mqa.num_kv_heads, mqa.dims_per_head, mqa.tie_embeddings) == (1, 16, True)
   assert mqa.head_dim == 16 and mqa.d_model == 48  # 48 / 4 heads would be 12.
   assert qwen.qkv_bias and qwen.rope_base == 1e6 and qwen.tie_embeddings
+  assert (mistral.num_kv_heads, mistral.tie_embeddings, mistral.qkv_bias) == (2, False, False)
   assert 'head' not in loaded['qwen2'].params and 'head' in loaded['llama_gqa'].params
   assert (gpt2.norm, gpt2.position, gpt2.mlp, gpt2.qkv_bias, gpt2.dense_bias) == (
       'layer', 'learned', 'gelu', True, True)
@@ -80,7 +81,8 @@ def test_logits_equal_transformers_full_cached_and_packed(loaded, name):
 
 
 @pytest.mark.parametrize('name,draft', [('llama_gqa', 'llama_tied_mqa'), ('qwen2', 'llama_gqa'),
-                                        ('gpt2', 'qwen2'), ('llama_tied_mqa', None)])
+                                        ('mistral', 'gpt2'), ('gpt2', 'qwen2'),
+                                        ('llama_tied_mqa', None)])
 def test_greedy_ars_and_sps_equal_transformers_generate(loaded, name, draft):
   model, want = loaded[name], _expected(name)
   assert want['margin'] >= fixtures.MIN_MARGIN  # No argmax is closer than float noise.
