@@ -21,7 +21,7 @@ demo: train-demo
 	$(PY) experiments/speedup_table.py --config=configs/speedup.py:root=checkpoints/demo,draft=draft_wide_distill,demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # The tiny family (tokenizer, target, wide-shallow draft) in checkpoints/tiny; resumes if killed.
 train-tiny: $(VENV)/.installed

@@ -28,6 +28,7 @@ RTOL = 1e-4  # Relative to the largest logit of the row.
 
 _logits = jax.jit(models.logits, static_argnums=0)
 _prefill = jax.jit(models.prefill, static_argnums=0, static_argnames=('capacity',))
+_extend = jax.jit(models.extend, static_argnums=0)
 
 
 def _expected(name):
@@ -73,16 +74,15 @@ def test_logits_equal_transformers_full_cached_and_packed(loaded, name):
     out_BxPxV, cache = _prefill(placed.config, placed.params, prompts, first, capacity=16)
     got = np.array(out_BxPxV)
     for t in range(3, prompts.shape[1]):
-      step_Bx1xV, cache = models.extend(placed.config, placed.params,
-                                        cache.with_lengths(jnp.full_like(lengths, t)),
-                                        prompts[:, t:t + 1])
+      step_Bx1xV, cache = _extend(placed.config, placed.params,
+                                  cache.with_lengths(jnp.full_like(lengths, t)),
+                                  prompts[:, t:t + 1])
       got[:, t] = np.asarray(step_Bx1xV[:, 0])
     _check_logits(got, want, f'{name} cached, packed={models.is_packed(placed)}')
 
 
 @pytest.mark.parametrize('name,draft', [('llama_gqa', 'llama_tied_mqa'), ('qwen2', 'llama_gqa'),
-                                        ('mistral', 'gpt2'), ('gpt2', 'qwen2'),
-                                        ('llama_tied_mqa', None)])
+                                        ('mistral', 'gpt2'), ('gpt2', None)])
 def test_greedy_ars_and_sps_equal_transformers_generate(loaded, name, draft):
   model, want = loaded[name], _expected(name)
   assert want['margin'] >= fixtures.MIN_MARGIN  # No argmax is closer than float noise.

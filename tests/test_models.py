@@ -30,8 +30,9 @@ def _decode_params(config, params, packed):
   return models.pack(models.Model(config, params)).params if packed else params
 
 
-@pytest.mark.parametrize('num_kv_heads', [None, 2, 1], ids=['mha', 'gqa', 'mqa'])
-@pytest.mark.parametrize('chunk', [1, 5])
+# Every head layout one position at a time; scoring 5 positions with GQA and MQA.
+@pytest.mark.parametrize('num_kv_heads,chunk', [(None, 1), (2, 1), (1, 1), (2, 5), (1, 5)],
+                         ids=['mha-1', 'gqa-1', 'mqa-1', 'gqa-5', 'mqa-5'])
 @pytest.mark.parametrize('packed', [False, True], ids=['xla', 'packed'])
 def test_cached_extension_equals_reference(num_kv_heads, chunk, packed):
   config = _config(num_kv_heads)
