@@ -13,6 +13,8 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 
+import tokenizers
+
 FILE = 'tokenizer.json'
 
 
@@ -31,9 +33,8 @@ class HFTokenizer:
   """`tokenizers.Tokenizer` with the eos and pad ids of its checkpoint."""
 
   def __init__(self, tokenizer_json: str, eos_id: int | None = None, pad_id: int | None = None):
-    from tokenizers import Tokenizer as _Tokenizer  # pylint: disable=g-import-not-at-top
     self._json = tokenizer_json
-    self._tok = _Tokenizer.from_str(tokenizer_json)
+    self._tok = tokenizers.Tokenizer.from_str(tokenizer_json)
     self._eos_id = eos_id
     self._pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
 

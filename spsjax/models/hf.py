@@ -28,10 +28,13 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 from jax.sharding import Mesh
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from spsjax import sharding
-from spsjax.models.api import Model, param_shardings
+from spsjax.models.api import Model, init_params, param_shardings
 from spsjax.models.config import TransformerConfig
+from spsjax.models.packing import unpack
 
 CONFIG = 'config.json'
 WEIGHTS = 'model.safetensors'
@@ -132,7 +135,6 @@ def _weight_files(path: str) -> list[str]:
 
 
 def _tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
-  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
   for name in _weight_files(path):
     with safe_open(os.path.join(path, name), framework='numpy') as f:
       for key in f.keys():
@@ -241,7 +243,7 @@ def load(path: str, *, mesh: Mesh | None = None, rules: sharding.Rules = shardin
   hf = read_config(path)
   config = config_from_hf(hf, dtype)
   layout = _layout(config)
-  abstract = _abstract_params(config)
+  abstract = jax.eval_shape(lambda key: init_params(config, key), jax.random.key(0))
   shardings = param_shardings(config, mesh, rules) if mesh is not None else None
   params, seen = {}, set()
   for stored, array in _tensors(path):
@@ -276,13 +278,6 @@ def load(path: str, *, mesh: Mesh | None = None, rules: sharding.Rules = shardin
   return Model(config, params)
 
 
-def _abstract_params(config: TransformerConfig):
-  """Our parameter tree's shapes (no values)."""
-  from spsjax.models.api import _boxed_init  # pylint: disable=g-import-not-at-top
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  return nn.unbox(jax.eval_shape(lambda: _boxed_init(config, jax.random.key(0))))
-
-
 def hf_config(config: TransformerConfig, **extra) -> dict:
   """The `LlamaForCausalLM` config.json of a model (gated SiLU MLP, RMSNorm, rotary, no
   biases); `extra` adds fields such as token ids."""
@@ -303,8 +298,6 @@ def hf_config(config: TransformerConfig, **extra) -> dict:
 def save_llama(model: Model, path: str, **extra) -> str:
   """Writes `model` (unpacked, gathered to the host) as a Llama directory: config.json and
   model.safetensors, in float32 whatever the model's dtype. Returns `path`."""
-  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
-  from spsjax.models.packing import unpack  # pylint: disable=g-import-not-at-top
   model = unpack(model)
   config = model.config
   hf = hf_config(config, **extra)
