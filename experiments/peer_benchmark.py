@@ -33,6 +33,10 @@ _RUNTIME = distributed.define_flags()
 
 
 def _hf_models(c):
+  for name, path in (('hf_target', c.hf_target), ('hf_draft', c.hf_draft)):
+    if not load.is_hf(path):
+      raise app.UsageError(f'{name}={path} is not a Hugging Face checkpoint directory (no '
+                           f'config.json); write one with experiments/export_hf.py.')
   try:
     import torch  # pylint: disable=g-import-not-at-top
     import transformers  # pylint: disable=g-import-not-at-top

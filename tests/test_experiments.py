@@ -103,6 +103,8 @@ def _one_line_error(run, *parts):
      ["Unknown drafter 'ngram'; known: ['model', 'lookup', 'hybrid']."]),
     (['experiments/sweep.py', '--config=configs/sweep.py:sweep=drafter,ks=2+x'],
      ["ks must be '+'-separated integers >= 1, got '2+x'."]),
+    (['experiments/peer_benchmark.py', '--config=configs/peer.py:hf_target=/nope'],
+     ['hf_target=/nope is not a Hugging Face checkpoint directory (no config.json)']),
     (['experiments/sweep.py', '--config=configs/nope.py'],
      ['--config=configs/nope.py: no such file']),
     (['experiments/speedup_table.py'],

@@ -258,13 +258,13 @@ def load(path: str, *, mesh: Mesh | None = None, rules: sharding.Rules = shardin
     for ours, convert in layout[name]:
       want = _get(abstract, ours).shape
       try:
-        shape = convert(array).shape
-      except ValueError:
-        shape = None
-      if shape != want:
+        value = convert(array)
+      except ValueError:  # A reshape that the stored size cannot make.
+        value = None
+      if value is None or value.shape != want:
         raise UnsupportedCheckpoint(f'{path}: tensor {stored} has shape {array.shape}, which '
                                     f'does not give {"/".join(ours)} its shape {want}.')
-      value = np.asarray(convert(array.astype(np.float32)), config.jnp_dtype)
+      value = np.asarray(value, config.jnp_dtype)
       if shardings is None:
         _set(params, ours, jax.device_put(value))
       else:
