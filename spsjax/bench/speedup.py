@@ -2,11 +2,14 @@
 
 A row is (task, decoding, batch, method). Both rows of a pair sample the same prompts in the same
 calls, ArS and SpS taking turns call by call (`timing.time_interleaved`, compile apart), each with
-keys of its own (so their scores are independent samples), and score their generations
-(`spsjax.eval.tasks`: pass@1 for HumanEval, ROUGE-2 for docstrings).
+keys of its own (so their scores are independent samples given the prompt), and score their
+generations (`spsjax.eval.tasks`: pass@1 for HumanEval, ROUGE-2 for docstrings, chrF and next-line
+exact match for code completion), plus the target's mean log-probability per generated token
+(`spsjax.eval.likelihood`), a model-based parity column that is informative on every task.
 A pair of rows (ArS, SpS) of the same task, decoding and batch gives the speedup (ratio of mean
-token times measured in the same run) and says whether their metrics differ by more than their
-sampling noise (two combined standard errors of independent samples). Measured tokens per loop are
+token times measured in the same run) and says whether their results differ by more than
+sampling noise (`metrics.parity`: a paired t-test per column over the same prompts, Bonferroni
+over the row's columns, with the smallest difference it would detect). Measured tokens per loop are
 set against the formula's before max_new_tokens and eos cut a row's last loop (`timing.Timing.
 uncut_tokens_per_loop`), as alpha counts every accepted draft.
 
@@ -36,11 +39,15 @@ from spsjax import models, sampling, sharding
 from spsjax.bench import decode, profile, theory, timing
 from spsjax.data import prompts as prompts_lib
 from spsjax.data.tokenizer import Tokenizer
-from spsjax.eval import metrics, tasks
-from spsjax.eval import acceptance
+from spsjax.eval import acceptance, likelihood, metrics, tasks
 from spsjax.eval.acceptance import model_alpha
 from spsjax.eval.tasks import Task, score
 from spsjax.sampling import drafters, speculative
+
+LOGP = 'log p'  # The parity column of the target's mean log-probability per generated token.
+PARITY_LEVEL = 0.05  # Family-wise, over a row's columns (Bonferroni).
+PARITY_POWER = 0.8  # For the minimal detectable difference each column reports.
+
 
 @dataclasses.dataclass(frozen=True)
 class Costs:
@@ -77,14 +84,28 @@ class Row:
   decoding: str
   batch: int
   method: str  # 'ArS' | 'SpS'
-  metric: str
-  values: list[float]
+  scores: dict[str, list[float]]  # Per prompt, each of the task's metrics (headline first).
+  logprobs: list[float]  # Per prompt: the target's mean log p per generated token (nats).
   extra: dict
   timing: dict
   completions: list[str]
   alpha_model: float = float('nan')
   lenience: float = 1.0  # < 1: LOSSY (SpS rows only).
   tv: float = 0.0  # Lenient draft slot's law against p, mean along the outputs.
+
+  @property
+  def metric(self) -> str:
+    """The task's headline metric."""
+    return next(iter(self.scores))
+
+  @property
+  def values(self) -> list[float]:
+    return self.scores[self.metric]
+
+  @property
+  def columns(self) -> dict[str, list[float]]:
+    """Every per-prompt column the parity test compares: the task's metrics, then 'log p'."""
+    return {**self.scores, LOGP: self.logprobs}
 
   @property
   def metric_mean(self) -> float:
@@ -117,6 +138,7 @@ def run_rows(target: models.Model, draft: models.Model | None, tok: Tokenizer, t
   num_calls = -(-num // batch)
   rows_of = lambda i: [min(j, num - 1) for j in range(i * batch, (i + 1) * batch)]  # Pad: repeat.
   completions = {'ArS': [''] * num, 'SpS': [''] * num}
+  logprobs = {'ArS': [0.0] * num, 'SpS': [0.0] * num}
   beta, tv = [0.0, 0], [0.0, 0]
 
   def run(method, i):
@@ -136,10 +158,14 @@ def run_rows(target: models.Model, draft: models.Model | None, tok: Tokenizer, t
     tokens, n = np.asarray(out.tokens), np.asarray(out.num_generated)
     for r, row in enumerate(rows[:num - i * batch]):
       completions[method][row] = tok.decode(tokens[r, :n[r]])
-    if method == 'SpS' and draft is not None:  # Over the call's real rows: the last call's
-      real = len(rows[:num - i * batch])  # padding rows repeat one.
-      prompts_BxP, lengths_B = prompts_lib.for_call(prompts_NxP, lengths_N, rows[:real])
-      out = sampling.SampleOutput(tokens=out.tokens[:real], num_generated=out.num_generated[:real])
+    # Model-based columns over the call's real rows (the last call's padding rows repeat one).
+    real = len(rows[:num - i * batch])
+    prompts_BxP, lengths_B = prompts_lib.for_call(prompts_NxP, lengths_N, rows[:real])
+    out = sampling.SampleOutput(tokens=tokens[:real], num_generated=n[:real])
+    for row, value in zip(rows[:real], likelihood.mean_logprobs(target, prompts_BxP, lengths_B,
+                                                               out, mesh)):
+      logprobs[method][row] = value
+    if method == 'SpS' and draft is not None:
       total, count = model_alpha(target, draft, sampling_config, prompts_BxP, lengths_B, out,
                                  mesh, lenience=lenience)
       beta[0] += total
@@ -157,9 +183,10 @@ def run_rows(target: models.Model, draft: models.Model | None, tok: Tokenizer, t
       ks={'SpS': k}, on_output=collect)
   out = []
   for method in ('ArS', 'SpS'):
-    metric, values, extra = score(task, completions[method])
-    out.append(Row(task=task.name, decoding=decoding, batch=batch, method=method, metric=metric,
-                   values=values, extra=extra, timing=timings[method].summary(),
+    scores = score(task, completions[method])
+    out.append(Row(task=task.name, decoding=decoding, batch=batch, method=method,
+                   scores=scores.values, logprobs=logprobs[method], extra=scores.extra,
+                   timing=timings[method].summary(),
                    completions=completions[method],
                    alpha_model=(beta[0] / beta[1] if beta[1] else float('nan'))
                    if method == 'SpS' else float('nan'),
@@ -193,8 +220,17 @@ class Comparison:
         draft_steps=self.drafter.draft_steps(self.k, t.get('proposed_per_loop', self.k)))
 
   @property
+  def parity(self) -> dict[str, metrics.Parity]:
+    """SpS - ArS for every column (the task's metrics and the target's log p), each a paired
+    t-test at PARITY_LEVEL / (number of columns)."""
+    a, b = self.ars.columns, self.sps.columns
+    return {name: metrics.parity(a[name], b[name], level=PARITY_LEVEL, power=PARITY_POWER,
+                                 tests=len(a)) for name in a}
+
+  @property
   def metrics_differ(self) -> bool:
-    return metrics.differs(self.ars.values, self.sps.values)
+    """Whether any column differs beyond noise (family-wise level PARITY_LEVEL)."""
+    return any(p.differs for p in self.parity.values())
 
   def summary(self) -> dict:
     p = self.prediction
@@ -209,7 +245,9 @@ class Comparison:
                 acceptance_rate=self.sps.timing['acceptance_rate'],
                 alpha_model=self.sps.alpha_model, lenience=self.sps.lenience,
                 total_variation=self.sps.tv, c=self.costs.c,
-                s=self.costs.s, metrics_differ_beyond_noise=self.metrics_differ)
+                s=self.costs.s, metrics_differ_beyond_noise=self.metrics_differ,
+                parity={name: dict(dataclasses.asdict(p), differs=p.differs)
+                        for name, p in self.parity.items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,10 +304,32 @@ def profile_row(target: models.Model, draft: models.Model | None, tok: Tokenizer
                      forward_gaps=gaps('draft') + gaps('score'))
 
 
+PARITY_NOTE = (
+    f'Results differ beyond noise: for each column (the task\'s metrics and log p, the target\'s '
+    f'mean log-probability per generated token, raw logits), Student\'s paired t-test of SpS - ArS '
+    f'over the same prompts, which the two sample with independent keys; two-sided at '
+    f'{PARITY_LEVEL} / m for a row of m columns (Bonferroni), so a row is flagged with probability '
+    f'at most {PARITY_LEVEL} when the laws are equal. In brackets the test\'s power: the smallest '
+    f'true difference it detects with probability {PARITY_POWER} at the row\'s number of prompts '
+    f'(0 when all differences are equal, as greedy decoding gives: then any difference counts).')
+
+
+def _mean_se(values: Sequence[float]) -> str:
+  mean, stderr = metrics.mean_and_stderr(values)
+  return f'{mean:.3f} ± {stderr:.3f}'
+
+
+def _differences(parity: dict[str, metrics.Parity]) -> str:
+  """'chrF +0.004 (0.021), log p -0.010 (0.030)': each column's mean difference and MDE."""
+  return ', '.join(f'{name} {p.difference:+.3f} ({p.mde:.3f}){" *" if p.differs else ""}'
+                   for name, p in parity.items())
+
+
 def markdown(comparisons: Sequence[Comparison]) -> str:
   """Table 1 as Markdown: the measurement, then the theory from the same run."""
-  head = ('| task | decoding | batch | method | result | parses | ms/token (std) | p90 ms | '
-          'speedup | acceptance | tokens/loop |\n|---|---|---|---|---|---|---|---|---|---|---|')
+  head = ('| task | decoding | batch | method | result | parses | target log p/token | '
+          'ms/token (std) | p90 ms | speedup | acceptance | tokens/loop |\n'
+          '|---|---|---|---|---|---|---|---|---|---|---|---|')
   lines = [head]
   for cmp in comparisons:
     for row in (cmp.ars, cmp.sps):
@@ -281,15 +341,17 @@ def markdown(comparisons: Sequence[Comparison]) -> str:
       speed = f'{cmp.speedup:.2f}x' if sps else '1x'
       accept = f'{t["acceptance_rate"]:.3f}' if sps else ''
       per_loop = f'{t["tokens_per_loop"]:.2f}' if sps else ''
+      result = ', '.join(f'{name} {_mean_se(values)}' for name, values in row.scores.items())
       lines.append(
-          f'| {row.task} | {row.decoding} | {row.batch} | {method} | {row.metric} '
-          f'{row.metric_mean:.3f} ± {row.metric_stderr:.3f} | {parses} | '
+          f'| {row.task} | {row.decoding} | {row.batch} | {method} | {result} | {parses} | '
+          f'{_mean_se(row.logprobs)} | '
           f'{t["mean_ms_per_token"]:.3f} ({t["std_ms_per_token"]:.3f}) | {t["p90_ms"]:.3f} | '
           f'{speed} | {accept} | {per_loop} |')
   lines += ['', '| task | decoding | batch | alpha (measured / model) | c | s | '
             'tokens/loop (measured / predicted) | speedup (measured / predicted / with s = 1) | '
-            'measured / predicted | operations | results differ beyond noise |',
-            '|---|---|---|---|---|---|---|---|---|---|---|']
+            'measured / predicted | operations | SpS - ArS, paired (MDE) | '
+            'results differ beyond noise |',
+            '|---|---|---|---|---|---|---|---|---|---|---|---|']
   for cmp in comparisons:
     p, t = cmp.prediction, cmp.sps.timing
     model_alpha = ('-' if np.isnan(cmp.sps.alpha_model) else f'{cmp.sps.alpha_model:.3f}'
@@ -299,7 +361,9 @@ def markdown(comparisons: Sequence[Comparison]) -> str:
         f'{model_alpha} | {p.c:.3f} | {p.s:.2f} | {t["uncut_tokens_per_loop"]:.2f} / '
         f'{p.tokens_per_loop:.2f} | {cmp.speedup:.2f}x / {p.speedup:.2f}x / '
         f'{p.speedup_free_scoring:.2f}x | {cmp.speedup / p.speedup:.2f} | {p.operations:.2f}x | '
-        f'{"yes" if cmp.metrics_differ else "no"} |')
+        f'{_differences(cmp.parity)} | {"yes" if cmp.metrics_differ else "no"} |')
+  if comparisons:
+    lines += ['', PARITY_NOTE]
   profiled = [cmp for cmp in comparisons if cmp.loop_profile is not None]
   if profiled:
     lines += ['', '| task | decoding | batch | loops traced | ms per loop | draft | score | accept '

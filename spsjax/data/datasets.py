@@ -7,7 +7,7 @@ news = datasets.load('xsum', 'train', text_field='document')  # Any prepared TFD
 ```
 
 Built in (`BUILTIN`, name -> default text field): `python_code` ('text'), `humaneval` ('prompt'),
-`docstrings` ('input'). Any other name is looked up in the TFDS registry and in `data_dir` and needs
+`docstrings` and `code_completion` ('input'). Any other name is looked up in the TFDS registry and in `data_dir` and needs
 `text_field`; unknown names raise ValueError listing the built-in ones. Sources are random access
 (`tfds.data_source`): reading record i never reads the records before it. Text comes back as `str`.
 
@@ -22,12 +22,13 @@ from typing import Any
 
 import tensorflow_datasets as tfds
 
-from spsjax.data import docstrings, humaneval, python_code
+from spsjax.data import code_completion, docstrings, humaneval, python_code
 
 BUILTIN = {
     'python_code': (python_code.PythonCode, 'text'),
     'humaneval': (humaneval.Humaneval, 'prompt'),
     'docstrings': (docstrings.Docstrings, 'input'),
+    'code_completion': (code_completion.CodeCompletion, 'input'),
 }
 DATA_DIR_ENV = 'SPSJAX_DATA_DIR'
 FILE_FORMAT = 'array_record'

@@ -14,34 +14,14 @@ Invariant: `input` occurs verbatim in the file and ends with `\"\"\"`. Files tha
 """
 
 import ast
-import io
 import re
 from collections.abc import Iterator
 
 import tensorflow_datasets as tfds
 
-from spsjax.data import local_builder, python_code
+from spsjax.data import functions, local_builder, python_code
 
 _OPENING = re.compile(r'[rRuU]?"""')
-_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-
-
-def _lines(source: str) -> list[str]:
-  """The source's lines as the tokenizer counts them (only \\n, \\r\\n and \\r end a line)."""
-  return io.StringIO(source, newline='').readlines()
-
-
-def _walk(node: ast.AST, prefix: str = '') -> Iterator[tuple[str, ast.AST]]:
-  """(qualified name, node) for every function in `node`, outermost first."""
-  for child in ast.iter_child_nodes(node):
-    if isinstance(child, _SCOPES):
-      name = prefix + child.name
-      if not isinstance(child, ast.ClassDef):
-        yield name, child
-      inner = f'{name}.<locals>.' if not isinstance(child, ast.ClassDef) else f'{name}.'
-      yield from _walk(child, inner)
-    else:
-      yield from _walk(child, prefix)
 
 
 def extract(source: str, path: str) -> list[dict[str, str]]:
@@ -51,12 +31,11 @@ def extract(source: str, path: str) -> list[dict[str, str]]:
 
 def _examples(source: str, path: str) -> Iterator[tuple[int, dict[str, str]]]:
   """(first line, example) pairs; the first line (1-based) makes a unique key within the file."""
-  try:
-    tree = ast.parse(source)
-  except (SyntaxError, ValueError):  # ValueError: null bytes.
+  tree = functions.parse(source)
+  if tree is None:
     return
-  lines = _lines(source)
-  for name, node in _walk(tree):
+  lines = functions.lines(source)
+  for name, node in functions.walk(tree):
     docstring = (ast.get_docstring(node, clean=True) or '').strip()
     if not docstring:
       continue
@@ -65,7 +44,7 @@ def _examples(source: str, path: str) -> Iterator[tuple[int, dict[str, str]]]:
     opening = _OPENING.match(line_bytes[literal.col_offset:].decode('utf-8'))
     if opening is None:
       continue  # A '...', '''...''' or "..." docstring.
-    start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    start = functions.start_line(node)
     end = line_bytes[:literal.col_offset].decode('utf-8') + opening.group()
     yield start, {
         'input': ''.join(lines[start - 1:literal.lineno - 1]) + end,
@@ -99,12 +78,9 @@ class Docstrings(local_builder.LocalBuilder):
 
   def _split_generators(self, dl_manager):
     del dl_manager  # Reads the interpreter's own files.
-    root = python_code.stdlib_root()
-    paths = [p for p in python_code.list_files(root, self.builder_config.prefixes)
-             if python_code.split_of(p) == 'test']
-    sources, _ = python_code.read_sources(root, paths)
     examples = [(f'{path}:{line}', example)
-                for path, source in sources for line, example in _examples(source, path)]
+                for path, source in python_code.test_sources(self.builder_config.prefixes)
+                for line, example in _examples(source, path)]
     return {'test': self._generate_examples(examples)} if examples else {}  # TFDS needs examples.
 
   def _generate_examples(self, examples: list[tuple[str, dict]]) -> Iterator[tuple[str, dict]]:

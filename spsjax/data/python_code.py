@@ -73,6 +73,14 @@ def read_sources(root: str, paths: list[str]) -> tuple[list[tuple[str, str]], li
   return sources, skipped
 
 
+def test_sources(prefixes: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+  """`[(path, text), ...]` of the test split's files (under `prefixes`) that decode as UTF-8: what
+  the task builders (`docstrings`, `code_completion`) make their held-out examples from."""
+  root = stdlib_root()
+  paths = [p for p in list_files(root, prefixes) if split_of(p) == 'test']
+  return read_sources(root, paths)[0]
+
+
 def interpreter_config_name() -> str:
   version = '_'.join(map(str, sys.version_info[:3]))
   return f'{sys.implementation.name}_{version}'

@@ -68,6 +68,18 @@ def model_alpha(target: models.Model, draft: models.Model, sampling_config, prom
 
 def _positions_sums(target, draft, sampling_config, lenience, prompts_BxP, lengths_B, out, mesh):
   """`_sums` over the positions that produced the generated tokens of `out`."""
+  seq, mask = generated_positions(prompts_BxP, lengths_B, out, mesh)
+  beta, count, tv = _sums(target.config, draft.config, sampling_config, float(lenience),
+                         target.params, draft.params, seq, mask)
+  return float(beta), int(count), float(tv)
+
+
+def generated_positions(prompts_BxP, lengths_B, out: sampling.SampleOutput,
+                        mesh: Mesh | None = None):
+  """(tokens int32[B, L], mask bool[B, L]): each row's prompt then its generated tokens (zeros
+  after), and True at the positions whose next-token law produced a generated token (position t
+  predicts token t + 1). `out` is gathered here if it is a global array; on `mesh` both are
+  replicated to the models' devices."""
   out = distributed.gather(out)
   tokens = np.asarray(out.tokens)
   n_B = np.asarray(out.num_generated)
@@ -78,13 +90,11 @@ def _positions_sums(target, draft, sampling_config, lenience, prompts_BxP, lengt
     L = int(lengths_B[b])
     seq[b, :L] = prompts_BxP[b, :L]
     seq[b, L:L + n_B[b]] = tokens[b, :n_B[b]]
-    mask[b, L - 1:L - 1 + n_B[b]] = True  # Position t predicts token t + 1.
+    mask[b, L - 1:L - 1 + n_B[b]] = True
   if mesh is not None:
     replicated = NamedSharding(mesh, PartitionSpec())
     seq, mask = sharding.put((seq, mask), (replicated, replicated))
-  beta, count, tv = _sums(target.config, draft.config, sampling_config, float(lenience),
-                         target.params, draft.params, seq, mask)
-  return float(beta), int(count), float(tv)
+  return seq, mask
 
 
 @dataclasses.dataclass(frozen=True)

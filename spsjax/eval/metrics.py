@@ -1,17 +1,21 @@
 """Text metrics, and whether two samplers differ by more than sampling noise.
 
-`rouge2` is the mean ROUGE-2 F-measure of `rouge_score` with Porter stemming, one score per
-(prediction, reference) pair. `mean_and_stderr` and `differs` decide whether, say, ArS and SpS
-outputs score differently: SpS samples the target distribution exactly, so any difference between
-them should be within noise, and `differs` flags one that is not.
+`rouge2` is the mean ROUGE-2 F-measure of `rouge_score` with Porter stemming, `chrf_scores`
+sacrebleu's sentence-level chrF, one score per (prediction, reference) pair. `mean_and_stderr` and
+`parity` decide whether, say, ArS and SpS outputs score differently: SpS samples the target
+distribution exactly, so any difference between them should be within noise; `parity` flags one
+that is not and says how large a difference it could have seen (its power).
 """
 
+import dataclasses
 import functools
 import math
 import statistics
 from collections.abc import Sequence
 
 from rouge_score import rouge_scorer
+from sacrebleu import metrics as sacrebleu_metrics
+from scipy import stats as scipy_stats
 
 
 @functools.cache
@@ -19,15 +23,19 @@ def _scorer() -> rouge_scorer.RougeScorer:
   return rouge_scorer.RougeScorer(['rouge2'], use_stemmer=True)
 
 
-def rouge2_scores(predictions: Sequence[str], references: Sequence[str]) -> list[float]:
-  """ROUGE-2 F-measure of each prediction against the reference at the same index."""
+def _check_pairs(predictions: Sequence[str], references: Sequence[str], metric: str) -> None:
   if isinstance(predictions, str) or isinstance(references, str):
-    raise TypeError('rouge2 takes sequences of strings, not a single string')
+    raise TypeError(f'{metric} takes sequences of strings, not a single string')
   if len(predictions) != len(references):
     raise ValueError(
         f'{len(predictions)} predictions but {len(references)} references: pair them one to one')
   if not predictions:
-    raise ValueError('rouge2 needs at least one (prediction, reference) pair')
+    raise ValueError(f'{metric} needs at least one (prediction, reference) pair')
+
+
+def rouge2_scores(predictions: Sequence[str], references: Sequence[str]) -> list[float]:
+  """ROUGE-2 F-measure of each prediction against the reference at the same index."""
+  _check_pairs(predictions, references, 'rouge2')
   scorer = _scorer()
   return [scorer.score(ref, pred)['rouge2'].fmeasure for pred, ref in zip(predictions, references)]
 
@@ -50,21 +58,61 @@ def mean_and_stderr(values: Sequence[float]) -> tuple[float, float]:
   return mean, statistics.stdev(values, mean) / math.sqrt(len(values))
 
 
-def differs(a_values: Sequence[float], b_values: Sequence[float], z: float = 2.0) -> bool:
-  """Whether the means of two independent samples differ by more than `z` combined std errors.
+def chrf_scores(predictions: Sequence[str], references: Sequence[str]) -> list[float]:
+  """Sentence-level chrF of each prediction against the reference at the same index, in [0, 1]:
+  sacrebleu's CHRF with its defaults (character n-grams up to 6, recall weighted by beta = 2,
+  whitespace ignored), divided by 100."""
+  _check_pairs(predictions, references, 'chrF')
+  chrf = _chrf()
+  return [chrf.sentence_score(pred, [ref]).score / 100.0
+          for pred, ref in zip(predictions, references)]
 
-  A two-sample z-test (Welch's statistic read against the normal): True iff
-  |mean_a - mean_b| > z * sqrt(se_a**2 + se_b**2). With z = 2 and a few dozen values per sample,
-  two samples of the same distribution are flagged about 5% of the time. For paired samples (the
-  same prompts under ArS and SpS) whose scores are positively correlated, as scores on the same
-  prompt usually are, it is conservative: it ignores the correlation, which shrinks the noise of
-  the difference. If both samples are constant the combined error is 0 and
-  any difference in means counts.
+
+@functools.cache
+def _chrf() -> sacrebleu_metrics.CHRF:
+  return sacrebleu_metrics.CHRF()
+
+
+@dataclasses.dataclass(frozen=True)
+class Parity:
+  """Paired comparison of two samplers' per-prompt scores: b - a over the same prompts, each
+  sampled with keys of its own (independent samples given the prompt).
+
+  The test: Student's paired t-test, two-sided, at `level` (already divided by the number of
+  tests it shares a decision with: Bonferroni). `mde` is its power: the smallest true mean
+  difference it detects with probability `power` at this n, (t_{1 - level/2} + t_{power}) x stderr
+  with n - 1 degrees of freedom. When every difference is the same (greedy decoding gives equal
+  outputs) the stderr is 0: then any nonzero difference counts and mde is 0.
   """
-  if len(a_values) < 2 or len(b_values) < 2:
-    raise ValueError('differs needs at least two values in each sample to estimate their noise')
-  if z < 0:
-    raise ValueError(f'z must be non-negative, got {z}')
-  mean_a, se_a = mean_and_stderr(a_values)
-  mean_b, se_b = mean_and_stderr(b_values)
-  return abs(mean_a - mean_b) > z * math.hypot(se_a, se_b)
+  n: int
+  difference: float  # Mean of b - a.
+  stderr: float
+  p_value: float
+  level: float
+  mde: float
+  power: float
+
+  @property
+  def differs(self) -> bool:
+    return self.p_value < self.level
+
+
+def parity(a_values: Sequence[float], b_values: Sequence[float], *, level: float = 0.05,
+           power: float = 0.8, tests: int = 1) -> Parity:
+  """The paired t-test of b - a at level / tests (see `Parity`)."""
+  if len(a_values) != len(b_values):
+    raise ValueError(f'Paired samples need equal sizes, got {len(a_values)} and {len(b_values)}')
+  if len(a_values) < 2:
+    raise ValueError('parity needs at least two pairs to estimate the noise of their difference')
+  if not 0 < level < 1 or not 0 < power < 1 or tests < 1:
+    raise ValueError(f'Need 0 < level < 1, 0 < power < 1 and tests >= 1; got level={level}, '
+                     f'power={power}, tests={tests}')
+  diffs = [float(b) - float(a) for a, b in zip(a_values, b_values)]
+  mean, stderr = mean_and_stderr(diffs)
+  n, level = len(diffs), level / tests
+  if stderr == 0.0:
+    return Parity(n, mean, 0.0, 1.0 if mean == 0.0 else 0.0, level, 0.0, power)
+  df = n - 1
+  p_value = float(2.0 * scipy_stats.t.sf(abs(mean) / stderr, df))
+  mde = float((scipy_stats.t.ppf(1.0 - level / 2.0, df) + scipy_stats.t.ppf(power, df)) * stderr)
+  return Parity(n, mean, stderr, p_value, level, mde, power)
