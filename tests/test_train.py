@@ -263,3 +263,15 @@ def test_distillation_moves_the_student_towards_the_teacher(finished, tmp_path, 
       teacher=teacher)
   assert 'distill' in metrics and metrics['loss'] == pytest.approx(metrics['distill'])
   assert divergence(state.params) < before - (0.02 if kind == 'tv' else 0.1), kind
+
+
+def test_a_checkpoint_that_predates_a_model_option_resumes():
+  """Options added to TransformerConfig later (with their defaults) do not strand a checkpoint:
+  its meta lacks them and means the defaults; any field that differs still refuses."""
+  config = train_helpers.CONFIG.model
+  meta = checkpoint.encode_meta(config, b'tokenizer', {})
+  newer = ('qkv_bias', 'dense_bias', 'norm', 'position')
+  old = dict(meta, model={k: v for k, v in meta['model'].items() if k not in newer})
+  assert checkpoint.same_model(old, config) and checkpoint.same_model(meta, config)
+  assert not checkpoint.same_model(old, dataclasses.replace(config, norm='layer'))
+  assert not checkpoint.same_model(meta, dataclasses.replace(config, d_ff=config.d_ff * 2))

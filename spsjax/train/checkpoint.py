@@ -35,6 +35,13 @@ def decode_meta(meta: dict) -> tuple[TransformerConfig, bytes]:
   return TransformerConfig(**meta['model']), base64.b64decode(meta['tokenizer'])
 
 
+def same_model(meta: dict, model_config: TransformerConfig) -> bool:
+  """Whether a checkpoint's meta describes `model_config`. A field the checkpoint predates takes
+  its default (the model it trained computed exactly that), so adding an option with a default to
+  TransformerConfig never strands a checkpoint."""
+  return decode_meta(meta)[0] == model_config
+
+
 def save(mngr: ocp.CheckpointManager, step: int, state, data_state: dict, meta: dict,
          force: bool = False) -> bool:
   return mngr.save(step, args=ocp.args.Composite(

@@ -232,7 +232,7 @@ def train(config: TrainConfig, *, workdir: str, train_batches, eval_batches: Cal
   state = init_state(config, mesh)
   if mngr.latest_step() is not None:
     state, data_state, saved_meta = checkpoint.restore(mngr, checkpoint.abstract_like(state))
-    if saved_meta['model'] != meta['model']:
+    if not checkpoint.same_model(saved_meta, config.model):
       raise ValueError(f'Checkpoint in {workdir} has model {saved_meta["model"]}, the config asks '
                        f'for {meta["model"]}: use another workdir.')
     if saved_meta.get('optimizer', meta['optimizer']) != meta['optimizer']:
