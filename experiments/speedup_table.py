@@ -79,7 +79,8 @@ def main(argv):
                   **cmp.summary(),
                   **{row.method: dict(metric=row.metric, mean=row.metric_mean,
                                       stderr=row.metric_stderr, scores=row.scores,
-                                      logprobs=row.logprobs, extra=row.extra,
+                                      logprobs=row.logprobs, log_ratios=row.log_ratios,
+                                      extra=row.extra,
                                       timing=row.timing, completions=row.completions)
                      for row in (cmp.ars, cmp.sps)}) for cmp in comparisons]
   with open(os.path.join(c.results, 'table.json'), 'w', encoding='utf-8') as f:

@@ -115,7 +115,8 @@ def test_rows_and_table_on_a_tiny_docstring_task(family, tmp_path):
   # Greedy: the same completions, so the same target log-probabilities, and a parity test with no
   # noise (MDE 0) that sees no difference.
   assert ars.logprobs == sps.logprobs and all(v < 0 for v in ars.logprobs)
-  assert set(summary['parity']) == {'rouge2', 'log p'}
+  assert set(summary['parity']) == {'rouge2', 'log p', 'log p/q'}
+  assert ars.log_ratios == sps.log_ratios
   assert summary['parity']['log p']['mde'] == 0.0 and not summary['parity']['log p']['differs']
   assert 0 < summary['outside_forward_passes'] <= summary['outside_forward_ops'] < 1
   table = speedup.markdown([cmp])
@@ -126,7 +127,7 @@ def test_rows_and_table_on_a_tiny_docstring_task(family, tmp_path):
           f'{ms(lp.score)} | {ms(lp.accept)} | {lp.outside_forward_passes:.1%} | '
           f'{lp.outside_forward_ops:.1%} |') in table.splitlines()
   assert table.count('| docstrings | greedy | 2 |') == 4  # ArS, SpS, the theory and the profile.
-  assert '| rouge2 +0.000 (0.000), log p +0.000 (0.000) | no |' in table
+  assert '| rouge2 +0.000 (0.000), log p +0.000 (0.000), log p/q +0.000 (0.000) | no |' in table
   assert speedup.PARITY_NOTE in table
 
 
@@ -170,13 +171,18 @@ def test_parity_columns_flag_a_biased_sampler_and_pass_the_exact_one(peaked_fami
                                    seed=0))
   biased = compare(speedup.run_rows(target, draft, tok, task, 'nucleus', cfg, batch=4, k=3,
                                     seed=0, lenience=1e-4))
-  assert set(exact.parity) == {'chrF', 'next-line EM', 'log p'}
-  assert all(p.level == pytest.approx(0.05 / 3) for p in exact.parity.values())
+  assert set(exact.parity) == {'chrF', 'next-line EM', 'log p', 'log p/q'}
+  assert all(p.level == pytest.approx(0.05 / 4) for p in exact.parity.values())
   assert not exact.metrics_differ
   # The pair's laws are far apart (exact alpha ~0.06); the biased sampler accepts most drafts.
   assert exact.sps.timing['alpha'] < 0.25 and biased.sps.timing['alpha'] > 0.75
   assert biased.metrics_differ and biased.parity['log p'].differs
   assert biased.parity['log p'].difference < -biased.parity['log p'].mde < 0
+  # log p - log q: positive on the target's samples (KL(p || q) per token), negative on the
+  # draft's; the biased sampler's moves down, beyond what the test detects.
+  assert np.mean(biased.ars.log_ratios) > 0 > np.mean(biased.sps.log_ratios)
+  assert biased.parity['log p/q'].differs
+  assert biased.parity['log p/q'].difference < -biased.parity['log p/q'].mde
   # The exact pair's log p difference is within what the test could have seen.
   assert abs(exact.parity['log p'].difference) < exact.parity['log p'].mde
   assert '| yes |' in speedup.markdown([biased]) and '| no |' in speedup.markdown([exact])
@@ -267,6 +273,7 @@ def test_table_theory_for_prompt_lookup_uses_the_proposals_made(family):
   ars, sps = speedup.run_rows(target, None, tok, task, 'greedy', greedy, batch=1, k=3, seed=0,
                               drafter=lookup)
   assert ars.completions == sps.completions and np.isnan(sps.alpha_model)
+  assert sps.log_ratios is None and set(sps.columns) == {'rouge2', 'log p'}  # No draft model.
   t = sps.timing
   assert sum(t['loops_by_proposed']) >= 2 and len(t['loops_by_proposed']) == 4
   costs = speedup.Costs(target_step=1e-3, draft_step=0.0, score_call=1.2e-3)

@@ -45,6 +45,7 @@ from spsjax.eval.tasks import Task, score
 from spsjax.sampling import drafters, speculative
 
 LOGP = 'log p'  # The parity column of the target's mean log-probability per generated token.
+LOG_RATIO = 'log p/q'  # The parity column of the mean of log p - log q per generated token.
 PARITY_LEVEL = 0.05  # Family-wise, over a row's columns (Bonferroni).
 PARITY_POWER = 0.8  # For the minimal detectable difference each column reports.
 
@@ -86,6 +87,7 @@ class Row:
   method: str  # 'ArS' | 'SpS'
   scores: dict[str, list[float]]  # Per prompt, each of the task's metrics (headline first).
   logprobs: list[float]  # Per prompt: the target's mean log p per generated token (nats).
+  log_ratios: list[float] | None  # Per prompt: mean log p - log q (None: no draft model).
   extra: dict
   timing: dict
   completions: list[str]
@@ -104,8 +106,10 @@ class Row:
 
   @property
   def columns(self) -> dict[str, list[float]]:
-    """Every per-prompt column the parity test compares: the task's metrics, then 'log p'."""
-    return {**self.scores, LOGP: self.logprobs}
+    """Every per-prompt column the parity test compares: the task's metrics, 'log p' and (with a
+    draft model) 'log p/q'."""
+    ratios = {} if self.log_ratios is None else {LOG_RATIO: self.log_ratios}
+    return {**self.scores, LOGP: self.logprobs, **ratios}
 
   @property
   def metric_mean(self) -> float:
@@ -139,6 +143,7 @@ def run_rows(target: models.Model, draft: models.Model | None, tok: Tokenizer, t
   rows_of = lambda i: [min(j, num - 1) for j in range(i * batch, (i + 1) * batch)]  # Pad: repeat.
   completions = {'ArS': [''] * num, 'SpS': [''] * num}
   logprobs = {'ArS': [0.0] * num, 'SpS': [0.0] * num}
+  log_ratios = {'ArS': [0.0] * num, 'SpS': [0.0] * num}
   beta, tv = [0.0, 0], [0.0, 0]
 
   def run(method, i):
@@ -162,9 +167,12 @@ def run_rows(target: models.Model, draft: models.Model | None, tok: Tokenizer, t
     real = len(rows[:num - i * batch])
     prompts_BxP, lengths_B = prompts_lib.for_call(prompts_NxP, lengths_N, rows[:real])
     out = sampling.SampleOutput(tokens=tokens[:real], num_generated=n[:real])
-    for row, value in zip(rows[:real], likelihood.mean_logprobs(target, prompts_BxP, lengths_B,
-                                                               out, mesh)):
-      logprobs[method][row] = value
+    target_logp = likelihood.mean_logprobs(target, prompts_BxP, lengths_B, out, mesh)
+    draft_logp = (likelihood.mean_logprobs(draft, prompts_BxP, lengths_B, out, mesh)
+                  if draft is not None else target_logp)
+    for row, logp, logq in zip(rows[:real], target_logp, draft_logp):
+      logprobs[method][row] = logp
+      log_ratios[method][row] = logp - logq
     if method == 'SpS' and draft is not None:
       total, count = model_alpha(target, draft, sampling_config, prompts_BxP, lengths_B, out,
                                  mesh, lenience=lenience)
@@ -185,7 +193,9 @@ def run_rows(target: models.Model, draft: models.Model | None, tok: Tokenizer, t
   for method in ('ArS', 'SpS'):
     scores = score(task, completions[method])
     out.append(Row(task=task.name, decoding=decoding, batch=batch, method=method,
-                   scores=scores.values, logprobs=logprobs[method], extra=scores.extra,
+                   scores=scores.values, logprobs=logprobs[method],
+                   log_ratios=log_ratios[method] if draft is not None else None,
+                   extra=scores.extra,
                    timing=timings[method].summary(),
                    completions=completions[method],
                    alpha_model=(beta[0] / beta[1] if beta[1] else float('nan'))
@@ -305,9 +315,11 @@ def profile_row(target: models.Model, draft: models.Model | None, tok: Tokenizer
 
 
 PARITY_NOTE = (
-    f'Results differ beyond noise: for each column (the task\'s metrics and log p, the target\'s '
-    f'mean log-probability per generated token, raw logits), Student\'s paired t-test of SpS - ArS '
-    f'over the same prompts, which the two sample with independent keys; two-sided at '
+    f'log p: the target\'s mean log-probability per generated token; log p/q: the mean of log p - '
+    f'log q (target minus draft, the log-likelihood ratio that moves first when SpS leaks the '
+    f'draft\'s law); raw logits, nats. Results differ beyond noise: for each column (the task\'s '
+    f'metrics, log p and log p/q), Student\'s paired t-test of SpS - ArS over the same prompts, '
+    f'which the two sample with independent keys; two-sided at '
     f'{PARITY_LEVEL} / m for a row of m columns (Bonferroni), so a row is flagged with probability '
     f'at most {PARITY_LEVEL} when the laws are equal. In brackets the test\'s power: the smallest '
     f'true difference it detects with probability {PARITY_POWER} at the row\'s number of prompts '
@@ -327,9 +339,9 @@ def _differences(parity: dict[str, metrics.Parity]) -> str:
 
 def markdown(comparisons: Sequence[Comparison]) -> str:
   """Table 1 as Markdown: the measurement, then the theory from the same run."""
-  head = ('| task | decoding | batch | method | result | parses | target log p/token | '
+  head = ('| task | decoding | batch | method | result | parses | log p / token | log p/q / token | '
           'ms/token (std) | p90 ms | speedup | acceptance | tokens/loop |\n'
-          '|---|---|---|---|---|---|---|---|---|---|---|---|')
+          '|---|---|---|---|---|---|---|---|---|---|---|---|---|')
   lines = [head]
   for cmp in comparisons:
     for row in (cmp.ars, cmp.sps):
@@ -345,6 +357,7 @@ def markdown(comparisons: Sequence[Comparison]) -> str:
       lines.append(
           f'| {row.task} | {row.decoding} | {row.batch} | {method} | {result} | {parses} | '
           f'{_mean_se(row.logprobs)} | '
+          f'{"-" if row.log_ratios is None else _mean_se(row.log_ratios)} | '
           f'{t["mean_ms_per_token"]:.3f} ({t["std_ms_per_token"]:.3f}) | {t["p90_ms"]:.3f} | '
           f'{speed} | {accept} | {per_loop} |')
   lines += ['', '| task | decoding | batch | alpha (measured / model) | c | s | '

@@ -1,11 +1,16 @@
-"""The target's log-probability of generated text: Table 1's model-based parity column.
+"""Log-probabilities of generated text under a model: Table 1's model-based parity columns.
 
-Exact SpS samples the target's law, so the target's mean log-probability per generated token has
-the same distribution under ArS and SpS: equal within noise, on any task, whether or not the task's
-metric scores the models above zero. A sampler that does not keep the law (a lossy lenience, a bug
-in the acceptance rule) moves it. The probability is the target's raw model (log-softmax of its
-logits: temperature 1, no top-k or top-p), so that every generated token has a finite value
-whatever the decoding that produced it.
+Exact SpS samples the target's law, so any statistic of its outputs has the same distribution under
+ArS and SpS: equal within noise, on any task, whether or not the task's metric scores the models
+above zero. Table 1 uses two, per prompt:
+- log p: the target's mean log-probability per generated token;
+- log p/q: the mean of log p - log q (target minus draft) per generated token. Where SpS leaks the
+  draft's law into its outputs (a lossy lenience, a bug in the acceptance rule) this moves first:
+  it is the log-likelihood ratio of the two laws, the most powerful statistic for telling samples
+  of one from samples of the other (Neyman-Pearson), with mean KL(p || q) on the target's samples
+  and -KL(q || p) on the draft's.
+Both use the raw models (log-softmax of the logits: temperature 1, no top-k or top-p), so that every
+generated token has a finite value whatever the decoding that produced it.
 
 Invariant: a row's value averages over exactly the positions that produced its generated tokens
 (`acceptance.generated_positions`: eos included, prompt never).
