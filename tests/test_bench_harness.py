@@ -160,16 +160,16 @@ def test_parity_columns_flag_a_biased_sampler_and_pass_the_exact_one(peaked_fami
   """The negative control: SpS that accepts (almost) every draft samples the draft's law, not the
   target's; the parity test must flag it on a task, and must not flag exact SpS on the same one."""
   target, draft, tok = peaked_family
-  prompts = tuple(f'def f{i}(a):\n    b = a + {i}\n' for i in range(24))
-  references = tuple(f'    return b * {i}' for i in range(24))
+  prompts = tuple(f'def f{i}(a):\n    b = a + {i}\n' for i in range(16))
+  references = tuple(f'    return b * {i}' for i in range(16))
   task = speedup.Task('code_completion', prompts, references, max_new_tokens=8)
   cfg = sampling.SamplingConfig(temperature=1.0)
   costs = speedup.Costs(target_step=1e-3, draft_step=1e-4, score_call=1.2e-3)
   compare = lambda rows: speedup.Comparison(ars=rows[0], sps=rows[1], costs=costs, k=3,
                                             c_hat=0.5)
-  exact = compare(speedup.run_rows(target, draft, tok, task, 'nucleus', cfg, batch=4, k=3,
+  exact = compare(speedup.run_rows(target, draft, tok, task, 'nucleus', cfg, batch=8, k=3,
                                    seed=0))
-  biased = compare(speedup.run_rows(target, draft, tok, task, 'nucleus', cfg, batch=4, k=3,
+  biased = compare(speedup.run_rows(target, draft, tok, task, 'nucleus', cfg, batch=8, k=3,
                                     seed=0, lenience=1e-4))
   assert set(exact.parity) == {'chrF', 'next-line EM', 'log p', 'log p/q'}
   assert all(p.level == pytest.approx(0.05 / 4) for p in exact.parity.values())
