@@ -62,10 +62,14 @@ def main(argv):
            f'{point.loop_seconds * 1e3:.2f} ms per loop{lossy}', flush=True)
   os.makedirs(c.results, exist_ok=True)
   sweep.write_csv(points, os.path.join(c.results, 'points.csv'))
+  table = sweep.markdown(points)
+  print0(table)
+  with open(os.path.join(c.results, 'points.md'), 'w', encoding='utf-8') as f:
+    f.write(table + '\n')
   sweep.plot(points, os.path.join(c.results, 'figure1.png'),
              f'{family}: {c.prompts} HumanEval prompts, {c.max_new_tokens} tokens, batch 1',
              c.sweep)
-  print0(f'Wrote {c.results}/points.csv and figure1.png')
+  print0(f'Wrote {c.results}/points.csv, points.md and figure1.png')
 
 
 if __name__ == '__main__':

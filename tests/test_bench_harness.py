@@ -217,6 +217,13 @@ def test_sweep_point_csv_and_plot(family, tmp_path):
   # ArS is timed in turn with every point: the ArS point's own time, the SpS point's ArS calls.
   assert base.ars_seconds == base.mean_seconds and point.ars_seconds > 0
   assert point.speedup == pytest.approx(point.ars_seconds / point.mean_seconds)
+  table = sweep.markdown([base, point]).splitlines()
+  assert table[2].startswith('| ArS | 0 | - | ArS | - | - | - / - | - | ')
+  assert table[3] == (
+      f'| 2 | 2 | d | {point.drafter} | {point.c:.3f} | {point.alpha:.3f} | '
+      f'{point.tokens_per_loop:.2f} / {point.predicted_tokens_per_loop:.2f} | '
+      f'{point.loop_seconds * 1e3:.2f} | {point.mean_seconds * 1e3:.1f} '
+      f'({point.std_seconds * 1e3:.1f}) | {point.speedup:.2f}x |')
   sweep.plot([point], str(tmp_path / 'fig.png'), 'test', 'k')
   assert (tmp_path / 'fig.png').stat().st_size > 1000
   del tok

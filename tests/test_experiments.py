@@ -192,6 +192,7 @@ def test_sweep_runs_sharded_on_a_mesh(family, tmp_path):
   assert run.returncode == 0, run.stderr[-3000:]
   assert 'mesh' in run.stdout and "'model': 4" in run.stdout, run.stdout[-2000:]
   assert (tmp_path / 'points.csv').exists() and (tmp_path / 'figure1.png').exists()
+  assert (tmp_path / 'points.md').read_text().startswith('| point | k | draft | drafter | c |')
 
 
 def test_export_hf_writes_a_llama_directory_that_loads_back(family, tmp_path):

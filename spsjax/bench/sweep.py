@@ -129,6 +129,24 @@ def write_csv(points: Sequence[Point], path: str) -> None:
       writer.writerow([getattr(p, name) for name in fields])
 
 
+def markdown(points: Sequence[Point]) -> str:
+  """The points as a Markdown table: what a draft-topology or k sweep is read by (c and alpha
+  beside the tokens per loop, measured and predicted from alpha, and the speedup over ArS timed in
+  turn)."""
+  fmt = lambda x, spec: '-' if np.isnan(x) else format(x, spec)
+  lines = ['| point | k | draft | drafter | c | alpha | tokens/loop (measured / predicted) | '
+           'ms per loop | ms per sequence (std) | speedup |',
+           '|---|---|---|---|---|---|---|---|---|---|']
+  for p in points:
+    lossy = f' (LOSSY: lenience {p.lenience}, TV {p.tv:.3f})' if p.lenience < 1 else ''
+    lines.append(
+        f'| {p.label} | {p.k} | {p.draft or "-"} | {p.drafter or "ArS"}{lossy} | {fmt(p.c, ".3f")} | '
+        f'{fmt(p.alpha, ".3f")} | {fmt(p.tokens_per_loop, ".2f")} / '
+        f'{fmt(p.predicted_tokens_per_loop, ".2f")} | {fmt(p.loop_seconds * 1e3, ".2f")} | '
+        f'{p.mean_seconds * 1e3:.1f} ({p.std_seconds * 1e3:.1f}) | {p.speedup:.2f}x |')
+  return '\n'.join(lines)
+
+
 def plot(points: Sequence[Point], path: str, title: str, x_label: str) -> None:
   """The three panels of Figure 1 against the swept value, saved as a PNG (the first with each
   point's own ArS time)."""
