@@ -4,8 +4,9 @@ A row is (task, decoding, batch, method). Both rows of a pair sample the same pr
 calls, ArS and SpS taking turns call by call (`timing.time_interleaved`, compile apart), each with
 keys of its own (so their scores are independent samples given the prompt), and score their
 generations (`spsjax.eval.tasks`: pass@1 for HumanEval, ROUGE-2 for docstrings, chrF and next-line
-exact match for code completion), plus the target's mean log-probability per generated token
-(`spsjax.eval.likelihood`), a model-based parity column that is informative on every task.
+exact match for code completion), plus two model-based parity columns that are informative on
+every task (`spsjax.eval.likelihood`): the target's mean log-probability per generated token, and
+(with a draft model) the mean of log p - log q, which moves first when SpS leaks the draft's law.
 A pair of rows (ArS, SpS) of the same task, decoding and batch gives the speedup (ratio of mean
 token times measured in the same run) and says whether their results differ by more than
 sampling noise (`metrics.parity`: a paired t-test per column over the same prompts, Bonferroni
@@ -231,8 +232,8 @@ class Comparison:
 
   @property
   def parity(self) -> dict[str, metrics.Parity]:
-    """SpS - ArS for every column (the task's metrics and the target's log p), each a paired
-    t-test at PARITY_LEVEL / (number of columns)."""
+    """SpS - ArS for every column (`Row.columns`: the task's metrics, log p and log p/q), each
+    a paired t-test at PARITY_LEVEL / (number of columns)."""
     a, b = self.ars.columns, self.sps.columns
     return {name: metrics.parity(a[name], b[name], level=PARITY_LEVEL, power=PARITY_POWER,
                                  tests=len(a)) for name in a}
