@@ -21,6 +21,9 @@ Arguments:
   distill_rows: the divergence on the batch's first rows only (0: all; the LM loss keeps every
     row): bounds the teacher's cost per step to that fraction of a batch.
   root: the family directory (tokenizer and checkpoints); default checkpoints/<size>.
+  name: the run's checkpoint directory under root (default: the model, with `_distill` and any
+    non-default divergence and data appended, as below); give one to keep a longer or otherwise
+    different run beside the default one (e.g. `steps=3000,name=draft_wide_distill_3000`).
   steps: overrides the size's number of steps (the reference target's default is 6000, a
     background run of ~3 h that resumes across sessions; its drafts' 600).
   runlocal: a few steps on a small part of the data, in checkpoints/<size>_runlocal, for a smoke
@@ -59,7 +62,7 @@ _SIZES = {
 def get_config(arg=None):
   a = parse_arg(arg, size='tiny', model='target', distill=0.0, root='', steps=0, seed=0,
                 data=1, model_axis=1, runlocal=False, divergence='forward_kl',
-                distill_data='corpus', prompt_len=32, distill_rows=0)
+                distill_data='corpus', prompt_len=32, distill_rows=0, name='')
   if a.size not in _SIZES:
     raise ValueError(f'size must be one of {sorted(_SIZES)}, got {a.size!r}.')
   if a.model not in _PRESET:
@@ -73,6 +76,10 @@ def get_config(arg=None):
     c.name += '_distill' + ''.join(
         f'_{v}' for v, default in ((a.divergence, 'forward_kl'), (a.distill_data, 'corpus'))
         if v != default)
+  if a.name:
+    if a.name == 'target' and a.model != 'target' or '/' in a.name or a.name.startswith('.'):
+      raise ValueError(f'name must be a directory name other than the target\'s, got {a.name!r}.')
+    c.name = a.name
   c.teacher = 'target' if a.distill > 0 else ''
   # runlocal trains on a small part of the stdlib (python_code.SMALL); '' means default.
   c.data = dict(name='python_code', text_field='', train_split='train', eval_split='validation',

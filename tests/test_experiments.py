@@ -242,3 +242,26 @@ def test_binaries_take_hugging_face_directories(tmp_path):
   c = config.get_config(f'hf_target={target},hf_draft={draft},sweep=draft')
   assert c.target == target and [p['draft'] for p in c.points] == [draft]
   assert c.results == 'results/sweep_draft_llama_gqa'
+
+
+def _config_module(name):
+  spec = importlib.util.spec_from_file_location(f'{name}_config',
+                                                os.path.join(_REPO, 'configs', f'{name}.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_train_config_names_each_kind_of_run_and_takes_an_explicit_name():
+  config = _config_module('train')
+  name = lambda arg: config.get_config(arg).name
+  assert name('size=reference,model=draft_wide') == 'draft_wide'
+  assert name('size=reference,model=draft_mid,distill=1') == 'draft_mid_distill'
+  assert (name('size=reference,model=draft_wide,distill=1,divergence=tv,distill_data=student')
+          == 'draft_wide_distill_tv_student')
+  long = config.get_config('size=reference,model=draft_wide,distill=1,steps=3000,name=long')
+  assert long.name == 'long' and long.teacher == 'target'
+  assert long.optimizer.total_steps == 3000
+  for bad in ('target', '../x', '.hidden'):
+    with pytest.raises(ValueError, match='name must be a directory name'):
+      config.get_config(f'size=reference,model=draft_wide,name={bad}')
