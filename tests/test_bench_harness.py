@@ -146,6 +146,22 @@ def test_logprob_column_is_the_target_s_log_softmax_of_each_generated_token(fami
   del tok
 
 
+
+def test_pair_statistics_give_each_column_as_its_own_pass_does(family):
+  target, draft, _ = family
+  prompts, lengths = np.array([[5, 6, 7, 0], [8, 9, 10, 11]], np.int32), np.array([3, 4], np.int32)
+  out = sampling.SampleOutput(tokens=np.array([[3, 4, 0], [7, 8, 9]], np.int32),
+                              num_generated=np.array([2, 3], np.int32))
+  cfg = sampling.SamplingConfig(temperature=0.8, top_p=0.9)
+  stats = acceptance.pair_statistics(target, draft, cfg, prompts, lengths, out, lenience=0.5)
+  assert stats.count == 5
+  assert stats.logp == pytest.approx(likelihood.mean_logprobs(target, prompts, lengths, out))
+  assert stats.logq == pytest.approx(likelihood.mean_logprobs(draft, prompts, lengths, out))
+  assert stats.logp != pytest.approx(stats.logq)
+  assert (stats.beta, stats.count) == acceptance.model_alpha(target, draft, cfg, prompts, lengths,
+                                                             out, lenience=0.5)
+  assert 0 < stats.tv == acceptance.lenient_tv(target, draft, cfg, 0.5, prompts, lengths, out)[0]
+
 @pytest.fixture(scope='module', name='peaked_family')
 def fixture_peaked_family():
   """Random pair with scaled heads: far-from-uniform, different next-token laws (alpha ~0.3)."""

@@ -29,11 +29,11 @@ _TASK = tasks.Task('docstrings', ('def add(a, b):\n    """', 'def f():\n    """'
 def test_model_alpha_counts_each_prompt_once_and_methods_get_their_own_keys(family, monkeypatch):
   target, draft, tok = family
   seen_rows, keys = [], {'ArS': [], 'SpS': []}
-  model_alpha = speedup.model_alpha
+  pair_statistics = speedup.pair_statistics
 
   def recording_alpha(t, d, cfg, prompts_BxP, lengths_B, out, mesh=None, **kw):
     seen_rows.append([tuple(p[:n]) for p, n in zip(np.asarray(prompts_BxP), lengths_B)])
-    return model_alpha(t, d, cfg, prompts_BxP, lengths_B, out, mesh, **kw)
+    return pair_statistics(t, d, cfg, prompts_BxP, lengths_B, out, mesh, **kw)
 
   def recording(method, fn):
     def run(*args, **kwargs):
@@ -41,7 +41,7 @@ def test_model_alpha_counts_each_prompt_once_and_methods_get_their_own_keys(fami
       return fn(*args, **kwargs)
     return run
 
-  monkeypatch.setattr(speedup, 'model_alpha', recording_alpha)
+  monkeypatch.setattr(speedup, 'pair_statistics', recording_alpha)
   monkeypatch.setattr(sampling, 'autoregressive_sample',
                       recording('ArS', sampling.autoregressive_sample))
   monkeypatch.setattr(sampling, 'speculative_sample',

@@ -17,7 +17,8 @@ uncut_tokens_per_loop`), as alpha counts every accepted draft.
 Theory (`theory.Prediction`) is computed from the same run: alpha measured (per-draft
 acceptance from the loop counts, `theory.alpha_from_counts`) and model-based (mean of
 sum_x min(p, q) over the generated positions, p and q after the processors:
-`eval.acceptance.model_alpha`); c and s from jitted
+`eval.acceptance.pair_statistics`, which gives the log p and log p/q columns from the same
+forward passes); c and s from jitted
 `extend` calls of the two models at the row's batch and cache size. One SpS call per row is also
 profiled (`bench.profile`): time per loop and per phase read from the trace.
 
@@ -40,8 +41,8 @@ from spsjax import models, sampling, sharding
 from spsjax.bench import decode, profile, theory, timing
 from spsjax.data import prompts as prompts_lib
 from spsjax.data.tokenizer import Tokenizer
-from spsjax.eval import acceptance, likelihood, metrics, tasks
-from spsjax.eval.acceptance import model_alpha
+from spsjax.eval import likelihood, metrics, tasks
+from spsjax.eval.acceptance import pair_statistics
 from spsjax.eval.tasks import Task, score
 from spsjax.sampling import drafters, speculative
 
@@ -168,22 +169,22 @@ def run_rows(target: models.Model, draft: models.Model | None, tok: Tokenizer, t
     real = len(rows[:num - i * batch])
     prompts_BxP, lengths_B = prompts_lib.for_call(prompts_NxP, lengths_N, rows[:real])
     out = sampling.SampleOutput(tokens=tokens[:real], num_generated=n[:real])
-    target_logp = likelihood.mean_logprobs(target, prompts_BxP, lengths_B, out, mesh)
-    draft_logp = (likelihood.mean_logprobs(draft, prompts_BxP, lengths_B, out, mesh)
-                  if draft is not None else target_logp)
+    if method == 'SpS' and draft is not None:  # One forward pass of each model for all columns.
+      stats = pair_statistics(target, draft, sampling_config, prompts_BxP, lengths_B, out, mesh,
+                              lenience=lenience)
+      target_logp, draft_logp = stats.logp, stats.logq
+      beta[0] += stats.beta
+      beta[1] += stats.count
+      if lenience < 1:
+        tv[0] += stats.tv
+        tv[1] += stats.count
+    else:
+      target_logp = likelihood.mean_logprobs(target, prompts_BxP, lengths_B, out, mesh)
+      draft_logp = (likelihood.mean_logprobs(draft, prompts_BxP, lengths_B, out, mesh)
+                    if draft is not None else target_logp)
     for row, logp, logq in zip(rows[:real], target_logp, draft_logp):
       logprobs[method][row] = logp
       log_ratios[method][row] = logp - logq
-    if method == 'SpS' and draft is not None:
-      total, count = model_alpha(target, draft, sampling_config, prompts_BxP, lengths_B, out,
-                                 mesh, lenience=lenience)
-      beta[0] += total
-      beta[1] += count
-      if lenience < 1:
-        total, count = acceptance.lenient_tv(target, draft, sampling_config, lenience,
-                                             prompts_BxP, lengths_B, out, mesh)
-        tv[0] += total
-        tv[1] += count
 
   # One compiled program per padded width (`prompts.for_call`), compiled before it is timed.
   width = lambda i: prompts_lib.for_call(prompts_NxP, lengths_N, rows_of(i))[0].shape[1]

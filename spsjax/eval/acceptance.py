@@ -19,29 +19,57 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from spsjax import distributed, models, sampling, sharding
 from spsjax.data import prompts as prompts_lib
 from spsjax.data.tokenizer import Tokenizer
-from spsjax.eval import tasks
+from spsjax.eval import likelihood, tasks
 from spsjax.sampling import rejection
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _sums(target_config, draft_config, sampling_config, lenience, target_params, draft_params,
           tokens_BxL, mask_BxL):
-  """Over masked positions (next-token laws): sum of beta = sum_x min(q(x), p(x) / lenience) (the
-  probability a draft is accepted; sum min(p, q) when exact), count, and sum of the total
-  variation between a draft slot's law under `lenience` and p."""
-  p = sampling.probabilities(models.logits(target_config, target_params, tokens_BxL),
-                             sampling_config)
-  q = sampling.probabilities(models.logits(draft_config, draft_params, tokens_BxL),
-                             sampling_config)
+  """From one forward pass of each model, over masked positions (next-token laws): sum of beta =
+  sum_x min(q(x), p(x) / lenience) (the probability a draft is accepted; sum min(p, q) when
+  exact), count, sum of the total variation between a draft slot's law under `lenience` and p,
+  and per row the raw models' log-probability sums of the next tokens (`likelihood.row_sums`)."""
+  target_BxLxV = models.logits(target_config, target_params, tokens_BxL)
+  draft_BxLxV = models.logits(draft_config, draft_params, tokens_BxL)
+  p = sampling.probabilities(target_BxLxV, sampling_config)
+  q = sampling.probabilities(draft_BxLxV, sampling_config)
   beta_BxL = rejection.acceptance_probability(p / lenience, q)
   tv_BxL = 0.5 * jnp.sum(jnp.abs(rejection.lenient_law(p, q, lenience) - p), axis=-1)
   total = lambda x_BxL: jnp.sum(jnp.where(mask_BxL, x_BxL, 0.0))
-  return total(beta_BxL), jnp.sum(mask_BxL), total(tv_BxL)
+  logp_B, counts_B = likelihood.row_sums(target_BxLxV, tokens_BxL, mask_BxL)
+  logq_B, _ = likelihood.row_sums(draft_BxLxV, tokens_BxL, mask_BxL)
+  return total(beta_BxL), jnp.sum(mask_BxL), total(tv_BxL), logp_B, logq_B, counts_B
+
+
+@dataclasses.dataclass(frozen=True)
+class PairStatistics:
+  """A target/draft pair along the generated tokens of one sampler call (real rows only)."""
+  beta: float  # Sum of beta over the positions.
+  count: int  # Positions.
+  tv: float  # Sum of the lenient draft slot's total variation from p (0 when exact).
+  logp: list[float]  # Per row: the raw target's mean log-probability per generated token.
+  logq: list[float]  # Per row: the raw draft's.
+
+
+def pair_statistics(target: models.Model, draft: models.Model, sampling_config, prompts_BxP,
+                    lengths_B, out: sampling.SampleOutput, mesh: Mesh | None = None,
+                    lenience: float = 1.0) -> PairStatistics:
+  """Everything Table 1 asks of the pair about `out`, from one forward pass of each model: beta
+  and total variation under `sampling_config` and `lenience`, and both log-probability columns.
+  `out` is gathered here if it is a global array; on `mesh` the sequences are replicated."""
+  seq, mask = likelihood.generated_positions(prompts_BxP, lengths_B, out, mesh)
+  beta, count, tv, logp_B, logq_B, counts_B = _sums(
+      target.config, draft.config, sampling_config, float(lenience), target.params, draft.params,
+      seq, mask)
+  return PairStatistics(beta=float(beta), count=int(count), tv=float(tv),
+                        logp=likelihood.row_means(logp_B, counts_B),
+                        logq=likelihood.row_means(logq_B, counts_B))
 
 
 def lenient_tv(target: models.Model, draft: models.Model, sampling_config, lenience: float,
@@ -50,9 +78,9 @@ def lenient_tv(target: models.Model, draft: models.Model, sampling_config, lenie
   """(sum, positions) of the total variation between the law of a draft slot under `lenience`
   (`rejection.lenient_law`) and the target's, over the positions of `out` as for `model_alpha`:
   its mean bounds what lenience costs per token (bonus tokens are exact)."""
-  _, count, tv = _positions_sums(target, draft, sampling_config, lenience, prompts_BxP,
-                                 lengths_B, out, mesh)
-  return tv, count
+  stats = pair_statistics(target, draft, sampling_config, prompts_BxP, lengths_B, out, mesh,
+                          lenience)
+  return stats.tv, stats.count
 
 
 def model_alpha(target: models.Model, draft: models.Model, sampling_config, prompts_BxP,
@@ -61,40 +89,9 @@ def model_alpha(target: models.Model, draft: models.Model, sampling_config, prom
   """(sum of beta, positions) over the positions that produced the generated tokens of `out`
   (host arrays, or gathered here); on `mesh` the sequences are replicated to the models' devices.
   With lenience < 1, beta is the lenient acceptance sum_x min(q(x), p(x) / lenience)."""
-  beta, count, _ = _positions_sums(target, draft, sampling_config, lenience, prompts_BxP,
-                                   lengths_B, out, mesh)
-  return beta, count
-
-
-def _positions_sums(target, draft, sampling_config, lenience, prompts_BxP, lengths_B, out, mesh):
-  """`_sums` over the positions that produced the generated tokens of `out`."""
-  seq, mask = generated_positions(prompts_BxP, lengths_B, out, mesh)
-  beta, count, tv = _sums(target.config, draft.config, sampling_config, float(lenience),
-                         target.params, draft.params, seq, mask)
-  return float(beta), int(count), float(tv)
-
-
-def generated_positions(prompts_BxP, lengths_B, out: sampling.SampleOutput,
-                        mesh: Mesh | None = None):
-  """(tokens int32[B, L], mask bool[B, L]): each row's prompt then its generated tokens (zeros
-  after), and True at the positions whose next-token law produced a generated token (position t
-  predicts token t + 1). `out` is gathered here if it is a global array; on `mesh` both are
-  replicated to the models' devices."""
-  out = distributed.gather(out)
-  tokens = np.asarray(out.tokens)
-  n_B = np.asarray(out.num_generated)
-  B, P = prompts_BxP.shape
-  seq = np.zeros((B, P + tokens.shape[1]), np.int32)
-  mask = np.zeros(seq.shape, bool)
-  for b in range(B):
-    L = int(lengths_B[b])
-    seq[b, :L] = prompts_BxP[b, :L]
-    seq[b, L:L + n_B[b]] = tokens[b, :n_B[b]]
-    mask[b, L - 1:L - 1 + n_B[b]] = True
-  if mesh is not None:
-    replicated = NamedSharding(mesh, PartitionSpec())
-    seq, mask = sharding.put((seq, mask), (replicated, replicated))
-  return seq, mask
+  stats = pair_statistics(target, draft, sampling_config, prompts_BxP, lengths_B, out, mesh,
+                          lenience)
+  return stats.beta, stats.count
 
 
 @dataclasses.dataclass(frozen=True)

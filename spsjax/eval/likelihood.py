@@ -13,7 +13,8 @@ Both use the raw models (log-softmax of the logits: temperature 1, no top-k or t
 generated token has a finite value whatever the decoding that produced it.
 
 Invariant: a row's value averages over exactly the positions that produced its generated tokens
-(`acceptance.generated_positions`: eos included, prompt never).
+(`generated_positions`: eos included, prompt never). `acceptance.pair_statistics` computes the
+draft's column with beta from the same forward passes.
 """
 
 import functools
@@ -21,28 +22,59 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spsjax import models, sampling
-from spsjax.eval import acceptance
+from spsjax import distributed, models, sampling, sharding
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _row_sums(config, params, tokens_BxL, mask_BxL):
-  """(sum over each row's masked positions of log p(next token), count per row)."""
-  logp_BxLxV = jax.nn.log_softmax(models.logits(config, params, tokens_BxL).astype(jnp.float32))
+def generated_positions(prompts_BxP, lengths_B, out: sampling.SampleOutput,
+                        mesh: Mesh | None = None):
+  """(tokens int32[B, L], mask bool[B, L]): each row's prompt then its generated tokens (zeros
+  after), and True at the positions whose next-token law produced a generated token (position t
+  predicts token t + 1). `out` is gathered here if it is a global array; on `mesh` both are
+  replicated to the models' devices."""
+  out = distributed.gather(out)
+  tokens = np.asarray(out.tokens)
+  n_B = np.asarray(out.num_generated)
+  B, P = prompts_BxP.shape
+  seq = np.zeros((B, P + tokens.shape[1]), np.int32)
+  mask = np.zeros(seq.shape, bool)
+  for b in range(B):
+    L = int(lengths_B[b])
+    seq[b, :L] = prompts_BxP[b, :L]
+    seq[b, L:L + n_B[b]] = tokens[b, :n_B[b]]
+    mask[b, L - 1:L - 1 + n_B[b]] = True
+  if mesh is not None:
+    replicated = NamedSharding(mesh, PartitionSpec())
+    seq, mask = sharding.put((seq, mask), (replicated, replicated))
+  return seq, mask
+
+
+def row_sums(logits_BxLxV, tokens_BxL, mask_BxL):
+  """(sum over each row's masked positions of the log-softmax of the next token, count per row):
+  traceable, for callers that already hold a model's logits."""
+  logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32))
   next_BxL1 = tokens_BxL[:, 1:]
   picked_BxL1 = jnp.take_along_axis(logp_BxLxV[:, :-1], next_BxL1[..., None], axis=-1)[..., 0]
   mask_BxL1 = mask_BxL[:, :-1]
   return jnp.sum(jnp.where(mask_BxL1, picked_BxL1, 0.0), axis=1), jnp.sum(mask_BxL1, axis=1)
 
 
-def mean_logprobs(target: models.Model, prompts_BxP, lengths_B, out: sampling.SampleOutput,
-                  mesh: Mesh | None = None) -> list[float]:
-  """The target's mean log-probability per generated token of each row of `out` (nats)."""
-  tokens, mask = acceptance.generated_positions(prompts_BxP, lengths_B, out, mesh)
-  sums_B, counts_B = _row_sums(target.config, target.params, tokens, mask)
+def row_means(sums_B, counts_B) -> list[float]:
+  """Per-row mean log-probability from `row_sums`; a row without generated tokens is an error."""
   sums_B, counts_B = np.asarray(sums_B), np.asarray(counts_B)
   if (counts_B == 0).any():
     raise ValueError('A row generated no tokens: its mean log-probability is undefined.')
   return [float(x) for x in sums_B / counts_B]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _model_row_sums(config, params, tokens_BxL, mask_BxL):
+  return row_sums(models.logits(config, params, tokens_BxL), tokens_BxL, mask_BxL)
+
+
+def mean_logprobs(model: models.Model, prompts_BxP, lengths_B, out: sampling.SampleOutput,
+                  mesh: Mesh | None = None) -> list[float]:
+  """The model's mean log-probability per generated token of each row of `out` (nats)."""
+  tokens, mask = generated_positions(prompts_BxP, lengths_B, out, mesh)
+  return row_means(*_model_row_sums(model.config, model.params, tokens, mask))
