@@ -162,6 +162,19 @@ def test_pair_statistics_give_each_column_as_its_own_pass_does(family):
                                                              out, lenience=0.5)
   assert 0 < stats.tv == acceptance.lenient_tv(target, draft, cfg, 0.5, prompts, lengths, out)[0]
 
+
+def test_alpha_skips_a_row_without_generated_tokens_where_the_log_columns_refuse_it(family):
+  target, draft, _ = family
+  prompts, lengths = np.array([[5, 6, 7], [8, 9, 10]], np.int32), np.array([3, 3], np.int32)
+  out = sampling.SampleOutput(tokens=np.array([[3, 4], [0, 0]], np.int32),
+                              num_generated=np.array([2, 0], np.int32))
+  cfg = sampling.SamplingConfig(temperature=1.0)
+  stats = acceptance.pair_statistics(target, draft, cfg, prompts, lengths, out)
+  assert stats.count == 2 and 0 < stats.beta < 2
+  assert acceptance.model_alpha(target, draft, cfg, prompts, lengths, out) == (stats.beta, 2)
+  with pytest.raises(ValueError, match='generated no tokens'):
+    _ = stats.logp
+
 @pytest.fixture(scope='module', name='peaked_family')
 def fixture_peaked_family():
   """Random pair with scaled heads: far-from-uniform, different next-token laws (alpha ~0.3)."""

@@ -53,8 +53,20 @@ class PairStatistics:
   beta: float  # Sum of beta over the positions.
   count: int  # Positions.
   tv: float  # Sum of the lenient draft slot's total variation from p (0 when exact).
-  logp: list[float]  # Per row: the raw target's mean log-probability per generated token.
-  logq: list[float]  # Per row: the raw draft's.
+  logp_sums: np.ndarray  # [B]: the raw target's log-probability sums of each row's tokens.
+  logq_sums: np.ndarray  # [B]: the raw draft's.
+  counts: np.ndarray  # [B]: each row's generated tokens.
+
+  @property
+  def logp(self) -> list[float]:
+    """Per row: the target's mean log-probability per generated token (a row without generated
+    tokens is an error here, and only here: beta's sums just skip it)."""
+    return likelihood.row_means(self.logp_sums, self.counts)
+
+  @property
+  def logq(self) -> list[float]:
+    """Per row: the draft's mean log-probability per generated token."""
+    return likelihood.row_means(self.logq_sums, self.counts)
 
 
 def pair_statistics(target: models.Model, draft: models.Model, sampling_config, prompts_BxP,
@@ -68,8 +80,8 @@ def pair_statistics(target: models.Model, draft: models.Model, sampling_config, 
       target.config, draft.config, sampling_config, float(lenience), target.params, draft.params,
       seq, mask)
   return PairStatistics(beta=float(beta), count=int(count), tv=float(tv),
-                        logp=likelihood.row_means(logp_B, counts_B),
-                        logq=likelihood.row_means(logq_B, counts_B))
+                        logp_sums=np.asarray(logp_B), logq_sums=np.asarray(logq_B),
+                        counts=np.asarray(counts_B))
 
 
 def lenient_tv(target: models.Model, draft: models.Model, sampling_config, lenience: float,
