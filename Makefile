@@ -34,17 +34,19 @@ train-demo: $(VENV)/.installed
 	$(PY) experiments/train.py --config=configs/train.py:size=demo,model=draft_wide,distill=1
 
 # The reference family of issue 13 in checkpoints/reference, one run after another: the target
-# (6000 steps, ~3 h of both cores), then the drafts Table 1 and Figure 1 use (600 steps each): the
-# wide draft distilled from the target, the three topologies (wide, mid, deep) on the LM loss, the
-# wide draft distilled for 3000 steps, mid and deep distilled, the wide draft distilled by total
-# variation on its own samples, and the wide draft distilled for 8000 steps (~1.8 h: alpha was
-# still rising at 3000). Every run resumes
-# from its last checkpoint and a finished one is skipped, so after an interruption (a killed
-# process, a new session) the same command continues where it stopped:
+# (2000 steps, ~50 min of both cores), then its drafts: the truncated draft (the target's first
+# layer, started from it) distilled for 3000 steps (~35 min), the drafts Figure 1's sweeps use
+# (600 steps each: the wide draft distilled, the three topologies wide, mid, deep on the LM loss,
+# mid and deep distilled), the wide draft distilled for 3000 steps, the wide draft distilled by
+# total variation on its own samples, and the wide draft distilled for 8000 steps. Every run
+# resumes from its last checkpoint and a finished one is skipped, so after an interruption (a
+# killed process, a new session) the same command continues where it stopped:
 #   nohup make train-reference > results/train_reference.log 2>&1 &
-REFERENCE_RUNS := model=target model=draft_wide,distill=1 model=draft_wide model=draft_mid \
-	model=draft_deep model=draft_wide,distill=1,steps=3000,name=draft_wide_distill_3000 \
+REFERENCE_RUNS := model=target \
+	model=draft_trunc,distill=1,steps=3000,name=draft_trunc_distill_3000 \
+	model=draft_wide,distill=1 model=draft_wide model=draft_mid model=draft_deep \
 	model=draft_mid,distill=1 model=draft_deep,distill=1 \
+	model=draft_wide,distill=1,steps=3000,name=draft_wide_distill_3000 \
 	model=draft_wide,distill=1,divergence=tv,distill_data=student \
 	model=draft_wide,distill=1,steps=8000,name=draft_wide_distill_8000
 train-reference: $(VENV)/.installed

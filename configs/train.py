@@ -5,11 +5,13 @@ Arguments:
     tests); `demo` is the README's main job (`make demo`: a 5M target of ~6 minutes, whose decode
     step outweighs the fixed costs of a step, and a one-layer draft distilled from it in ~2);
     `reference` is the pair the README's tables are measured on.
-  model: target | draft_wide | draft_mid | draft_deep (presets `<size>_target`, `<size>_draft`,
-    `<size>_draft_mid`, `<size>_draft_deep`): the wide-shallow draft is ~0.75 of the target's
-    width (0.5 for demo) and 1/4 (tiny), 1/6 (demo) or 1/8 (reference) of its depth; the deep
-    draft (4 narrow layers) and the mid one (2 layers) have about the wide one's parameter count:
-    the draft-topology sweep's three shapes.
+  model: target | draft_wide | draft_mid | draft_deep | draft_trunc (presets `<size>_target`,
+    `<size>_draft`, `<size>_draft_mid`, `<size>_draft_deep`, `<size>_draft_trunc`): the
+    wide-shallow draft is ~0.75 of the target's width (0.5 for demo) and 1/4 (tiny), 1/6 (demo)
+    or 1/8 (reference) of its depth; the deep draft (4 narrow layers) and the mid one (2 layers)
+    have about the wide one's parameter count: the draft-topology sweep's three shapes. The
+    truncated draft is the target's first layer at its full width and starts from the trained
+    target's embedding, layer 0 and final norm (so the target must be trained first).
   distill: 0 trains on the language-model loss; a value in (0, 1] is the weight of distillation
     from the family's trained target (DistillSpec), the rest the LM loss.
   divergence: forward_kl (KL(p_target || q_draft), the default) | reverse_kl | tv (total
@@ -24,8 +26,8 @@ Arguments:
   name: the run's checkpoint directory under root (default: the model, with `_distill` and any
     non-default divergence and data appended, as below); give one to keep a longer or otherwise
     different run beside the default one (e.g. `steps=3000,name=draft_wide_distill_3000`).
-  steps: overrides the size's number of steps (the reference target's default is 6000, a
-    background run of ~3 h that resumes across sessions; its drafts' 600).
+  steps: overrides the size's number of steps (the reference target's default is 2000, a
+    background run of ~50 min that resumes if interrupted; its drafts' 600).
   runlocal: a few steps on a small part of the data, in checkpoints/<size>_runlocal, for a smoke
     run.
   data, model_axis: mesh axes.
@@ -41,7 +43,8 @@ from spsjax.data import python_code
 from spsjax.models import presets
 
 _PRESET = {'target': 'target', 'draft_wide': 'draft', 'draft_mid': 'draft_mid',
-           'draft_deep': 'draft_deep'}
+           'draft_deep': 'draft_deep', 'draft_trunc': 'draft_trunc'}
+_FROM_TARGET = ('draft_trunc',)  # Models that start from the trained target's parameters.
 
 # Per size: batch (sequences), sequence length, steps, warm-up, peak learning rate.
 _SIZES = {
@@ -49,12 +52,12 @@ _SIZES = {
     # Demo: 300 steps (~6 min for the target on 2 cores), so that `make demo` stays well within 20
     # minutes from a fresh clone.
     'demo': dict(batch_size=16, seq_len=128, steps=300, warmup_steps=30, learning_rate=2e-3),
-    # Reference: the drafts 600 steps (~5 min each); the target 6000 steps (12M tokens, about
-    # 1.5 passes over the stdlib; ~3 h on 2 cores at ~1150 tokens/s, so a background run resumed
-    # across sessions; saves every 100 steps, ~3 min). 600 target steps reached a held-out loss of
-    # 4.64-4.89, barely better than the drafts. Peak 1e-3: at 2e-3 an earlier 1200-step run stalled
-    # near 4.99 for 240 steps.
-    'reference': dict(batch_size=8, seq_len=256, steps=600, target_steps=6000, warmup_steps=60,
+    # Reference: the drafts 600 steps (~5 min each); the target 2000 steps (4.1M tokens, ~50 min
+    # on 2 cores at ~1450 tokens/s, so that target and drafts retrain within one session on a new
+    # machine; saves every 100 steps, ~1.5 min). 600 target steps reached a held-out loss of
+    # 4.64-4.89, barely better than the drafts; 6000 (~3 h, over four sessions) reached 3.62.
+    # Peak 1e-3: at 2e-3 an earlier 1200-step run stalled near 4.99 for 240 steps.
+    'reference': dict(batch_size=8, seq_len=256, steps=600, target_steps=2000, warmup_steps=60,
                       target_warmup_steps=200, learning_rate=1e-3),
 }
 
@@ -80,7 +83,7 @@ def get_config(arg=None):
     if a.name == 'target' and a.model != 'target' or '/' in a.name or a.name.startswith('.'):
       raise ValueError(f'name must be a directory name other than the target\'s, got {a.name!r}.')
     c.name = a.name
-  c.teacher = 'target' if a.distill > 0 else ''
+  c.teacher = 'target' if a.distill > 0 or a.model in _FROM_TARGET else ''
   # runlocal trains on a small part of the stdlib (python_code.SMALL); '' means default.
   c.data = dict(name='python_code', text_field='', train_split='train', eval_split='validation',
                 data_dir='', config=python_code.SMALL.name if a.runlocal else '')
@@ -94,7 +97,8 @@ def get_config(arg=None):
       log_every=1 if a.runlocal else 20, eval_every=max(1, min(steps // 5, 500)), eval_batches=4,
       save_every=4 if a.runlocal else 100, keep=3, distill_weight=a.distill,
       distill_temperature=1.0, distill_divergence=a.divergence, distill_data=a.distill_data,
-      distill_prompt_len=a.prompt_len, distill_rows=a.distill_rows)
+      distill_prompt_len=a.prompt_len, distill_rows=a.distill_rows,
+      init_from_teacher=a.model in _FROM_TARGET)
   c.optimizer = dict(learning_rate=size['learning_rate'],
                      warmup_steps=min(own('warmup_steps'), steps // 2), total_steps=steps,
                      final_fraction=0.1, weight_decay=0.1, clip_norm=1.0, b1=0.9, b2=0.95)

@@ -1,5 +1,6 @@
 """The binaries start, parse their configs and run end to end (smallest settings)."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -265,3 +266,18 @@ def test_train_config_names_each_kind_of_run_and_takes_an_explicit_name():
   for bad in ('target', '../x', '.hidden'):
     with pytest.raises(ValueError, match='name must be a directory name'):
       config.get_config(f'size=reference,model=draft_wide,name={bad}')
+
+
+@pytest.mark.parametrize('size', ['tiny', 'demo', 'reference'])
+def test_train_config_starts_the_truncated_draft_from_the_target(size):
+  """`model=draft_trunc` is the target's first layer at its width, started from the target (its
+  teacher, with or without distillation); the other drafts start at random."""
+  from spsjax.train import experiment  # pylint: disable=import-outside-toplevel
+  config = _config_module('train')
+  for arg in (f'size={size},model=draft_trunc', f'size={size},model=draft_trunc,distill=1'):
+    exp = experiment.from_config(config.get_config(arg))
+    assert exp.teacher == 'target' and exp.train.init_from_teacher
+    target = experiment.from_config(config.get_config(f'size={size},model=target'))
+    assert exp.train.model == dataclasses.replace(target.train.model, num_layers=1)
+  wide = experiment.from_config(config.get_config(f'size={size},model=draft_wide'))
+  assert not wide.train.init_from_teacher and wide.teacher is None

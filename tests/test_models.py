@@ -4,6 +4,7 @@
 products and the native cached attention) against the unpacked reference forward.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -138,3 +139,21 @@ def test_draft_shapes_have_about_the_same_size(size):
   assert layers[0] < layers[1] < layers[2]
   assert max(wide, mid, deep) / min(wide, mid, deep) < 1.25, (wide, mid, deep)
   assert max(wide, mid, deep) < count('target') / 3
+
+
+def test_truncated_params_are_the_first_layers():
+  """A truncated copy keeps the embedding, the first layers and the final norm, unchanged; a model
+  that is not the same one with fewer layers is refused."""
+  config = _config(2)
+  params = models.init_params(config, jax.random.key(0))
+  short = dataclasses.replace(config, num_layers=1)
+  cut = models.truncated_params(config, params, short)
+  assert sorted(cut) == ['embedding', 'final_norm', 'layer_0']
+  for got, want in zip(jax.tree.leaves(cut), jax.tree.leaves(
+      {k: params[k] for k in ('embedding', 'final_norm', 'layer_0')})):
+    np.testing.assert_array_equal(got, want)
+  out = models.logits(short, cut, jnp.zeros((1, 3), jnp.int32))
+  assert out.shape == (1, 3, VOCAB)
+  for bad in (dataclasses.replace(config, num_layers=3), dataclasses.replace(short, d_ff=48)):
+    with pytest.raises(ValueError, match='truncated copy'):
+      models.truncated_params(config, params, bad)

@@ -174,7 +174,7 @@ def test_bad_configs_fail_at_start(finished, tmp_path):
     experiment.run(_experiment(tmp_path, teacher='target'))
   with pytest.raises(FileNotFoundError, match='does not exist'):
     load.load_model(str(tmp_path / 'nowhere'))
-  with pytest.raises(ValueError, match='needs a teacher'):
+  with pytest.raises(ValueError, match='need a teacher'):
     experiment.run(_experiment(tmp_path, train=dataclasses.replace(train_helpers.CONFIG,
                                                                    distill_weight=0.5)))
   # Resuming a finished run under another schedule (more steps) would mix two schedules.
@@ -275,3 +275,33 @@ def test_a_checkpoint_that_predates_a_model_option_resumes():
   assert checkpoint.same_model(old, config) and checkpoint.same_model(meta, config)
   assert not checkpoint.same_model(old, dataclasses.replace(config, norm='layer'))
   assert not checkpoint.same_model(meta, dataclasses.replace(config, d_ff=config.d_ff * 2))
+
+
+def test_a_draft_can_start_from_the_teachers_first_layers(finished, tmp_path):
+  """init_from_teacher: the first step starts from the teacher's parameters (copies: the step
+  donates its state, the teacher stays usable); a model that is no truncation is refused."""
+  teacher, _, _ = load.load_model(finished[0])
+  config = dataclasses.replace(
+      train_helpers.CONFIG, init_from_teacher=True,
+      optimizer=dataclasses.replace(train_helpers.CONFIG.optimizer, total_steps=2,
+                                    learning_rate=1e-7, warmup_steps=1))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ('data', 'model'))
+  tok = data_helpers.small_tokenizer()
+  run = functools.partial(
+      trainer.train, train_batches=experiment.pipeline.PackedBatches(
+          data_helpers.texts('train'), tok, train_helpers.BATCH, train_helpers.SEQ_LEN),
+      eval_batches=train_helpers.held_out(tok), tokenizer_bytes=tok.to_bytes(), mesh=mesh)
+  state, _ = run(config, workdir=str(tmp_path / 'trunc'), teacher=teacher)
+  gaps = [float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(state.params),
+                                                       jax.tree.leaves(teacher.params))]
+  assert max(gaps) < 1e-4, gaps
+  random_init = trainer.init_state(config, mesh).params
+  assert max(float(jnp.abs(a - b).max()) for a, b in zip(
+      jax.tree.leaves(random_init), jax.tree.leaves(teacher.params))) > 0.1
+  assert np.isfinite(np.asarray(models.logits(teacher.config, teacher.params,
+                                              jnp.zeros((1, 2), jnp.int32)))).all()
+  with pytest.raises(ValueError, match='need a teacher'):
+    run(config, workdir=str(tmp_path / 'alone'))
+  wider = dataclasses.replace(config, model=dataclasses.replace(config.model, d_model=48))
+  with pytest.raises(ValueError, match='truncated copy'):
+    run(wider, workdir=str(tmp_path / 'wider'), teacher=teacher)

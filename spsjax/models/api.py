@@ -6,6 +6,7 @@ positions with the cache advanced by T; `prefill` is `extend` on an empty cache 
 each row's length to its prompt length.
 """
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -49,6 +50,22 @@ def init_params(config: TransformerConfig, rng: jax.Array, *, mesh: Mesh | None 
   if mesh is None:
     return jax.jit(init)(rng)
   return jax.jit(init, out_shardings=param_shardings(config, mesh, rules))(rng)
+
+
+def truncated_params(config: TransformerConfig, params, to: TransformerConfig) -> dict:
+  """`params` of a `config` model cut to the model `to`: its embedding, first `to.num_layers`
+  layers and final norm (a layer-truncated copy of a target, the starting point of a draft).
+
+  `to` must equal `config` but for a smaller `num_layers`: anything else (another width, heads,
+  vocabulary) has no parameters to copy, and is an error rather than a silent partial copy.
+  """
+  if not 1 <= to.num_layers <= config.num_layers or dataclasses.replace(
+      config, num_layers=to.num_layers) != to:
+    raise ValueError(f'A truncated copy needs the same model with at most {config.num_layers} '
+                     f'layers; {to} is not one of {config}.')
+  kept = {f'layer_{i}' for i in range(to.num_layers)}
+  out = {k: v for k, v in params.items() if not k.startswith('layer_') or k in kept}
+  return out
 
 
 def num_params(params) -> int:

@@ -45,6 +45,12 @@ PRESETS = {
                       max_seq_len=2048, tie_embeddings=False),
 }
 
+# Truncated drafts: a target's first layer at the target's width, started from the trained
+# target's embedding, layer 0 and final norm (`models.truncated_params`), then trained.
+for _size in ('tiny', 'demo', 'reference'):
+  PRESETS[f'{_size}_draft_trunc'] = dict(PRESETS[f'{_size}_target'], num_layers=1)
+del _size
+
 
 def get(name: str) -> dict:
   if name not in PRESETS:

@@ -122,8 +122,9 @@ def _load_teacher(exp: Experiment, tok: Tokenizer, mesh) -> models.Model:
 
 def run(exp: Experiment) -> dict:
   """Trains (or resumes) `exp` to its last step; returns the final metrics."""
-  if exp.train.distill_weight > 0 and not exp.teacher:
-    raise ValueError('distill_weight > 0 needs a teacher checkpoint name (config.teacher).')
+  if (exp.train.distill_weight > 0 or exp.train.init_from_teacher) and not exp.teacher:
+    raise ValueError('distill_weight > 0 and init_from_teacher need a teacher checkpoint name '
+                     '(config.teacher).')
   if exp.teacher and not os.path.isdir(os.path.join(exp.root, exp.teacher)):
     raise FileNotFoundError(f'Teacher checkpoint directory {os.path.join(exp.root, exp.teacher)} '
                             'does not exist: train the target first.')
@@ -147,7 +148,9 @@ def run(exp: Experiment) -> dict:
 
   logging.info('Training %s (%s parameters) in %s on a %s mesh%s.', exp.name,
                f'{num_params(c.model):,}', exp.workdir, dict(mesh.shape),
-               f', distilling from {exp.teacher}' if teacher else '')
+               ''.join(f', {what} {exp.teacher}' for what, on in (
+                   ('starting from', exp.train.init_from_teacher),
+                   ('distilling from', exp.train.distill_weight > 0)) if on))
   _, metrics = trainer.train(
       c, workdir=exp.workdir, train_batches=train_batches, eval_batches=eval_batches,
       tokenizer_bytes=tok.to_bytes(), mesh=mesh, teacher=teacher,

@@ -53,6 +53,9 @@ class TrainConfig:
   # (0: all), so the teacher's forward pass (and an on-policy generation) is that fraction of a
   # full batch's; the LM loss keeps every row.
   distill_rows: int = 0
+  # Start from the teacher's embedding, first `model.num_layers` layers and final norm
+  # (`models.truncated_params`) rather than at random: the model must be the teacher's, shorter.
+  init_from_teacher: bool = False
 
   def __post_init__(self):
     if not 0.0 <= self.distill_weight <= 1.0:
@@ -92,6 +95,16 @@ def init_state(config: TrainConfig, mesh: Mesh) -> TrainState:
   tx = optimizer_lib.make(config.optimizer)
   opt_state = jax.jit(tx.init)(params)
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+
+
+def _from_teacher(config: TrainConfig, state: TrainState, teacher: models.Model,
+                  mesh: Mesh) -> TrainState:
+  """`state` restarted from the teacher's truncated parameters (copies: the step donates them)."""
+  params = models.truncated_params(teacher.config, teacher.params, config.model)
+  params = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), params),
+                          models.param_shardings(config.model, mesh))
+  opt_state = jax.jit(optimizer_lib.make(config.optimizer).init)(params)
+  return TrainState(step=state.step, params=params, opt_state=opt_state)
 
 
 def _on_policy(config: TrainConfig, params, teacher: models.Model, batch_BxL1, key, mesh):
@@ -220,8 +233,9 @@ def train(config: TrainConfig, *, workdir: str, train_batches, eval_batches: Cal
   `train_batches` yields this process's rows, `int32[local_batch, seq_len + 1]`, and has
   `get_state()` / `set_state(dict)`; `eval_batches()` returns a fresh iterator over held-out data.
   """
-  if config.distill_weight > 0 and teacher is None:
-    raise ValueError('distill_weight > 0 needs a teacher (the trained target).')
+  if (config.distill_weight > 0 or config.init_from_teacher) and teacher is None:
+    raise ValueError('distill_weight > 0 and init_from_teacher need a teacher (the trained '
+                     'target).')
   if teacher is not None and teacher.config.vocab_size != config.model.vocab_size:
     raise ValueError(f'Teacher vocab_size ({teacher.config.vocab_size}) differs from the '
                      f'student\'s ({config.model.vocab_size}); they must share a tokenizer.')
@@ -245,6 +259,10 @@ def train(config: TrainConfig, *, workdir: str, train_batches, eval_batches: Cal
   if teacher is not None:
     teacher = teacher.replace(params=jax.device_put(
         teacher.params, models.param_shardings(teacher.config, mesh)))
+    if config.init_from_teacher and int(state.step) == 0:
+      state = _from_teacher(config, state, teacher, mesh)
+      logging.info('Starting from the teacher\'s first %d layers, embedding and final norm.',
+                   config.model.num_layers)
 
   train_step, eval_step = make_train_step(config, mesh), make_eval_step(config)
   start_step = int(state.step)
