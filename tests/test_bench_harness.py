@@ -338,3 +338,14 @@ def test_peer_report_rates_each_method_against_its_own_framework():
   table = peer.markdown([row])
   assert '| greedy | transformers ArS | 32.0 | 1.00x |  | 3 of 4 |' in table
   assert '| greedy | spsjax SpS | 256.0 | 2.00x |' in table and '| greedy | 4.00x |' in table
+
+
+def test_pooled_token_time_weighs_calls_by_their_tokens():
+  """A call that stops after one token (its fixed cost on that token) counts once in the mean
+  over calls and by its one token in the pooled time."""
+  short, long = timing.Call(seconds=0.030, rows=1, tokens=1), timing.Call(seconds=0.2, rows=2,
+                                                                        tokens=200)
+  t = timing.Timing(calls=(short, long), compile_seconds=())
+  assert t.mean_token_time == pytest.approx((0.030 + 0.002) / 2)
+  assert t.pooled_token_time == pytest.approx(0.230 / 101)
+  assert t.summary()['pooled_ms_per_token'] == pytest.approx(230 / 101)

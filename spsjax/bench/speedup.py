@@ -223,6 +223,12 @@ class Comparison:
     return self.ars.timing['mean_ms_per_token'] / self.sps.timing['mean_ms_per_token']
 
   @property
+  def pooled_speedup(self) -> float:
+    """ArS / SpS in pooled ms per token (total time / total tokens; nan for rows without it)."""
+    ars, sps = (r.timing.get('pooled_ms_per_token', float('nan')) for r in (self.ars, self.sps))
+    return ars / sps
+
+  @property
   def prediction(self) -> theory.Prediction:
     t = self.sps.timing
     ragged = self.drafter.ragged
@@ -250,7 +256,8 @@ class Comparison:
         loop_profile=dataclasses.asdict(self.loop_profile),
         outside_forward_passes=self.loop_profile.outside_forward_passes,
         outside_forward_ops=self.loop_profile.outside_forward_ops)
-    return dict(**profiled, speedup=self.speedup, predicted_speedup=p.speedup,
+    return dict(**profiled, speedup=self.speedup, pooled_speedup=self.pooled_speedup,
+                predicted_speedup=p.speedup,
                 predicted_speedup_free_scoring=p.speedup_free_scoring,
                 predicted_tokens_per_loop=p.tokens_per_loop, operations_factor=p.operations,
                 alpha_measured=p.alpha,
@@ -325,7 +332,10 @@ PARITY_NOTE = (
     f'{PARITY_LEVEL} / m for a row of m columns (Bonferroni), so a row is flagged with probability '
     f'at most {PARITY_LEVEL} when the laws are equal. In brackets the test\'s power: the smallest '
     f'true difference it detects with probability {PARITY_POWER} at the row\'s number of prompts '
-    f'(0 when all differences are equal, as greedy decoding gives: then any difference counts).')
+    f'(0 when all differences are equal, as greedy decoding gives: then any difference counts). '
+    f'ms/token: the mean over calls of each call\'s seconds per token; speedup per call is its '
+    f'ratio, pooled the ratio of total time over total tokens, in which a call that stops after '
+    f'a token or two weighs by its tokens (at nucleus ArS and SpS draw different lengths).')
 
 
 def _mean_se(values: Sequence[float]) -> str:
@@ -342,7 +352,7 @@ def _differences(parity: dict[str, metrics.Parity]) -> str:
 def markdown(comparisons: Sequence[Comparison]) -> str:
   """Table 1 as Markdown: the measurement, then the theory from the same run."""
   head = ('| task | decoding | batch | method | result | parses | log p / token | log p/q / token | '
-          'ms/token (std) | p90 ms | speedup | acceptance | tokens/loop |\n'
+          'ms/token (std) | p90 ms | speedup (per call / pooled) | acceptance | tokens/loop |\n'
           '|---|---|---|---|---|---|---|---|---|---|---|---|---|')
   lines = [head]
   for cmp in comparisons:
@@ -352,7 +362,7 @@ def markdown(comparisons: Sequence[Comparison]) -> str:
       method = row.method + (f' (LOSSY: lenience {row.lenience}, TV {row.tv:.3f})'
                              if row.lenience < 1 else '')
       parses = f'{row.extra["parse_rate"]:.0%}' if 'parse_rate' in row.extra else ''
-      speed = f'{cmp.speedup:.2f}x' if sps else '1x'
+      speed = f'{cmp.speedup:.2f}x / {cmp.pooled_speedup:.2f}x' if sps else '1x'
       accept = f'{t["acceptance_rate"]:.3f}' if sps else ''
       per_loop = f'{t["tokens_per_loop"]:.2f}' if sps else ''
       result = ', '.join(f'{name} {_mean_se(values)}' for name, values in row.scores.items())

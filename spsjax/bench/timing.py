@@ -60,6 +60,14 @@ class Timing:
     return statistics.fmean(self._token_times())
 
   @property
+  def pooled_token_time(self) -> float:
+    """Seconds per token of a row over all calls pooled: total time / total tokens per row. Unlike
+    the mean over calls, a call that stops after a token or two (its prefill spread over them)
+    weighs by its tokens, not as much as a whole generation."""
+    return sum(c.seconds for c in self.calls) / max(
+        sum(c.tokens / c.rows for c in self.calls), 1e-9)
+
+  @property
   def std_token_time(self) -> float:
     times = self._token_times()
     return statistics.stdev(times) if len(times) > 1 else 0.0
@@ -122,6 +130,7 @@ class Timing:
         calls=len(self.calls), tokens=self.total_tokens,
         compile_s=round(sum(self.compile_seconds), 3),
         mean_ms_per_token=self.mean_token_time * ms, std_ms_per_token=self.std_token_time * ms,
+        pooled_ms_per_token=self.pooled_token_time * ms,
         p50_ms=self.token_time_percentile(50) * ms, p90_ms=self.token_time_percentile(90) * ms,
         p99_ms=self.token_time_percentile(99) * ms, tokens_per_loop=self.tokens_per_loop,
         uncut_tokens_per_loop=self.uncut_tokens_per_loop,
