@@ -35,7 +35,7 @@ train-demo: $(VENV)/.installed
 
 # The reference family of issue 13 in checkpoints/reference, one run after another: the target
 # (2000 steps, ~50 min of both cores), then its drafts: the truncated draft (the target's first
-# layer, started from it) distilled for 3000 steps (~35 min), the drafts Figure 1's sweeps use
+# layer, started from it) distilled for 3000 steps (~40 min alone), the drafts Figure 1's sweeps use
 # (600 steps each: the wide draft distilled, the three topologies wide, mid, deep on the LM loss,
 # mid and deep distilled), the wide draft distilled for 3000 steps, the wide draft distilled by
 # total variation on its own samples, and the wide draft distilled for 8000 steps. Every run
