@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from spsjax import models, native, sampling, sharding
-from spsjax.native import attention
+from spsjax.native import attention, threefry
 from spsjax.sampling import processors
 
 ISAS = native.isas()
@@ -281,3 +281,31 @@ def test_for_decoding_checks_the_weights_dtype_where_it_does_not_pack():
   assert models.for_decoding(bf16_model, 'bfloat16') is bf16_model
   with pytest.raises(ValueError, match='Packed weights are one of'):
     models.for_decoding(bf16_model, 'int8')
+
+
+def test_threefry_unrolled_on_cpu_draws_the_same_bits():
+  # Importing spsjax.sampling registered the straight-line lowering; the rolled one (JAX's
+  # default on the CPU) must give the same bits, and only it a loop.
+  from jax._src.interpreters import mlir
+  from jax._src.random import threefry2x32
+  assert threefry.unroll_on_cpu()
+
+  def draws(offset):  # A fresh function per lowering: nothing comes from jit's caches.
+    return jax.jit(lambda key: (jax.random.uniform(jax.random.fold_in(key, 7 + offset), (5,)),
+                                jax.random.key_data(jax.random.split(key, 3))))
+
+  key = jax.random.key(3)
+  unrolled = draws(0)
+  mlir.register_lowering(threefry2x32.threefry2x32_p,
+                         threefry2x32._threefry2x32_cpu_lowering_rule, platform='cpu')
+  try:
+    rolled = draws(0)
+    rolled_text = rolled.lower(key).compile().as_text()
+    rolled_out = rolled(key)
+  finally:
+    mlir.register_lowering(threefry2x32.threefry2x32_p,
+                           threefry2x32._threefry2x32_lowering_rule, platform='cpu')
+  assert ' while(' in rolled_text
+  assert ' while(' not in unrolled.lower(key).compile().as_text()
+  for a, b in zip(unrolled(key), rolled_out):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

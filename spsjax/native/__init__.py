@@ -4,7 +4,8 @@
 - `packed`: weights packed in panels (`PackedWeight`) and the product against them;
 - `attention`: a few new positions rotated, written into the KV cache and attending over it;
 - `lookup`: rows of an embedding table;
-- `distribution`: the sampling distribution (temperature, top-k, top-p) and a draw from it.
+- `distribution`: the sampling distribution (temperature, top-k, top-p) and a draw from it;
+- `threefry`: JAX's random bits hashed without a loop on the CPU.
 
 The model asks for a product or an attention and never for a kernel: each function falls back to
 XLA's ops for many rows, on other platforms and without the library. XLA's own ops stay the path
