@@ -5,8 +5,8 @@ docstrings / code (number of examples of each task; 0: all; code is `code_comple
 functions cut in half), batches ('+'-separated, e.g. 1+8), seed, results (output
 directory; default results/speedup_<family>), runlocal (a few examples, for a smoke run), demo
 (the README's main job: 8 examples per task, batch 1), draft_weights (how the native CPU path stores
-the draft's packed weights: bfloat16 by default, half the bytes per draft step; SpS stays exact,
-the target is float32 either way; float32 for the draft as trained); drafter (model | lookup |
+the draft's packed weights: bfloat16 by default, half the bytes per draft step; int8 a quarter;
+SpS stays exact, the target is float32 either way; float32 for the draft as trained); drafter (model | lookup |
 hybrid: `spsjax.sampling.drafters`), max_ngram, min_ngram, stop_below (dynamic k), lenience (in
 (0, 1]; below 1 is LOSSY, labelled in the title and the SpS rows with its total variation);
 hf_target, hf_draft (Hugging Face checkpoint directories in place of root's target and draft).

@@ -99,11 +99,43 @@ def test_bfloat16_panels_multiply_in_float32(isa, rows):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.sqrt(d_in))
 
 
+@pytest.mark.parametrize('isa', ISAS)
+@pytest.mark.parametrize('rows', [1, 5, 9])
+def test_int8_panels_multiply_in_float32(isa, rows):
+  """int8 panels: each column quantized to 255 levels of its largest magnitude; the kernel's
+  product equals float32 arithmetic on the quantized weights (prologues and residual too), on
+  both paths."""
+  d_in, d_out = 40, 37
+  w_IxF = jax.random.normal(jax.random.key(0), (d_in, d_out)).at[:, 5].set(0.0)
+  x_RxI = jax.random.normal(jax.random.key(rows), (rows, d_in))
+  packed = native.pack(w_IxF, dtype='int8')
+  assert packed.panels_PxIxC.dtype == jnp.int8 and packed.scales_PxC.shape == (3, native.PANEL)
+  quantized_IxF = native.unpack(packed)
+  step_F = jnp.max(jnp.abs(w_IxF), axis=0) / 127
+  assert np.all(np.abs(quantized_IxF - w_IxF) <= step_F[None, :] / 2 + 1e-6)  # Nearest level.
+  np.testing.assert_array_equal(quantized_IxF[:, 5], 0.0)  # A zero column stays zero.
+  assert not np.allclose(quantized_IxF, w_IxF, atol=1e-4)  # The quantization is real.
+  np.testing.assert_array_equal(jnp.max(jnp.abs(packed.panels_PxIxC), axis=1).reshape(-1)[:5],
+                                127)  # Each column's largest weight is the top level.
+  scale = jnp.linspace(0.5, 1.5, d_in)
+  residual = jax.random.normal(jax.random.key(9), (rows, d_out))
+  want = residual + jnp.dot(native.rms_norm(x_RxI, scale, 1e-6), quantized_IxF,
+                            precision='highest')
+  for use_kernel in (True, False):
+    got = jax.jit(lambda x, p, r, u=use_kernel: native.matmul(
+        x, p, norm=(scale, 1e-6), residual=r, isa=isa, use_kernel=u))(x_RxI, packed, residual)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.sqrt(d_in))
+  gated = jax.random.normal(jax.random.key(7), (rows, 2, d_in))
+  want = jnp.dot(native.silu_gate(gated[:, 0], gated[:, 1]), quantized_IxF, precision='highest')
+  got = native.matmul(gated, packed, gated=True, isa=isa, use_kernel=True)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.sqrt(d_in))
+
+
 def test_pack_rejects_what_it_cannot_do():
   with pytest.raises(ValueError, match='stored as one of'):
     native.pack(jnp.zeros((4, 4)), dtype='float16')
   with pytest.raises(ValueError, match='Packed weights are one of'):
-    models.pack(_model(), 'int8')
+    models.pack(_model(), 'int4')
   with pytest.raises(ValueError, match='float32'):
     native.pack(jnp.zeros((4, 4), jnp.bfloat16))
   with pytest.raises(ValueError, match='in_dims'):
@@ -222,10 +254,11 @@ def test_greedy_decoding_of_packed_model_equals_unpacked(method):
   want = run(target, draft)
   got = run(models.pack(target), models.pack(draft))
   np.testing.assert_array_equal(got.tokens, want.tokens)
-  if method == 'sps':  # A draft in bfloat16 changes its proposals, never the target's tokens.
-    draft_bf16 = models.pack(draft, 'bfloat16')
-    assert models.packed_dtype(draft_bf16) == 'bfloat16' and models.packed_dtype(draft) is None
-    np.testing.assert_array_equal(run(models.pack(target), draft_bf16).tokens, want.tokens)
+  if method == 'sps':  # A draft in bfloat16 or int8 changes its proposals, never the tokens.
+    for weights in ('bfloat16', 'int8'):
+      draft_low = models.pack(draft, weights)
+      assert models.packed_dtype(draft_low) == weights and models.packed_dtype(draft) is None
+      np.testing.assert_array_equal(run(models.pack(target), draft_low).tokens, want.tokens)
 
 
 def test_sharded_placement_unpacks():
@@ -280,7 +313,7 @@ def test_for_decoding_checks_the_weights_dtype_where_it_does_not_pack():
   bf16_model = _model(dtype='bfloat16')  # Not packable: returned as is, the value still checked.
   assert models.for_decoding(bf16_model, 'bfloat16') is bf16_model
   with pytest.raises(ValueError, match='Packed weights are one of'):
-    models.for_decoding(bf16_model, 'int8')
+    models.for_decoding(bf16_model, 'int4')
 
 
 def test_threefry_unrolled_on_cpu_draws_the_same_bits():

@@ -76,10 +76,12 @@ def pack(model: Model, weights: str = 'float32') -> Model:
   """The model with its projection weights packed (module docstring). Needs float32 weights.
 
   `weights='bfloat16'` stores the packed weights in bfloat16 (`native.pack(dtype=)`): half the
-  bytes a step reads, the products still float32 arithmetic, the weights rounded. Meant for
-  drafts: SpS stays exact whatever the draft computes, and a draft that reads half the bytes
-  costs less and leaves more of the cache to its target. The embedding table and norms stay
-  float32. A model already packed is returned as it is.
+  bytes a step reads, the products still float32 arithmetic, the weights rounded; `'int8'` in
+  int8 with a scale per output column: a quarter of the bytes, the weights quantized. Meant for
+  drafts: SpS stays exact whatever the draft computes, and a draft that reads fewer bytes costs
+  less and leaves more of the cache to its target (its proposals, hence alpha, may move a
+  little). The embedding table and norms stay float32. A model already packed is returned as it
+  is.
   """
   config = model.config
   if config.dtype != 'float32':
@@ -103,7 +105,7 @@ def pack(model: Model, weights: str = 'float32') -> Model:
 
 def unpack(model: Model) -> Model:
   """The model with plain parameters again (a tied model's packed head copy dropped; weights
-  packed in bfloat16 come back float32 with their rounded values)."""
+  packed in bfloat16 or int8 come back float32 with their rounded or quantized values)."""
   if not is_packed(model):
     return model
   config, params = model.config, dict(model.params)
@@ -130,7 +132,7 @@ def packable(model: Model) -> str | None:
 
 
 def packed_dtype(model: Model) -> str | None:
-  """How a packed model's weights are stored ('float32' or 'bfloat16'); None if not packed."""
+  """How a packed model's weights are stored (one of `WEIGHT_DTYPES`); None if not packed."""
   leaves = jax.tree.leaves(model.params, is_leaf=_is_packed_weight)
   for x in leaves:
     if _is_packed_weight(x):

@@ -1,8 +1,9 @@
 """Weights packed in panels for the few-row CPU kernel, and the product that dispatches to it.
 
 `pack(w)` lays a weight `[*in_shape, *out_shape]` out as panels of `PANEL` output columns,
-`float32[P, I, PANEL]` (or bfloat16, `pack(dtype=)`) with I = prod(in_shape), P = ceil(F / PANEL),
-F = prod(out_shape), the last panel zero-padded. `matmul(x, packed)` computes
+`float32[P, I, PANEL]` (or bfloat16, or int8 with a float32 scale per output column,
+`pack(dtype=)`) with I = prod(in_shape), P = ceil(F / PANEL), F = prod(out_shape), the last panel
+zero-padded. `matmul(x, packed)` computes
 `x[..., I] @ w -> [..., *out_shape]`, optionally
 `rms_norm(x) @ w`, `silu_gate(x) @ w` and `+ residual`: the elementwise work around a decoder's
 products, done by the kernel as it reads its input and writes its output (each XLA op it replaces
@@ -17,8 +18,8 @@ costs a dispatch and a pass over memory, a fifth of a small model's decode step)
   panels, which gives the same numbers up to float reassociation.
 
 Invariant: `unpack(pack(w))` is `w` exactly (float32 panels; bfloat16 panels: `w` rounded to
-bfloat16), and `matmul(x, pack(w))` equals `x @ w` up to float
-reassociation whichever path runs.
+bfloat16; int8 panels: `w` quantized, each column to 255 levels of its largest magnitude), and
+`matmul(x, pack(w))` equals `x @ unpack(pack(w))` up to float reassociation whichever path runs.
 """
 
 import math
@@ -35,16 +36,19 @@ PANEL = 16
 
 @flax.struct.dataclass
 class PackedWeight:
-  """A weight `[*in_shape, *out_shape]` stored as `[P, I, PANEL]` panels, float32 or bfloat16
-  (module docstring).
+  """A weight `[*in_shape, *out_shape]` stored as `[P, I, PANEL]` panels, float32, bfloat16 or
+  int8 (module docstring).
 
   `tied_to` names the parameter this one is a packed copy of (the output layer of a model with
   tied embeddings keeps its embedding table for the lookup): counting parameters skips it.
+  `scales_PxC`: for int8 panels, float32[P, PANEL], the weight of output column p * PANEL + c is
+  panels[p, :, c] * scales[p, c]; None for the other dtypes.
   """
   panels_PxIxC: jax.Array
   in_shape: tuple[int, ...] = flax.struct.field(pytree_node=False)
   out_shape: tuple[int, ...] = flax.struct.field(pytree_node=False)
   tied_to: str | None = flax.struct.field(pytree_node=False, default=None)
+  scales_PxC: jax.Array | None = None
 
   @property
   def in_dim(self) -> int:
@@ -60,15 +64,17 @@ class PackedWeight:
     return self.in_dim * self.out_dim
 
 
-WEIGHT_DTYPES = ('float32', 'bfloat16')
+WEIGHT_DTYPES = ('float32', 'bfloat16', 'int8')
 
 
 def pack(w: jax.Array, in_dims: int = 1, *, tied_to: str | None = None,
          dtype: str = 'float32') -> PackedWeight:
   """Packs `w` whose first `in_dims` dimensions are contracted with the input.
 
-  `dtype`: how the panels are stored, 'float32' or 'bfloat16' (half the bytes to read per call;
-  the weights rounded to bfloat16, the products still float32 arithmetic).
+  `dtype`: how the panels are stored, 'float32', 'bfloat16' (half the bytes to read per call;
+  the weights rounded to bfloat16) or 'int8' (a quarter; each output column quantized
+  symmetrically to integers in [-127, 127] times a float32 scale, its largest magnitude / 127).
+  The products are float32 arithmetic in every case.
   """
   if w.dtype != jnp.float32:
     raise ValueError(f'Only float32 weights can be packed, got {w.dtype}.')
@@ -80,16 +86,30 @@ def pack(w: jax.Array, in_dims: int = 1, *, tied_to: str | None = None,
   I, F = math.prod(in_shape), math.prod(out_shape)
   P = -(-F // PANEL)
   w_IxF = jnp.pad(w.reshape(I, F), ((0, 0), (0, P * PANEL - F)))
+  scales_PxC = None
+  if dtype == 'int8':
+    scales_F = jnp.max(jnp.abs(w_IxF), axis=0) / 127.0
+    scales_F = jnp.where(scales_F > 0, scales_F, 1.0)  # An all-zero column: any scale.
+    w_IxF = jnp.clip(jnp.round(w_IxF / scales_F[None, :]), -127, 127)
+    scales_PxC = scales_F.reshape(P, PANEL)
   panels = jnp.transpose(w_IxF.reshape(I, P, PANEL), (1, 0, 2)).astype(dtype)
-  return PackedWeight(panels, in_shape, out_shape, tied_to)
+  return PackedWeight(panels, in_shape, out_shape, tied_to, scales_PxC)
+
+
+def _dense_panels(packed: PackedWeight) -> jax.Array:
+  """The panels as float32 weights (int8 panels times their scales)."""
+  panels = packed.panels_PxIxC.astype(jnp.float32)
+  if packed.scales_PxC is not None:
+    panels = panels * packed.scales_PxC[:, None, :]
+  return panels
 
 
 def unpack(packed: PackedWeight) -> jax.Array:
   """The float32 weight `[*in_shape, *out_shape]` that `packed` was made from (for bfloat16
-  panels: its values rounded to bfloat16)."""
+  panels: its values rounded to bfloat16; for int8 panels: quantized)."""
   P, I, C = packed.panels_PxIxC.shape
-  w_IxF = jnp.transpose(packed.panels_PxIxC, (1, 0, 2)).reshape(I, P * C)[:, :packed.out_dim]
-  return w_IxF.reshape(packed.in_shape + packed.out_shape).astype(jnp.float32)
+  w_IxF = jnp.transpose(_dense_panels(packed), (1, 0, 2)).reshape(I, P * C)[:, :packed.out_dim]
+  return w_IxF.reshape(packed.in_shape + packed.out_shape)
 
 
 def rms_norm(x_xD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
@@ -115,16 +135,18 @@ def _xla_matmul(x_RxI, packed, scale_I, residual_RxF, prologue, eps) -> jax.Arra
   elif prologue == _SILU_GATE:
     gate_in_Rx2xI = x_RxI.reshape(x_RxI.shape[0], 2, -1)
     x_RxI = silu_gate(gate_in_Rx2xI[:, 0], gate_in_Rx2xI[:, 1])
-  y_RxPxC = jnp.einsum('RI,PIC->RPC', x_RxI, packed.panels_PxIxC.astype(jnp.float32))
+  y_RxPxC = jnp.einsum('RI,PIC->RPC', x_RxI, _dense_panels(packed))
   y_RxF = y_RxPxC.reshape(x_RxI.shape[0], -1)[:, :packed.out_dim]
   return y_RxF if residual_RxF.size == 0 else residual_RxF + y_RxF
 
 
 def _kernel_matmul(x_RxI, packed, scale_I, residual_RxF, prologue, eps, isa) -> jax.Array:
   out = jax.ShapeDtypeStruct((x_RxI.shape[0], packed.out_dim), jnp.float32)
+  w_scales = (jnp.zeros((0,), jnp.float32) if packed.scales_PxC is None
+              else packed.scales_PxC.reshape(-1))
   return jax.ffi.ffi_call('spsjax_packed_matmul', out, vmap_method='sequential')(
-      x_RxI, scale_I, residual_RxF, packed.panels_PxIxC, isa=np.int32(library.isa_code(isa)),
-      prologue=np.int32(prologue), eps=np.float32(eps))
+      x_RxI, scale_I, residual_RxF, packed.panels_PxIxC, w_scales,
+      isa=np.int32(library.isa_code(isa)), prologue=np.int32(prologue), eps=np.float32(eps))
 
 
 def matmul(x: jax.Array, packed: PackedWeight, *, norm: tuple[jax.Array, float] | None = None,

@@ -1,7 +1,8 @@
 // Few-row float32 matrix products y[R, F] = f(x)[R, D] @ W[D, F] (+ residual[R, F]) with W packed
 // in panels of 16 output columns ([ceil(F / 16), D, 16], see packed.py), for XLA:CPU through the
-// FFI. W is stored in float32, or in bfloat16 (half the bytes to stream; each weight widened
-// exactly to float32 as it is loaded, the arithmetic float32 as for float32 weights). The prologue f is the identity, an RMSNorm (x [R, D], scale [D]) or a gated SiLU (x [R, 2D]:
+// FFI. W is stored in float32, in bfloat16 (half the bytes to stream; each weight widened
+// exactly to float32 as it is loaded, the arithmetic float32 as for float32 weights) or in int8
+// with a float32 scale per output column (a quarter of the bytes; the column's sum is scaled). The prologue f is the identity, an RMSNorm (x [R, D], scale [D]) or a gated SiLU (x [R, 2D]:
 // gate then input); both run on the calling thread before the product, into a scratch copy.
 //
 // XLA's CPU dot costs 2-4x as much for 5 rows as for 1 at decoder sizes; this kernel streams each
@@ -17,6 +18,10 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>  // The int8 weights' widening (packed_matmul_kernel.inc).
+#endif
+
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -28,7 +33,7 @@ constexpr int kPanel = 16;
 
 template <typename W>
 using PanelsFn = void (*)(const float*, int64_t, int64_t, const W*, int64_t, float*, int64_t,
-                          int64_t, const float*);
+                          int64_t, const float*, const float*);
 using NormFn = void (*)(const float*, int64_t, int64_t, const float*, float, float*);
 using GateFn = void (*)(const float*, int64_t, int64_t, float*);
 
@@ -47,10 +52,23 @@ GateFn GateKernel(int32_t isa) { return SPSJAX_BY_ISA(isa, SiluGateRows); }
 // Below this many weight floats a call runs on the calling thread: waking a pool thread costs more.
 constexpr int64_t kMinParallelWeights = 1 << 16;
 
+// Runs the kernel for weights stored as W over the panels, shared among the threads.
+template <typename W>
+void RunPanels(ffi::ThreadPool& pool, int32_t isa, int64_t threads, const float* x, int64_t rows,
+               int64_t d_in, const void* w, int64_t d_out, float* y, int64_t num_panels,
+               const float* residual, const float* scales) {
+  const PanelsFn<W> kernel = Kernel<W>(isa);
+  const W* w_data = static_cast<const W*>(w);
+  spsjax::ParallelFor(pool, num_panels, threads, [=](int64_t p0, int64_t p1) {
+    kernel(x, rows, d_in, w_data, d_out, y, p0, p1, residual, scales);
+  });
+}
+
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> residual,
-                            ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y, int32_t isa,
-                            int32_t prologue, float eps) {
+                            ffi::AnyBuffer w, ffi::Buffer<ffi::F32> w_scales,
+                            ffi::ResultBuffer<ffi::F32> y, int32_t isa, int32_t prologue,
+                            float eps) {
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
   const auto y_dims = y->dimensions();
@@ -75,8 +93,15 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("packed_matmul: the residual must be [R, F] like y.");
   }
   const ffi::DataType w_type = w.element_type();
-  if (w_type != ffi::DataType::F32 && w_type != ffi::DataType::BF16) {
-    return ffi::Error::InvalidArgument("packed_matmul: weights must be float32 or bfloat16.");
+  if (w_type != ffi::DataType::F32 && w_type != ffi::DataType::BF16 &&
+      w_type != ffi::DataType::S8) {
+    return ffi::Error::InvalidArgument(
+        "packed_matmul: weights must be float32, bfloat16 or int8.");
+  }
+  if ((w_type == ffi::DataType::S8) != (w_scales.element_count() != 0) ||
+      (w_type == ffi::DataType::S8 && w_scales.element_count() != num_panels * kPanel)) {
+    return ffi::Error::InvalidArgument(
+        "packed_matmul: int8 weights take one scale per panel column, other weights none.");
   }
   if (!spsjax::Resolve(&isa)) {
     return ffi::Error::InvalidArgument("packed_matmul: this CPU lacks the instruction set asked.");
@@ -96,18 +121,17 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   float* y_data = y->typed_data();
   const int64_t threads =
       num_panels * d_in * kPanel < kMinParallelWeights ? 1 : spsjax::MaxThreads(pool);
+  const float* scales = w_type == ffi::DataType::S8 ? w_scales.typed_data() : nullptr;
+  const void* w_data = w.untyped_data();
   if (w_type == ffi::DataType::F32) {
-    const PanelsFn<float> kernel = Kernel<float>(isa);
-    const float* w_data = static_cast<const float*>(w.untyped_data());
-    spsjax::ParallelFor(pool, num_panels, threads, [=](int64_t p0, int64_t p1) {
-      kernel(x_data, rows, d_in, w_data, d_out, y_data, p0, p1, residual_data);
-    });
+    RunPanels<float>(pool, isa, threads, x_data, rows, d_in, w_data, d_out, y_data, num_panels,
+                     residual_data, scales);
+  } else if (w_type == ffi::DataType::BF16) {
+    RunPanels<uint16_t>(pool, isa, threads, x_data, rows, d_in, w_data, d_out, y_data,
+                        num_panels, residual_data, scales);
   } else {
-    const PanelsFn<uint16_t> kernel = Kernel<uint16_t>(isa);
-    const uint16_t* w_data = static_cast<const uint16_t*>(w.untyped_data());
-    spsjax::ParallelFor(pool, num_panels, threads, [=](int64_t p0, int64_t p1) {
-      kernel(x_data, rows, d_in, w_data, d_out, y_data, p0, p1, residual_data);
-    });
+    RunPanels<int8_t>(pool, isa, threads, x_data, rows, d_in, w_data, d_out, y_data, num_panels,
+                      residual_data, scales);
   }
   return ffi::Error::Success();
 }
@@ -120,7 +144,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxPackedMatmul, PackedMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::F32>>()  // norm scale, or empty
                                   .Arg<ffi::Buffer<ffi::F32>>()  // residual, or empty
-                                  .Arg<ffi::AnyBuffer>()  // w, packed: float32 or bfloat16
+                                  .Arg<ffi::AnyBuffer>()  // w, packed: float32, bfloat16, int8
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // int8: column scales; or empty
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("isa")
                                   .Attr<int32_t>("prologue")

@@ -72,7 +72,7 @@ def load_family(root: str, target: str, drafts: Sequence[str], *, mesh: Mesh | N
 
   Without a mesh the models come placed for decoding on this machine (`models.for_decoding`:
   packed for the native CPU kernels where they can run, the drafts' packed weights stored as
-  `draft_weights`, 'float32' or 'bfloat16'); on a mesh they are sharded (and `draft_weights` does
+  `draft_weights`, one of `models.WEIGHT_DTYPES`); on a mesh they are sharded (and `draft_weights` does
   not apply: XLA's dots run on the float32 weights).
   """
   if draft_weights not in models.WEIGHT_DTYPES:
