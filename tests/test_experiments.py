@@ -167,7 +167,7 @@ def test_speedup_table_title_says_what_the_demo_is():
   demo = config.get_config('root=checkpoints/demo,draft=draft_wide_distill,demo')
   title = demo.title.format(**demo)  # As experiments/speedup_table.py writes it.
   assert title.startswith('# Table 1 (Chen et al., 2023): ArS vs SpS, checkpoints/demo/target '
-                          'and draft draft_wide_distill, k = 4 (draft weights stored in bfloat16 '
+                          'and draft draft_wide_distill, k = 4 (draft weights stored in int8 '
                           'on the native CPU path)\n\nDemo run (`make demo`)')
   assert 'pipeline-sized check' in title
   full = config.get_config('root=checkpoints/reference,draft_weights=float32')
