@@ -2,7 +2,8 @@
 // in panels of 16 output columns ([ceil(F / 16), D, 16], see packed.py), for XLA:CPU through the
 // FFI. W is stored in float32, in bfloat16 (half the bytes to stream; each weight widened
 // exactly to float32 as it is loaded, the arithmetic float32 as for float32 weights) or in int8
-// with a float32 scale per output column (a quarter of the bytes; the column's sum is scaled). The prologue f is the identity, an RMSNorm (x [R, D], scale [D]) or a gated SiLU (x [R, 2D]:
+// with a float32 scale per output column (a quarter of the bytes; the column's sum is scaled).
+// The prologue f is the identity, an RMSNorm (x [R, D], scale [D]) or a gated SiLU (x [R, 2D]:
 // gate then input); both run on the calling thread before the product, into a scratch copy.
 //
 // XLA's CPU dot costs 2-4x as much for 5 rows as for 1 at decoder sizes; this kernel streams each
