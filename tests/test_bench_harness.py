@@ -108,6 +108,10 @@ def test_rows_and_table_on_a_tiny_docstring_task(family, tmp_path):
   assert loop_profile.loops >= 1 and loop_profile.trace_dir.startswith(str(tmp_path))
   assert 0 < loop_profile.draft + loop_profile.score < loop_profile.loop
   assert 0 <= loop_profile.forward_gaps < loop_profile.draft + loop_profile.score
+  # The call is its loops plus the time outside them (the prefills come first).
+  assert 0 < loop_profile.outside_loop < loop_profile.call
+  np.testing.assert_allclose(loop_profile.loops * loop_profile.loop + loop_profile.outside_loop,
+                             loop_profile.call, rtol=1e-6)
   cmp = speedup.Comparison(ars=ars, sps=sps, costs=costs, k=3, c_hat=0.5,
                            loop_profile=loop_profile)
   summary = cmp.summary()
@@ -125,7 +129,8 @@ def test_rows_and_table_on_a_tiny_docstring_task(family, tmp_path):
   lp = loop_profile  # The third table: the loop profile's row, with its own figures.
   assert (f'| docstrings | greedy | 2 | {lp.loops} | {ms(lp.loop)} | {ms(lp.draft)} | '
           f'{ms(lp.score)} | {ms(lp.accept)} | {lp.outside_forward_passes:.1%} | '
-          f'{lp.outside_forward_ops:.1%} |') in table.splitlines()
+          f'{lp.outside_forward_ops:.1%} | {ms(lp.call)} | {ms(lp.outside_loop)} '
+          f'({lp.outside_loop / lp.call:.0%}) |') in table.splitlines()
   assert table.count('| docstrings | greedy | 2 |') == 4  # ArS, SpS, the theory and the profile.
   assert '| rouge2 +0.000 (0.000), log p +0.000 (0.000), log p/q +0.000 (0.000) | no |' in table
   assert speedup.PARITY_NOTE in table

@@ -20,7 +20,8 @@ sum_x min(p, q) over the generated positions, p and q after the processors:
 `eval.acceptance.pair_statistics`, which gives the log p and log p/q columns from the same
 forward passes); c and s from jitted
 `extend` calls of the two models at the row's batch and cache size. One SpS call per row is also
-profiled (`bench.profile`): time per loop and per phase read from the trace.
+profiled (`bench.profile`): time per loop and per phase read from the trace, and the call's time
+outside its loop (the prefills, which ArS pays too: a bound on what any loop can gain).
 
 A drafter that proposes fewer than k drafts in some loops (prompt lookup, dynamic k) is predicted
 from the measured number of loops that proposed each count (`theory.Prediction.loops_by_proposed`)
@@ -281,6 +282,11 @@ class LoopProfile:
   score: float
   accept: float
   forward_gaps: float  # The idle gaps inside drafting and scoring (included in draft and score).
+  # The whole call, first op to last, and its part outside the main loop: the prefills of both
+  # models and the first token before it, the outputs after it. ArS pays the target's share too,
+  # so at batch 8, where it is half the call, it bounds what any loop can gain.
+  call: float
+  outside_loop: float
 
   @property
   def outside_forward_passes(self) -> float:
@@ -317,10 +323,11 @@ def profile_row(target: models.Model, draft: models.Model | None, tok: Tokenizer
   # would count twice), plus the dispatch gaps between a phase's own ops.
   gaps = lambda phase: sum(it.phase_gap_s[phase] for it in its) / len(its)
   per_loop = lambda phase: sum(it.phase_wall_s[phase] for it in its) / len(its) + gaps(phase)
-  return LoopProfile(trace_dir=trace.trace_dir, loops=len(its),
-                     loop=sum(it.wall_s for it in its) / len(its), draft=per_loop('draft'),
-                     score=per_loop('score'), accept=per_loop('accept'),
-                     forward_gaps=gaps('draft') + gaps('score'))
+  in_loop = sum(it.wall_s for it in its)
+  return LoopProfile(trace_dir=trace.trace_dir, loops=len(its), loop=in_loop / len(its),
+                     draft=per_loop('draft'), score=per_loop('score'), accept=per_loop('accept'),
+                     forward_gaps=gaps('draft') + gaps('score'), call=trace.total_s,
+                     outside_loop=trace.total_s - in_loop)
 
 
 PARITY_NOTE = (
@@ -392,11 +399,13 @@ def markdown(comparisons: Sequence[Comparison]) -> str:
   profiled = [cmp for cmp in comparisons if cmp.loop_profile is not None]
   if profiled:
     lines += ['', '| task | decoding | batch | loops traced | ms per loop | draft | score | accept '
-              '| outside draft and score | not running draft or score ops |',
-              '|---|---|---|---|---|---|---|---|---|---|']
+              '| outside draft and score | not running draft or score ops | ms per call | '
+              'outside the loop (prefills) |',
+              '|---|---|---|---|---|---|---|---|---|---|---|---|']
     for cmp in profiled:
       lp, ms = cmp.loop_profile, lambda x: f'{x * 1e3:.3f}'
       lines.append(f'| {cmp.sps.task} | {cmp.sps.decoding} | {cmp.sps.batch} | {lp.loops} | '
                    f'{ms(lp.loop)} | {ms(lp.draft)} | {ms(lp.score)} | {ms(lp.accept)} | '
-                   f'{lp.outside_forward_passes:.1%} | {lp.outside_forward_ops:.1%} |')
+                   f'{lp.outside_forward_passes:.1%} | {lp.outside_forward_ops:.1%} | '
+                   f'{ms(lp.call)} | {ms(lp.outside_loop)} ({lp.outside_loop / lp.call:.0%}) |')
   return '\n'.join(lines)
