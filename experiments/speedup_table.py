@@ -51,7 +51,7 @@ def main(argv):
     task_config = c.tasks[task_name]
     task = tasks.load_task(task_name, task_config.num, task_config.max_new_tokens,
                              config=c.data_config or None)
-    capacity = target.config.max_seq_len
+    capacity = speedup.halfway_capacity(task, tok, target, draft, c.k)
     for decoding, settings in (('nucleus', task_config.nucleus), ('greedy', c.greedy)):
       sampling_config = SamplingConfig(**settings)
       for batch in c.batches:

@@ -354,3 +354,11 @@ def test_pooled_token_time_weighs_calls_by_their_tokens():
   assert t.mean_token_time == pytest.approx((0.030 + 0.002) / 2)
   assert t.pooled_token_time == pytest.approx(0.230 / 101)
   assert t.summary()['pooled_ms_per_token'] == pytest.approx(230 / 101)
+
+
+def test_costs_are_measured_halfway_through_a_generation(family):
+  target, draft, tok = family
+  task = speedup.Task('docstrings', ('ab', 'abcdefgh'), ('x', 'y'), max_new_tokens=10)
+  lengths = [len(tok.encode(p)) for p in task.prompts]
+  want = round(sum(lengths) / 2) + 10 // 2 + 3 + 1
+  assert speedup.halfway_capacity(task, tok, target, draft, 3) == want

@@ -19,7 +19,8 @@ acceptance from the loop counts, `theory.alpha_from_counts`) and model-based (me
 sum_x min(p, q) over the generated positions, p and q after the processors:
 `eval.acceptance.pair_statistics`, which gives the log p and log p/q columns from the same
 forward passes); c and s from jitted
-`extend` calls of the two models at the row's batch and cache size. One SpS call per row is also
+`extend` calls of the two models at the row's batch, attending over the slots a loop sees halfway
+through a generation (`halfway_capacity`). One SpS call per row is also
 profiled (`bench.profile`): time per loop and per phase read from the trace, and the call's time
 outside its loop (the prefills, which ArS pays too: a bound on what any loop can gain).
 
@@ -67,6 +68,27 @@ class Costs:
   @property
   def s(self) -> float:
     return self.score_call / self.target_step
+
+
+def _encode(task: Task, tok: Tokenizer, target: models.Model, draft: models.Model | None,
+            k: int) -> tuple[np.ndarray, np.ndarray]:
+  """The task's prompts as the rows run them: (prompts int32[N, P], lengths int32[N])."""
+  sizes = [('target', target.config.max_seq_len)]
+  if draft is not None:
+    sizes.append(('draft', draft.config.max_seq_len))
+  return tasks.encode(task, tok, sizes, speculative.headroom(k))
+
+
+def halfway_capacity(task: Task, tok: Tokenizer, target: models.Model,
+                     draft: models.Model | None, k: int) -> int:
+  """The cache size at which a row's c and s are measured (`measure_costs`): a prompt of the
+  task's mean length halfway through its generation, plus the k + 1 slots a score writes
+  (`decode.extend_seconds` attends over all but those). Attention reads every slot in use, so
+  costs measured over the whole max_seq_len cache overstate a step, most at batch 8."""
+  _, lengths_N = _encode(task, tok, target, draft, k)
+  capacity = int(round(float(np.mean(lengths_N)))) + task.max_new_tokens // 2 + k + 1
+  limits = [m.config.max_seq_len for m in (target, draft) if m is not None]
+  return min([capacity] + limits)
 
 
 def measure_costs(target: models.Model, draft: models.Model | None, k: int, batch: int,
@@ -137,10 +159,7 @@ def run_rows(target: models.Model, draft: models.Model | None, tok: Tokenizer, t
   sharded, rows on `data`; every process gets the whole outputs to score.
   """
   sharding.check_batch(batch, mesh)
-  sizes = [('target', target.config.max_seq_len)]
-  if draft is not None:
-    sizes.append(('draft', draft.config.max_seq_len))
-  prompts_NxP, lengths_N = tasks.encode(task, tok, sizes, speculative.headroom(k))
+  prompts_NxP, lengths_N = _encode(task, tok, target, draft, k)
   num = len(task.prompts)
   num_calls = -(-num // batch)
   rows_of = lambda i: [min(j, num - 1) for j in range(i * batch, (i + 1) * batch)]  # Pad: repeat.
