@@ -24,7 +24,7 @@ def test_library_is_built_and_runs_the_baseline():
 
 @pytest.mark.parametrize('isa', ISAS)
 @pytest.mark.parametrize('d_in,d_out', [(96, 160), (40, 37), (1024, 48)])
-@pytest.mark.parametrize('rows', [1, 3, 5, 8, 9, 16, 17, 67])
+@pytest.mark.parametrize('rows', [1, 3, 5, 8, 9, 16, 17, 67, 300])
 def test_packed_matmul_equals_dot(isa, d_in, d_out, rows):
   w_IxF = jax.random.normal(jax.random.key(0), (d_in, d_out))
   x_RxI = jax.random.normal(jax.random.key(rows), (rows, d_in))
