@@ -8,7 +8,10 @@
 //
 // XLA's CPU dot costs 2-4x as much for 5 rows as for 1 at decoder sizes; this kernel streams each
 // panel once per call, keeping every row's 16 accumulators in registers, so 1 to 8 rows cost about
-// the same: the bandwidth of reading W. Panels are shared among XLA's intra-op threads.
+// the same: the bandwidth of reading W. Panels are shared among XLA's intra-op threads. From 17
+// rows on (prefills, batches scoring several positions) AVX-512 takes the wide path, bound by
+// arithmetic: tiles of 12 rows against two panels, the rows transposed first
+// (packed_matmul_kernel.inc); `SPSJAX_NATIVE_WIDE=0` turns it off, for A/B measurements.
 //
 // The kernel is compiled three times (AVX-512, AVX2 + FMA, and the compiler's baseline) from
 // packed_matmul_kernel.inc and the best one this CPU runs is chosen at call time, so one build
@@ -17,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -35,6 +39,10 @@ constexpr int kPanel = 16;
 template <typename W>
 using PanelsFn = void (*)(const float*, int64_t, int64_t, const W*, int64_t, float*, int64_t,
                           int64_t, const float*, const float*);
+template <typename W>
+using WidePanelsFn = void (*)(const float*, const float*, int64_t, int64_t, const W*, int64_t,
+                              float*, int64_t, int64_t, const float*, const float*);
+using TransposeFn = void (*)(const float*, int64_t, int64_t, int64_t, int64_t, float*);
 using NormFn = void (*)(const float*, int64_t, int64_t, const float*, float, float*);
 using GateFn = void (*)(const float*, int64_t, int64_t, float*);
 
@@ -47,21 +55,51 @@ enum Prologue : int32_t { kNone = 0, kRmsNorm = 1, kSiluGate = 2 };
 
 template <typename W>
 PanelsFn<W> Kernel(int32_t isa) { return SPSJAX_BY_ISA(isa, Panels<W>); }
+template <typename W>
+WidePanelsFn<W> WideKernel(int32_t isa) { return SPSJAX_BY_ISA(isa, WidePanels<W>); }
+TransposeFn TransposeKernel(int32_t isa) { return SPSJAX_BY_ISA(isa, TransposeTiles); }
 NormFn NormKernel(int32_t isa) { return SPSJAX_BY_ISA(isa, RmsNormRows); }
 GateFn GateKernel(int32_t isa) { return SPSJAX_BY_ISA(isa, SiluGateRows); }
 
 // Below this many weight floats a call runs on the calling thread: waking a pool thread costs more.
 constexpr int64_t kMinParallelWeights = 1 << 16;
 
-// Runs the kernel for weights stored as W over the panels, shared among the threads.
+// Rows from which AVX-512 takes the wide path (`WidePanels`: two panels per tile, the inputs
+// transposed). Fewer rows are bound by reading the weights, which one pass over each panel does
+// best: at 16 rows (batch 8 scoring 2 positions) the wide path's two passes were no faster.
+constexpr int64_t kWideMinRows = 17;
+
+bool UseWide(int32_t isa, int64_t rows) {
+  static const bool enabled = [] {
+    const char* env = std::getenv("SPSJAX_NATIVE_WIDE");
+    return env == nullptr || env[0] != '0';
+  }();
+  return enabled && isa == spsjax::kAvx512 && rows >= kWideMinRows;
+}
+
+// Runs the kernel for weights stored as W over the panels, shared among the threads (on the wide
+// path, over pairs of panels, after the tiles' inputs are transposed into `xt`).
 template <typename W>
 void RunPanels(ffi::ThreadPool& pool, int32_t isa, int64_t threads, const float* x, int64_t rows,
                int64_t d_in, const void* w, int64_t d_out, float* y, int64_t num_panels,
-               const float* residual, const float* scales) {
-  const PanelsFn<W> kernel = Kernel<W>(isa);
+               const float* residual, const float* scales, std::vector<float>& xt) {
   const W* w_data = static_cast<const W*>(w);
-  spsjax::ParallelFor(pool, num_panels, threads, [=](int64_t p0, int64_t p1) {
-    kernel(x, rows, d_in, w_data, d_out, y, p0, p1, residual, scales);
+  if (!UseWide(isa, rows)) {
+    const PanelsFn<W> kernel = Kernel<W>(isa);
+    spsjax::ParallelFor(pool, num_panels, threads, [=](int64_t p0, int64_t p1) {
+      kernel(x, rows, d_in, w_data, d_out, y, p0, p1, residual, scales);
+    });
+    return;
+  }
+  xt.resize(rows * d_in);
+  float* xt_data = xt.data();
+  const TransposeFn transpose = TransposeKernel(isa);
+  const int64_t tiles = SPSJAX_BY_ISA(isa, WideTiles)(rows);
+  spsjax::ParallelFor(pool, tiles, rows * d_in < kMinParallelWeights ? 1 : threads,
+                      [=](int64_t t0, int64_t t1) { transpose(x, rows, d_in, t0, t1, xt_data); });
+  const WidePanelsFn<W> kernel = WideKernel<W>(isa);
+  spsjax::ParallelFor(pool, (num_panels + 1) / 2, threads, [=](int64_t u0, int64_t u1) {
+    kernel(x, xt_data, rows, d_in, w_data, d_out, y, u0, u1, residual, scales);
   });
 }
 
@@ -124,15 +162,16 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       num_panels * d_in * kPanel < kMinParallelWeights ? 1 : spsjax::MaxThreads(pool);
   const float* scales = w_type == ffi::DataType::S8 ? w_scales.typed_data() : nullptr;
   const void* w_data = w.untyped_data();
+  std::vector<float> transposed;  // The wide path's inputs.
   if (w_type == ffi::DataType::F32) {
     RunPanels<float>(pool, isa, threads, x_data, rows, d_in, w_data, d_out, y_data, num_panels,
-                     residual_data, scales);
+                     residual_data, scales, transposed);
   } else if (w_type == ffi::DataType::BF16) {
     RunPanels<uint16_t>(pool, isa, threads, x_data, rows, d_in, w_data, d_out, y_data,
-                        num_panels, residual_data, scales);
+                        num_panels, residual_data, scales, transposed);
   } else {
     RunPanels<int8_t>(pool, isa, threads, x_data, rows, d_in, w_data, d_out, y_data, num_panels,
-                      residual_data, scales);
+                      residual_data, scales, transposed);
   }
   return ffi::Error::Success();
 }
