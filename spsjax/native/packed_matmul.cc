@@ -11,7 +11,8 @@
 // the same: the bandwidth of reading W. Panels are shared among XLA's intra-op threads. From 17
 // rows on (prefills, batches scoring several positions) AVX-512 takes the wide path, bound by
 // arithmetic: tiles of 12 rows against two panels, the rows transposed first
-// (packed_matmul_kernel.inc); `SPSJAX_NATIVE_WIDE=0` turns it off, for A/B measurements.
+// (packed_matmul_kernel.inc); `SPSJAX_NATIVE_WIDE_ROWS` sets another threshold (0: off), for
+// A/B measurements.
 //
 // The kernel is compiled three times (AVX-512, AVX2 + FMA, and the compiler's baseline) from
 // packed_matmul_kernel.inc and the best one this CPU runs is chosen at call time, so one build
@@ -70,11 +71,11 @@ constexpr int64_t kMinParallelWeights = 1 << 16;
 constexpr int64_t kWideMinRows = 17;
 
 bool UseWide(int32_t isa, int64_t rows) {
-  static const bool enabled = [] {
-    const char* env = std::getenv("SPSJAX_NATIVE_WIDE");
-    return env == nullptr || env[0] != '0';
+  static const int64_t min_rows = [] {  // SPSJAX_NATIVE_WIDE_ROWS: another threshold, 0: off.
+    const char* env = std::getenv("SPSJAX_NATIVE_WIDE_ROWS");
+    return env == nullptr ? kWideMinRows : std::atoll(env);
   }();
-  return enabled && isa == spsjax::kAvx512 && rows >= kWideMinRows;
+  return min_rows > 0 && isa == spsjax::kAvx512 && rows >= min_rows;
 }
 
 // Runs the kernel for weights stored as W over the panels, shared among the threads (on the wide
