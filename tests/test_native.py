@@ -5,6 +5,8 @@ falls back. Each variant (AVX-512, AVX2 + FMA, baseline) runs on the same inputs
 partial panels, head dims that are not a multiple of the vector width and ragged row offsets.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 
 from spsjax import models, native, sampling, sharding
 from spsjax.native import attention, threefry
-from spsjax.sampling import processors
+from spsjax.sampling import processors, rejection
 
 ISAS = native.isas()
 
@@ -342,3 +344,38 @@ def test_threefry_unrolled_on_cpu_draws_the_same_bits():
   assert ' while(' not in unrolled.lower(key).compile().as_text()
   for a, b in zip(unrolled(key), rolled_out):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize('isa', ISAS)
+@pytest.mark.parametrize('lenience', [1.0, 0.6])
+@pytest.mark.parametrize('V', [4096, 37])
+def test_accept_kernel_equals_rejection(isa, lenience, V):
+  """The accept step's kernel against `rejection.accept_and_resample` from the same uniforms: the
+  same number of accepted drafts in every row, and the same tokens but at rounding boundaries,
+  always of positive weight in the law they were drawn from. Rows cover every count of proposed
+  drafts, p = q (no residual mass: p itself), one-hot p (greedy) and drafts q gave no mass to."""
+  B, K = 96, 3
+  keys = jax.random.split(jax.random.key(V), 6)
+  p = jax.nn.softmax(2 * jax.random.normal(keys[0], (B, K + 1, V)), -1)
+  q = jax.nn.softmax(jnp.log(p[:, :K]) + 0.7 * jax.random.normal(keys[1], (B, K, V)), -1)
+  q = q.at[:8].set(p[:8, :K])  # Equal laws: every draft accepted, or a residual without mass.
+  p = p.at[8:16].set(jax.nn.one_hot(jnp.argmax(p[8:16], -1), V))  # Greedy targets.
+  drafts = jax.random.categorical(keys[2], jnp.log(q)).astype(jnp.int32)
+  num = jnp.arange(B, dtype=jnp.int32) % (K + 1)
+  row_keys = jax.random.split(keys[3], B)
+  want_n, want_tokens = jax.vmap(functools.partial(rejection.accept_and_resample,
+                                                   lenience=lenience))(row_keys, p, q, drafts, num)
+  u, token_keys = jax.vmap(lambda key: rejection._split(key, K))(row_keys)  # pylint: disable=protected-access
+  n, tokens = jax.jit(lambda *a: native.accept(*a, lenience=lenience, isa=isa))(
+      p, q, drafts, num, u, processors.uniforms(token_keys))
+  np.testing.assert_array_equal(n, want_n)
+  assert len(set(np.asarray(n).tolist())) == K + 1  # Every count occurs.
+  assert np.mean(np.asarray(tokens) == np.asarray(want_tokens)) >= 0.95
+  laws = jax.vmap(lambda p, q, n, num: jnp.where(
+      (n < num) & (jnp.sum(jnp.maximum(p[n] - q[jnp.minimum(n, K - 1)], 0)) > 0),
+      jnp.maximum(p[n] - q[jnp.minimum(n, K - 1)], 0), p[n]))(p, q, n, num)
+  assert np.all(np.asarray(laws)[np.arange(B), np.asarray(tokens)] > 0)
+  # And through the batched entry point the loop calls.
+  got = jax.jit(lambda *a: rejection.accept_and_resample_rows(
+      *a, lenience=lenience, native_kernel=True))(row_keys, p, q, drafts, num)
+  np.testing.assert_array_equal(got[0], want_n)

@@ -4,7 +4,8 @@
 - `packed`: weights packed in panels (`PackedWeight`) and the product against them;
 - `attention`: a few new positions rotated, written into the KV cache and attending over it;
 - `lookup`: rows of an embedding table;
-- `distribution`: the sampling distribution (temperature, top-k, top-p) and a draw from it;
+- `distribution`: the sampling distribution (temperature, top-k, top-p) and a draw from it, and
+  speculative sampling's accept step;
 - `threefry`: JAX's random bits hashed without a loop on the CPU.
 
 The model asks for a product or an attention and never for a kernel: each function falls back to
@@ -13,12 +14,12 @@ on TPU/GPU and for sharded models.
 """
 
 from spsjax.native.attention import attend, cached_attention, rope, write_rows
-from spsjax.native.distribution import probabilities_and_draw
+from spsjax.native.distribution import accept, probabilities_and_draw
 from spsjax.native.library import ISAS, available, isas
 from spsjax.native.lookup import take_rows
 from spsjax.native.packed import (PANEL, WEIGHT_DTYPES, PackedWeight, matmul, pack, rms_norm,
                                   silu_gate, unpack)
 
-__all__ = ['ISAS', 'PANEL', 'PackedWeight', 'attend', 'available', 'cached_attention', 'isas',
+__all__ = ['ISAS', 'PANEL', 'PackedWeight', 'accept', 'attend', 'available', 'cached_attention', 'isas',
            'matmul', 'pack', 'probabilities_and_draw', 'rms_norm', 'rope', 'silu_gate',
            'take_rows', 'unpack', 'WEIGHT_DTYPES', 'write_rows']

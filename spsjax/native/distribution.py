@@ -6,6 +6,10 @@ renormalisation, then the inverse-CDF draw with the given uniform number; the la
 Where XLA's ops take 16 sequential steps of vocabulary-wide work for top-p and two matrix products
 for a draw's prefix sums, the kernel makes one pass for the softmax, buckets the probabilities for
 top-p and sorts only the bucket where the mass crosses top_p.
+
+`accept` runs the accept step of speculative sampling (`spsjax.sampling.rejection`) for every row
+in one call: the acceptance tests, the residual max(0, p - q) and its draw, where XLA's ops are a
+dozen vocabulary-wide fusions and two matrix products per row.
 """
 
 import jax
@@ -27,3 +31,16 @@ def probabilities_and_draw(logits_xV: jax.Array, uniforms_x: jax.Array, *, tempe
       logits_RxV, uniforms_x.reshape(R).astype(jnp.float32), temperature=np.float32(temperature),
       top_k=np.int32(top_k), top_p=np.float32(top_p), isa=np.int32(library.isa_code(isa)))
   return probs_RxV.reshape(lead + (V,)), tokens_R.reshape(lead)
+
+
+def accept(p_BxKp1xV: jax.Array, q_BxKxV: jax.Array, drafts_BxK: jax.Array, num_B: jax.Array,
+           u_BxK: jax.Array, u_token_B: jax.Array, *, lenience: float, isa: str = 'best'
+           ) -> tuple[jax.Array, jax.Array]:
+  """(int32[B] accepted drafts, int32[B] the token after them) with the given uniform numbers
+  (`rejection.accept_and_resample`'s, drawn from its keys); the CPU kernel only (no fallback)."""
+  B = p_BxKp1xV.shape[0]
+  out = (jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32))
+  return jax.ffi.ffi_call('spsjax_accept', out, vmap_method='sequential')(
+      p_BxKp1xV.astype(jnp.float32), q_BxKxV.astype(jnp.float32), drafts_BxK.astype(jnp.int32),
+      num_B.astype(jnp.int32), u_BxK.astype(jnp.float32), u_token_B.astype(jnp.float32),
+      lenience=np.float32(lenience), isa=np.int32(library.isa_code(isa)))

@@ -19,6 +19,7 @@ TARGETS = {
     'spsjax_packed_matmul': 'SpsjaxPackedMatmul',
     'spsjax_cached_attention': 'SpsjaxCachedAttention',
     'spsjax_probabilities': 'SpsjaxProbabilities',
+    'spsjax_accept': 'SpsjaxAccept',
     'spsjax_take_rows': 'SpsjaxTakeRows',
 }
 # Instruction sets by the numbers the C++ side uses (parallel.h); 'best' is the best this CPU runs.

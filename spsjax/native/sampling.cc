@@ -1,7 +1,8 @@
 // The distribution a sampler draws from, and one draw from it, per row, for XLA:CPU through the
 // FFI: temperature, top-k, top-p (ties by id), renormalised, then an inverse-CDF draw with one
-// uniform number; spsjax/sampling/processors.py defines the same law with XLA ops. Compiled for
-// AVX-512, AVX2 and the baseline like the other kernels.
+// uniform number; spsjax/sampling/processors.py defines the same law with XLA ops. Also the accept
+// step of speculative sampling (spsjax/sampling/rejection.py) for a batch of rows in one call.
+// Compiled for AVX-512, AVX2 and the baseline like the other kernels.
 
 #include <algorithm>
 #include <cstdint>
@@ -22,6 +23,11 @@ using RowFn = int32_t (*)(const float*, int64_t, float, int64_t, float, float, f
 #undef SPSJAX_KERNEL_FILE
 
 RowFn Kernel(int32_t isa) { return SPSJAX_BY_ISA(isa, ProcessRow); }
+
+using AcceptFn = int32_t (*)(const float*, const float*, const int32_t*, int64_t, int64_t,
+                             const float*, float, float, int64_t, float*, std::vector<float>&,
+                             int32_t*);
+AcceptFn AcceptKernel(int32_t isa) { return SPSJAX_BY_ISA(isa, AcceptRow); }
 
 // Below this many logits a call runs on the calling thread.
 constexpr int64_t kMinParallelLogits = 1 << 14;
@@ -63,6 +69,60 @@ ffi::Error ProbabilitiesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
   return ffi::Error::Success();
 }
 
+// Modified rejection sampling for every row (AcceptRow): p [B, k + 1, V], q [B, k, V], the drafts
+// [B, k], the number each row proposed [B], the accept uniforms [B, k] and the token's [B]; out
+// the accepted count [B] and the token drawn after them [B].
+ffi::Error AcceptImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::F32> q,
+                      ffi::Buffer<ffi::S32> drafts, ffi::Buffer<ffi::S32> num,
+                      ffi::Buffer<ffi::F32> u, ffi::Buffer<ffi::F32> u_token,
+                      ffi::ResultBuffer<ffi::S32> accepted, ffi::ResultBuffer<ffi::S32> tokens,
+                      float lenience, int32_t isa) {
+  const auto pd = p.dimensions(), qd = q.dimensions();
+  if (pd.size() != 3 || qd.size() != 3 || qd[0] != pd[0] || qd[1] + 1 != pd[1] ||
+      qd[2] != pd[2] || drafts.dimensions().size() != 2 || drafts.dimensions()[0] != pd[0] ||
+      drafts.dimensions()[1] != qd[1] || num.element_count() != static_cast<size_t>(pd[0]) ||
+      u.element_count() != static_cast<size_t>(pd[0] * qd[1]) ||
+      u_token.element_count() != static_cast<size_t>(pd[0]) ||
+      accepted->element_count() != static_cast<size_t>(pd[0]) ||
+      tokens->element_count() != static_cast<size_t>(pd[0])) {
+    return ffi::Error::InvalidArgument(
+        "accept: want p [B, k + 1, V], q [B, k, V], drafts [B, k], num [B], u [B, k], "
+        "u_token [B], accepted [B], tokens [B].");
+  }
+  if (!(lenience > 0.0f && lenience <= 1.0f)) {
+    return ffi::Error::InvalidArgument("accept: lenience must be in (0, 1].");
+  }
+  if (!spsjax::Resolve(&isa)) {
+    return ffi::Error::InvalidArgument("accept: this CPU lacks the instruction set asked.");
+  }
+  const int64_t B = pd[0], k = qd[1], V = pd[2];
+  const int32_t* drafts_data = drafts.typed_data();
+  for (int64_t i = 0; i < B * k; ++i) {
+    if (drafts_data[i] < 0 || drafts_data[i] >= V) {
+      return ffi::Error::InvalidArgument("accept: a draft token is outside the vocabulary.");
+    }
+  }
+  const AcceptFn kernel = AcceptKernel(isa);
+  const float* p_data = p.typed_data();
+  const float* q_data = q.typed_data();
+  const int32_t* num_data = num.typed_data();
+  const float* u_data = u.typed_data();
+  const float* ut_data = u_token.typed_data();
+  int32_t* accepted_data = accepted->typed_data();
+  int32_t* tokens_data = tokens->typed_data();
+  const int64_t threads = B * V < kMinParallelLogits ? 1 : spsjax::MaxThreads(pool);
+  spsjax::ParallelFor(pool, B, threads, [=](int64_t begin, int64_t end) {
+    thread_local std::vector<float> residual, blocks;
+    residual.resize(V);
+    for (int64_t b = begin; b < end; ++b) {
+      accepted_data[b] = kernel(p_data + b * (k + 1) * V, q_data + b * k * V, drafts_data + b * k,
+                                k, num_data[b], u_data + b * k, ut_data[b], lenience, V,
+                                residual.data(), blocks, tokens_data + b);
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxProbabilities, ProbabilitiesImpl,
@@ -75,4 +135,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxProbabilities, ProbabilitiesImpl,
                                   .Attr<float>("temperature")
                                   .Attr<int32_t>("top_k")
                                   .Attr<float>("top_p")
+                                  .Attr<int32_t>("isa"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxAccept, AcceptImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // p
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // drafts
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // u
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // u_token
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("lenience")
                                   .Attr<int32_t>("isa"));

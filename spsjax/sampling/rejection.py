@@ -10,6 +10,10 @@ emitted tokens are then distributed exactly as sampling from p one token at a ti
 Numerics: acceptance compares u * q < p (no division, so no NaN for q = 0 or p = 0; u in [0, 1)
 never accepts a token with p = 0); a residual with zero mass (p equal to q up to rounding) falls back
 to p; draws use `processors.draw`, which only returns ids of positive weight.
+
+`native_kernel` (a sampler on one CPU device) runs the batched step as one native call
+(`spsjax.native.accept`) from the same uniform numbers: the same accepted counts, and the same
+tokens but where float rounding of the prefix sums puts a boundary between two.
 """
 
 import functools
@@ -17,7 +21,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from spsjax.sampling.processors import draw
+from spsjax import native
+from spsjax.native import library
+from spsjax.sampling.processors import draw, uniforms
 
 
 def acceptance_probability(p_xV: jax.Array, q_xV: jax.Array) -> jax.Array:
@@ -56,8 +62,7 @@ def accept_and_resample(key: jax.Array, p_Kp1xV: jax.Array, q_KxV: jax.Array,
   k = drafts_K.shape[0]
   num = k if num is None else num
   p_Kp1xV, q_KxV = p_Kp1xV.astype(jnp.float32), q_KxV.astype(jnp.float32)
-  accept_key, token_key = jax.random.split(key)
-  u_K = jax.random.uniform(accept_key, (k,), jnp.float32)  # In [0, 1).
+  u_K, token_key = _split(key, k)
   p_at_K = jnp.take_along_axis(p_Kp1xV[:k], drafts_K[:, None], axis=1)[:, 0]
   q_at_K = jnp.take_along_axis(q_KxV, drafts_K[:, None], axis=1)[:, 0]
   accepted_K = (u_K * (lenience * q_at_K) < p_at_K) & (jnp.arange(k) < num)
@@ -71,10 +76,28 @@ def accept_and_resample(key: jax.Array, p_Kp1xV: jax.Array, q_KxV: jax.Array,
   return n.astype(jnp.int32), token.astype(jnp.int32)
 
 
+def _split(key: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """A row's k accept uniforms, in [0, 1), and the key of its token's draw."""
+  accept_key, token_key = jax.random.split(key)
+  return jax.random.uniform(accept_key, (k,), jnp.float32), token_key
+
+
 def accept_and_resample_rows(keys_B, p_BxKp1xV, q_BxKxV, drafts_BxK, num_B=None,
-                             lenience: float = 1.0):
-  """Batched `accept_and_resample`: each row with its own key (and number of proposed drafts)."""
+                             lenience: float = 1.0, *, native_kernel: bool = False):
+  """Batched `accept_and_resample`: each row with its own key (and number of proposed drafts);
+  with `native_kernel` by one native call where the library is built (module docstring)."""
   if num_B is None:
     num_B = jnp.full(drafts_BxK.shape[:1], drafts_BxK.shape[1], jnp.int32)
   row = functools.partial(accept_and_resample, lenience=lenience)
-  return jax.vmap(row)(keys_B, p_BxKp1xV, q_BxKxV, drafts_BxK, num_B)
+  xla = lambda ops: jax.vmap(row)(*ops)
+  operands = (keys_B, p_BxKp1xV, q_BxKxV, drafts_BxK, num_B)
+  if not (native_kernel and library.available()):
+    return xla(operands)
+
+  def kernel(ops):
+    keys_B, p_BxKp1xV, q_BxKxV, drafts_BxK, num_B = ops
+    u_BxK, token_keys_B = jax.vmap(lambda key: _split(key, drafts_BxK.shape[1]))(keys_B)
+    return native.accept(p_BxKp1xV, q_BxKxV, drafts_BxK, num_B, u_BxK, uniforms(token_keys_B),
+                         lenience=lenience)
+
+  return library.on_cpu(operands, kernel, xla)

@@ -150,7 +150,8 @@ class Loop(common.LoopSettings):
       p_BxKp1xV = (native_probabilities(logits_BxKp1xV, self.sampling) if self.native_kernel
                    else probabilities(logits_BxKp1xV, self.sampling))
       n_B, token_B = accept_and_resample_rows(accept_keys_B, p_BxKp1xV, proposal.q_BxKxV,
-                                              drafts_BxK, proposal.num_B, self.lenience)
+                                              drafts_BxK, proposal.num_B, self.lenience,
+                                              native_kernel=self.native_kernel)
       block_BxKp1 = jnp.where(jnp.arange(k + 1)[None, :] < n_B[:, None],
                               jnp.pad(drafts_BxK, ((0, 0), (0, 1))), token_B[:, None])
       tokens_BxW, num_generated_B, done_B, emitted_B = common.commit(
