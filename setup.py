@@ -63,7 +63,7 @@ setuptools.setup(
         'tokenizers>=0.23.3',  # Hugging Face tokenizer.json.
     ],
     extras_require={
-        'test': ['pytest>=8.0', 'chex>=0.1.90', 'scipy>=1.13'],
+        'test': ['pytest>=8.0', 'pytest-xdist>=3.5', 'chex>=0.1.90', 'scipy>=1.13'],
         # Only to rewrite the Hugging Face fixtures (tests/fixtures/make_hf_fixtures.py) and for
         # experiments/peer_benchmark.py. torch pinned to the CPU build this machine carries (a
         # looser pin makes pip fetch a CUDA build of several GB).

@@ -11,6 +11,7 @@ import shutil
 import tempfile
 
 from spsjax.data import datasets, python_code, tokenizer
+from tests import xla_env
 
 SUBSET = python_code.SMALL
 SMALL_VOCAB = 1024
@@ -36,9 +37,7 @@ def data_dir() -> str:
 
 def subprocess_env() -> dict[str, str]:
   """The environment for a test's subprocess: this data dir, and JAX on one CPU device."""
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  env[_DATA_DIR_ENV] = data_dir()
-  return env
+  return xla_env.subprocess_env(**{_DATA_DIR_ENV: data_dir()})
 
 
 def texts(split: str) -> list[str]:

@@ -7,12 +7,12 @@ is then read back by name in this process, where its builder class was never def
 """
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 from spsjax.data import datasets
+from tests import xla_env
 
 _SCRIPT = textwrap.dedent('''
     import importlib.abc, importlib.machinery, json, sys
@@ -62,9 +62,8 @@ _SCRIPT = textwrap.dedent('''
 
 
 def test_build_and_read_without_tensorflow(tmp_path):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   run = subprocess.run([sys.executable, '-c', _SCRIPT, str(tmp_path)], capture_output=True,
-                       text=True, env=env, timeout=120, check=False)
+                       text=True, env=xla_env.subprocess_env(), timeout=120, check=False)
   lines = [l for l in run.stdout.splitlines() if l.startswith('RESULT ')]
   assert run.returncode == 0 and lines, run.stderr[-3000:]
   out = json.loads(lines[-1][len('RESULT '):])

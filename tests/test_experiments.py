@@ -16,14 +16,14 @@ import pytest
 from spsjax import models
 from spsjax.data import tokenizer
 from spsjax.train import checkpoint
+from tests import xla_env
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(*args):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  return subprocess.run([sys.executable, *args], cwd=_REPO, env=env, capture_output=True,
-                        text=True, timeout=300, check=False)
+  return subprocess.run([sys.executable, *args], cwd=_REPO, env=xla_env.subprocess_env(),
+                        capture_output=True, text=True, timeout=300, check=False)
 
 
 def test_sample_sps_on_random_models():
@@ -182,13 +182,12 @@ def test_speedup_table_title_says_what_the_demo_is():
 
 def test_sweep_runs_sharded_on_a_mesh(family, tmp_path):
   """The sweep binary with the `model` axis over 4 fake devices: it loads, samples and writes."""
-  env_flags = '--xla_force_host_platform_device_count=4'
   run = subprocess.run(
       [sys.executable, 'experiments/sweep.py',
        f'--config=configs/sweep.py:root={family},runlocal,model_axis=4,results={tmp_path}',
        '--config.max_new_tokens=8'],
-      cwd=_REPO, env=dict({k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'},
-                          XLA_FLAGS=env_flags), capture_output=True, text=True, timeout=300,
+      cwd=_REPO, env=xla_env.subprocess_env(devices=4), capture_output=True, text=True,
+      timeout=300,
       check=False)
   assert run.returncode == 0, run.stderr[-3000:]
   assert 'mesh' in run.stdout and "'model': 4" in run.stdout, run.stdout[-2000:]

@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-from tests import data_helpers, multihost_worker
+from tests import data_helpers, multihost_worker, xla_env
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'multihost_worker.py')
 
@@ -32,8 +32,7 @@ def test_two_processes_match_one(tmp_path):
   tok = data_helpers.small_tokenizer()
   (tmp_path / 'tokenizer.model').write_bytes(tok.to_bytes())
   expected_table = multihost_worker.table_completions(tok, mesh=None)
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  env.update(XLA_FLAGS='--xla_force_host_platform_device_count=2', JAX_PLATFORMS='cpu')
+  env = xla_env.subprocess_env(devices=2, JAX_PLATFORMS='cpu')
   address = f'127.0.0.1:{_free_port()}'
   logs = [open(tmp_path / f'process_{i}.log', 'w', encoding='utf-8') for i in range(2)]
   procs = []
