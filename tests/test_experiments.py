@@ -187,8 +187,7 @@ def test_sweep_runs_sharded_on_a_mesh(family, tmp_path):
        f'--config=configs/sweep.py:root={family},runlocal,model_axis=4,results={tmp_path}',
        '--config.max_new_tokens=8'],
       cwd=_REPO, env=xla_env.subprocess_env(devices=4), capture_output=True, text=True,
-      timeout=300,
-      check=False)
+      timeout=300, check=False)
   assert run.returncode == 0, run.stderr[-3000:]
   assert 'mesh' in run.stdout and "'model': 4" in run.stdout, run.stdout[-2000:]
   assert (tmp_path / 'points.csv').exists() and (tmp_path / 'figure1.png').exists()
