@@ -37,8 +37,8 @@ def test_packed_matmul_equals_dot(isa, d_in, d_out, rows):
 
 
 @pytest.mark.parametrize('isa', ISAS)
-@pytest.mark.parametrize('d_in,d_out', [(96, 160), (40, 37)])
-@pytest.mark.parametrize('rows', [1, 5, 9, 16, 24])
+@pytest.mark.parametrize('d_in,d_out', [(96, 160), (40, 37), (128, 600)])
+@pytest.mark.parametrize('rows', [1, 5, 9, 16, 24, 700])  # 700 x 128: the prologue on threads.
 def test_packed_matmul_prologues_and_residual(isa, d_in, d_out, rows):
   """rms_norm(x) @ w, silu_gate(x) @ w, and + residual, against the same XLA ops."""
   keys = jax.random.split(jax.random.key(rows), 4)
@@ -80,7 +80,7 @@ def test_packed_matmul_leading_and_output_dims_and_xla_path():
 
 
 @pytest.mark.parametrize('isa', ISAS)
-@pytest.mark.parametrize('rows', [1, 5, 9, 16, 24])
+@pytest.mark.parametrize('rows', [1, 5, 9, 16, 24, 700])  # 700: the prologue on threads.
 def test_bfloat16_panels_multiply_in_float32(isa, rows):
   """bfloat16 panels: the kernel's product equals float32 arithmetic on the rounded weights, with
   the prologues and the residual too, and the XLA path gives the same."""
@@ -102,7 +102,7 @@ def test_bfloat16_panels_multiply_in_float32(isa, rows):
 
 
 @pytest.mark.parametrize('isa', ISAS)
-@pytest.mark.parametrize('rows', [1, 5, 9, 16, 24])
+@pytest.mark.parametrize('rows', [1, 5, 9, 16, 24, 700])  # 700: the prologue on threads.
 def test_int8_panels_multiply_in_float32(isa, rows):
   """int8 panels: each column quantized to 255 levels of its largest magnitude; the kernel's
   product equals float32 arithmetic on the quantized weights (prologues and residual too), on

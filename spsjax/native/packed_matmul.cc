@@ -64,6 +64,8 @@ GateFn GateKernel(int32_t isa) { return SPSJAX_BY_ISA(isa, SiluGateRows); }
 
 // Below this many weight floats a call runs on the calling thread: waking a pool thread costs more.
 constexpr int64_t kMinParallelWeights = 1 << 16;
+// Below this many input floats the prologue (norm, gate) runs on the calling thread.
+constexpr int64_t kMinParallelPrologue = 1 << 16;
 
 // Rows from which AVX-512 takes the wide path (`WidePanels`: two panels per tile, the inputs
 // transposed). Fewer rows are bound by reading the weights, which one pass over each panel does
@@ -147,20 +149,30 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("packed_matmul: this CPU lacks the instruction set asked.");
   }
   const float* x_data = x.typed_data();
+  const int64_t threads =
+      num_panels * d_in * kPanel < kMinParallelWeights ? 1 : spsjax::MaxThreads(pool);
   std::vector<float> scratch;
   if (prologue != kNone) {
+    // Over the threads when the rows are many (a prefill: a 2048-row gate took ~3 ms alone).
     scratch.resize(rows * d_in);
+    float* out = scratch.data();
+    const int64_t prologue_threads = rows * d_in < kMinParallelPrologue ? 1 : threads;
     if (prologue == kRmsNorm) {
-      NormKernel(isa)(x_data, rows, d_in, scale.typed_data(), eps, scratch.data());
+      const NormFn norm = NormKernel(isa);
+      const float* norm_scale = scale.typed_data();
+      spsjax::ParallelFor(pool, rows, prologue_threads, [=](int64_t r0, int64_t r1) {
+        norm(x_data + r0 * d_in, r1 - r0, d_in, norm_scale, eps, out + r0 * d_in);
+      });
     } else {
-      GateKernel(isa)(x_data, rows, d_in, scratch.data());
+      const GateFn gate = GateKernel(isa);
+      spsjax::ParallelFor(pool, rows, prologue_threads, [=](int64_t r0, int64_t r1) {
+        gate(x_data + r0 * 2 * d_in, r1 - r0, d_in, out + r0 * d_in);
+      });
     }
-    x_data = scratch.data();
+    x_data = out;
   }
   const float* residual_data = add_residual ? residual.typed_data() : nullptr;
   float* y_data = y->typed_data();
-  const int64_t threads =
-      num_panels * d_in * kPanel < kMinParallelWeights ? 1 : spsjax::MaxThreads(pool);
   const float* scales = w_type == ffi::DataType::S8 ? w_scales.typed_data() : nullptr;
   const void* w_data = w.untyped_data();
   std::vector<float> transposed;  // The wide path's inputs.
