@@ -84,7 +84,8 @@ def test_rollback_is_moving_lengths(packed):
 @pytest.mark.parametrize('overrides', [{}, dict(tie_embeddings=False, mlp='gelu')])
 @pytest.mark.parametrize('packed', [False, True], ids=['xla', 'packed'])
 def test_logits_at_selects_positions_per_row(overrides, packed):
-  """prefill(last_only) and extend(logits_at) give exactly the selected rows of the full logits."""
+  """prefill(last_only) and extend(logits_at) give the selected rows of the full logits, and the
+  same cache."""
   config = _config(2, **overrides)
   params = models.init_params(config, jax.random.key(0))
   tokens_BxL = jax.random.randint(jax.random.key(4), (3, 10), 0, VOCAB)
@@ -94,6 +95,10 @@ def test_logits_at_selects_positions_per_row(overrides, packed):
   last_Bx1xV, cache = _prefill(config, params, tokens_BxL[:, :7], jnp.asarray(lengths),
                                capacity=12, last_only=True)
   assert last_Bx1xV.shape == (3, 1, VOCAB)
+  # The last layer skips the other positions' output projection and MLP, not their keys and values.
+  _, full_cache = _prefill(config, params, tokens_BxL[:, :7], jnp.asarray(lengths), capacity=12)
+  for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(full_cache), strict=True):
+    np.testing.assert_array_equal(got, want)
   for b, length in enumerate(lengths):
     np.testing.assert_allclose(last_Bx1xV[b, 0], reference_BxLxV[b, length - 1], rtol=1e-5,
                                atol=1e-5)

@@ -76,11 +76,14 @@ class Attention(nn.Module):
   """Multi-head attention with K kv heads shared by groups of G query heads (MHA, GQA, MQA).
 
   Takes the residual stream and its pre-norm, returns the stream with the attention added.
+  `keep_BxL` (indices into T): return the stream at those positions only, [B, L, D]; the keys and
+  values of all T positions are still computed and returned (the model's last layer when only
+  some positions' logits are wanted: the other positions' output projection and MLP are skipped).
   """
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD, norm: RMSNorm, positions_BxT, layer_cache):
+  def __call__(self, x_BxTxD, norm: RMSNorm, positions_BxT, layer_cache, keep_BxL=None):
     c = self.config
     D, N, K, H, dt = c.d_model, c.num_heads, c.kv_heads, c.dims_per_head, c.jnp_dtype
     wqkv = _packed(self, 'wqkv')
@@ -137,6 +140,9 @@ class Attention(nn.Module):
     # XLA's CPU layout assignment transposes wo instead of the small activation, a copy of the
     # weight on every call that it does not hoist out of the decode loop.
     out_BxTxF = out_BxTxKxGxH.reshape(B, T, N * H)
+    if keep_BxL is not None:  # From here on the T axis holds the L kept positions.
+      out_BxTxF, x_BxTxD = (jnp.take_along_axis(a, keep_BxL[:, :, None], axis=1)
+                            for a in (out_BxTxF, x_BxTxD))
     if wqkv is None:
       x_BxTxD = x_BxTxD + jnp.einsum('BTF,FD->BTD', out_BxTxF, wo.reshape(N * H, D))
       if c.dense_bias:
@@ -185,9 +191,9 @@ class Block(nn.Module):
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, layer_cache):
+  def __call__(self, x_BxTxD, positions_BxT, layer_cache, keep_BxL=None):
     x_BxTxD, new_kv = Attention(self.config, name='attn')(
-        x_BxTxD, RMSNorm(self.config, name='attn_norm'), positions_BxT, layer_cache)
+        x_BxTxD, RMSNorm(self.config, name='attn_norm'), positions_BxT, layer_cache, keep_BxL)
     x_BxTxD = Mlp(self.config, name='mlp')(x_BxTxD, RMSNorm(self.config, name='mlp_norm'))
     return x_BxTxD, new_kv
 
@@ -195,7 +201,10 @@ class Block(nn.Module):
 class Transformer(nn.Module):
   """tokens [B, T] at `positions` [B, T] -> float32 logits [B, T, V] and each layer's (k, v).
 
-  With `logits_at` (int32[B, L], indices into T) only those positions get logits: [B, L, V].
+  With `logits_at` (int32[B, L], indices into T) only those positions get logits: [B, L, V], and
+  the last layer runs its output projection and MLP on those positions only (every position's keys
+  and values are computed all the same): a prefill that wants the last token's logits skips most
+  of its last layer, and a one-layer draft fed two tokens most of its work on the first.
   """
   config: TransformerConfig
 
@@ -216,11 +225,11 @@ class Transformer(nn.Module):
     new_k, new_v = [], []
     for i in range(c.num_layers):
       layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.lengths)
-      x_BxTxD, (k, v) = Block(c, name=f'layer_{i}')(x_BxTxD, positions_BxT, layer_cache)
+      keep_BxL = logits_at_BxL if i == c.num_layers - 1 else None  # x is then [B, L, D].
+      x_BxTxD, (k, v) = Block(c, name=f'layer_{i}')(x_BxTxD, positions_BxT, layer_cache,
+                                                   keep_BxL)
       new_k.append(k)
       new_v.append(v)
-    if logits_at_BxL is not None:
-      x_BxTxD = jnp.take_along_axis(x_BxTxD, logits_at_BxL[:, :, None], axis=1)
     final_norm = RMSNorm(c, name='final_norm')
     if head is not None:  # Packed: an untied head, or a copy of a tied table.
       return native.matmul(x_BxTxD, head, norm=final_norm.fused), (tuple(new_k), tuple(new_v))
