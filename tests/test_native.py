@@ -66,6 +66,40 @@ def test_packed_matmul_prologues_and_residual(isa, d_in, d_out, rows):
                                  err_msg=f'{sorted(options)} kernel={use_kernel}')
 
 
+@pytest.mark.parametrize('isa', ISAS)
+@pytest.mark.parametrize('T', [9, 300])  # 3 x 300 x 128 inputs: the prologues on threads.
+def test_packed_matmul_skips_padding_rows(isa, T):
+  """With counts, rows t < counts[b] of x [B, T, I] are the product's and the others, padding,
+  come out as their residual (or zeros), for every prologue."""
+  B, d_in, d_out = 3, 128, 100
+  keys = jax.random.split(jax.random.key(T), 4)
+  w_IxF = jax.random.normal(keys[0], (d_in, d_out))
+  packed = native.pack(w_IxF)
+  x_BxTxI = jax.random.normal(keys[1], (B, T, d_in))
+  gate_in_BxTx2xI = jnp.stack([x_BxTxI, x_BxTxI[:, ::-1]], axis=2)
+  scale_I = 1 + jax.random.normal(keys[2], (d_in,))
+  residual_BxTxF = jax.random.normal(keys[3], (B, T, d_out))
+  counts = [T, T // 3, 0]
+  dot = lambda a: jnp.einsum('BTI,IF->BTF', a, w_IxF, precision='highest')
+  cases = [
+      (x_BxTxI, {}, dot(x_BxTxI)),
+      (x_BxTxI, dict(norm=(scale_I, 1e-5), residual=residual_BxTxF),
+       residual_BxTxF + dot(native.rms_norm(x_BxTxI, scale_I, 1e-5))),
+      (gate_in_BxTx2xI, dict(gated=True, residual=residual_BxTxF),
+       residual_BxTxF + dot(native.silu_gate(x_BxTxI, x_BxTxI[:, ::-1]))),
+  ]
+  for x, options, want in cases:
+    got = jax.jit(lambda x, p, c, o=options: native.matmul(
+        x, p, counts=c, isa=isa, use_kernel=True, **o))(x, packed, jnp.array(counts, jnp.int32))
+    for b, count in enumerate(counts):
+      np.testing.assert_allclose(got[b, :count], want[b, :count], rtol=1e-4,
+                                 atol=1e-4 * np.sqrt(d_in), err_msg=f'{sorted(options)}')
+      padding = residual_BxTxF[b, count:] if 'residual' in options else 0.0
+      np.testing.assert_array_equal(got[b, count:], padding)
+  with pytest.raises(ValueError, match='counts'):
+    native.matmul(x_BxTxI, packed, counts=jnp.array([1, 2], jnp.int32))
+
+
 def test_packed_matmul_leading_and_output_dims_and_xla_path():
   w = jax.random.normal(jax.random.key(0), (3, 8, 5, 6))  # in (3, 8), out (5, 6).
   x = jax.random.normal(jax.random.key(1), (2, 4, 24))
@@ -169,10 +203,32 @@ def test_cached_attention_equals_reference(isa, T, K, G, H):
   starts = jnp.array([0, 17, S - T], jnp.int32)
   assert attention.use_kernel(qkv, keys)
   kernel = jax.jit(lambda *a: attention._kernel(*a, 500.0, isa))  # pylint: disable=protected-access
-  got = kernel(qkv, keys, values, starts)
+  got = kernel(qkv, keys, values, starts, jnp.zeros((0,), jnp.int32))
   want = attention.reference(qkv, keys, values, starts, 500.0)
   for g, w in zip(got, want, strict=True):
     np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize('isa', ISAS)
+def test_cached_attention_skips_padding_positions(isa):
+  """With counts (a prefill of right-padded prompts) row b's first counts[b] positions are the
+  reference's; the padding's outputs are zeros and its cache slots keep what they held."""
+  B, S, T, K, G, H = 3, 40, 20, 2, 3, 16
+  keys = jax.random.normal(jax.random.key(0), (B, S, K, H))
+  values = jax.random.normal(jax.random.key(1), (B, S, K, H))
+  qkv = 3 * jax.random.normal(jax.random.key(2), (B, T, K * G + 2 * K, H))
+  starts, counts = jnp.array([0, 5, 20], jnp.int32), [T, 7, 0]
+  got_out, got_k, got_v = jax.jit(lambda *a: attention.cached_attention(
+      *a[:4], rope_base=500.0, counts_B=a[4], isa=isa))(qkv, keys, values, starts,
+                                                       jnp.array(counts, jnp.int32))
+  want_out, want_k, want_v = attention.reference(qkv, keys, values, starts, 500.0)
+  for b, (start, count) in enumerate(zip(np.asarray(starts), counts)):
+    np.testing.assert_allclose(got_out[b, :count], want_out[b, :count], rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(got_out[b, count:], 0.0)
+    for got, want, before in ((got_k, want_k, keys), (got_v, want_v, values)):
+      np.testing.assert_allclose(got[b, :start + count], want[b, :start + count], rtol=2e-5,
+                                 atol=2e-5)
+      np.testing.assert_array_equal(got[b, start + count:], before[b, start + count:])
 
 
 def test_cached_attention_writes_in_place_or_copies():

@@ -83,17 +83,20 @@ def logits(config: TransformerConfig, params, tokens_BxT: jax.Array) -> jax.Arra
 
 
 def extend(config: TransformerConfig, params, cache: kv_cache.KVCache, tokens_BxT: jax.Array,
-           logits_at_BxL: jax.Array | None = None) -> tuple[jax.Array, kv_cache.KVCache]:
+           logits_at_BxL: jax.Array | None = None, counts_B: jax.Array | None = None
+           ) -> tuple[jax.Array, kv_cache.KVCache]:
   """Appends T tokens to each row at its own offset: (float32[B, T, V], cache with lengths + T).
 
   `logits_at_BxL` (int32 indices into T): return only those positions' logits, [B, L, V], and
   skip the output layer for the others (a decoder needs the last one or few).
+  `counts_B`: only row b's first counts[b] tokens are real (right padding): the others' logits
+  and cache slots are unspecified, and a model packed for CPU decoding skips their work.
   The caller guarantees lengths + T <= cache capacity (a write past the end would be clamped).
   """
   T = tokens_BxT.shape[1]
   positions_BxT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   out, (k, v) = Transformer(config).apply({'params': params}, tokens_BxT, positions_BxT, cache,
-                                          logits_at_BxL)
+                                          logits_at_BxL, counts_B)
   return out, kv_cache.KVCache(k=k, v=v, lengths=cache.lengths + T)
 
 
@@ -102,9 +105,12 @@ def prefill(config: TransformerConfig, params, prompts_BxP: jax.Array, prompt_le
   """Fills a fresh cache with right-padded prompts: (float32[B, P, V], cache at prompt lengths).
 
   `last_only`: logits of each row's last prompt token only, float32[B, 1, V].
-  Padding positions are written too but sit at or past each row's length, so nothing reads them.
+  Padding positions sit at or past each row's length, so nothing reads their cache slots; their
+  logits are unspecified. A model packed for CPU decoding skips them (half of a batch-8 prefill's
+  work on Table 1's tasks).
   """
   cache = kv_cache.init_cache(config, prompts_BxP.shape[0], capacity)
   at_Bx1 = (prompt_lengths_B - 1)[:, None].astype(jnp.int32) if last_only else None
-  out, cache = extend(config, params, cache, prompts_BxP, at_Bx1)
+  out, cache = extend(config, params, cache, prompts_BxP, at_Bx1,
+                      prompt_lengths_B.astype(jnp.int32))
   return out, cache.with_lengths(prompt_lengths_B)

@@ -79,11 +79,14 @@ class Attention(nn.Module):
   `keep_BxL` (indices into T): return the stream at those positions only, [B, L, D]; the keys and
   values of all T positions are still computed and returned (the model's last layer when only
   some positions' logits are wanted: the other positions' output projection and MLP are skipped).
+  `counts_B` (a prefill of right-padded prompts): positions t >= counts[b] are padding, whose
+  outputs nothing reads; the packed kernels skip them (XLA's ops compute them).
   """
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD, norm: RMSNorm, positions_BxT, layer_cache, keep_BxL=None):
+  def __call__(self, x_BxTxD, norm: RMSNorm, positions_BxT, layer_cache, keep_BxL=None,
+               counts_B=None):
     c = self.config
     D, N, K, H, dt = c.d_model, c.num_heads, c.kv_heads, c.dims_per_head, c.jnp_dtype
     wqkv = _packed(self, 'wqkv')
@@ -94,7 +97,7 @@ class Attention(nn.Module):
           _param(self, 'bk', (K, H), ('kv_heads', 'head_dim'), 1, dt, zeros=True),
           _param(self, 'bv', (K, H), ('kv_heads', 'head_dim'), 1, dt, zeros=True)])
     if wqkv is not None:  # Packed: one product for q, k and v, the norm applied by the kernel.
-      qkv_BxTxMxH = native.matmul(x_BxTxD, wqkv, norm=norm.fused).astype(dt)
+      qkv_BxTxMxH = native.matmul(x_BxTxD, wqkv, norm=norm.fused, counts=counts_B).astype(dt)
       if c.qkv_bias:
         qkv_BxTxMxH = qkv_BxTxMxH + bias_MxH[None, None]
       wo = _packed(self, 'wo')
@@ -108,7 +111,7 @@ class Attention(nn.Module):
       # that reads only the slots in use (a cached call's positions are starts + t, `api.extend`).
       cache_k, cache_v, starts_B = layer_cache
       out_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH = native.cached_attention(
-          qkv_BxTxMxH, cache_k, cache_v, starts_B, rope_base=c.rope_base)
+          qkv_BxTxMxH, cache_k, cache_v, starts_B, rope_base=c.rope_base, counts_B=counts_B)
       out_BxTxKxGxH = out_BxTxKxGxH.astype(dt)
     else:
       if wqkv is not None:
@@ -143,31 +146,35 @@ class Attention(nn.Module):
     if keep_BxL is not None:  # From here on the T axis holds the L kept positions.
       out_BxTxF, x_BxTxD = (jnp.take_along_axis(a, keep_BxL[:, :, None], axis=1)
                             for a in (out_BxTxF, x_BxTxD))
+      counts_B = None
     if wqkv is None:
       x_BxTxD = x_BxTxD + jnp.einsum('BTF,FD->BTD', out_BxTxF, wo.reshape(N * H, D))
       if c.dense_bias:
         x_BxTxD = x_BxTxD + _param(self, 'bo', (D,), ('embed',), 1, dt, zeros=True)[None, None]
     else:
-      x_BxTxD = native.matmul(out_BxTxF, wo, residual=x_BxTxD).astype(dt)
+      x_BxTxD = native.matmul(out_BxTxF, wo, residual=x_BxTxD, counts=counts_B).astype(dt)
     return x_BxTxD, (keys_BxSxKxH, values_BxSxKxH)
 
 
 class Mlp(nn.Module):
-  """Gated SiLU or GELU MLP; like `Attention`, takes the stream and its norm, returns the stream."""
+  """Gated SiLU or GELU MLP; like `Attention`, takes the stream and its norm (and `counts_B`),
+  returns the stream."""
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD, norm: RMSNorm):
+  def __call__(self, x_BxTxD, norm: RMSNorm, counts_B=None):
     c = self.config
     D, F, dt = c.d_model, c.ff_dim, c.jnp_dtype
     w_gate_in, w_in_packed = _packed(self, 'w_gate_in'), _packed(self, 'w_in')
     if w_gate_in is not None:  # Packed gated MLP: one product for the gate and the input.
-      gate_in_BxTx2xF = native.matmul(x_BxTxD, w_gate_in, norm=norm.fused)
+      gate_in_BxTx2xF = native.matmul(x_BxTxD, w_gate_in, norm=norm.fused, counts=counts_B)
       return native.matmul(gate_in_BxTx2xF, _packed(self, 'w_out'), gated=True,
-                           residual=x_BxTxD).astype(dt)
+                           residual=x_BxTxD, counts=counts_B).astype(dt)
     if w_in_packed is not None:  # Packed GELU MLP.
-      h_BxTxF = jax.nn.gelu(native.matmul(x_BxTxD, w_in_packed, norm=norm.fused).astype(dt))
-      return native.matmul(h_BxTxF, _packed(self, 'w_out'), residual=x_BxTxD).astype(dt)
+      h_BxTxF = jax.nn.gelu(native.matmul(x_BxTxD, w_in_packed, norm=norm.fused,
+                                          counts=counts_B).astype(dt))
+      return native.matmul(h_BxTxF, _packed(self, 'w_out'), residual=x_BxTxD,
+                           counts=counts_B).astype(dt)
     w_in = _param(self, 'w_in', (D, F), ('embed', 'mlp'), D, dt)
     w_out = _param(self, 'w_out', (F, D), ('mlp', 'embed'), F, dt)
     h_BxTxD = norm(x_BxTxD)
@@ -191,10 +198,12 @@ class Block(nn.Module):
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, layer_cache, keep_BxL=None):
+  def __call__(self, x_BxTxD, positions_BxT, layer_cache, keep_BxL=None, counts_B=None):
     x_BxTxD, new_kv = Attention(self.config, name='attn')(
-        x_BxTxD, RMSNorm(self.config, name='attn_norm'), positions_BxT, layer_cache, keep_BxL)
-    x_BxTxD = Mlp(self.config, name='mlp')(x_BxTxD, RMSNorm(self.config, name='mlp_norm'))
+        x_BxTxD, RMSNorm(self.config, name='attn_norm'), positions_BxT, layer_cache, keep_BxL,
+        counts_B)
+    x_BxTxD = Mlp(self.config, name='mlp')(x_BxTxD, RMSNorm(self.config, name='mlp_norm'),
+                                           counts_B if keep_BxL is None else None)
     return x_BxTxD, new_kv
 
 
@@ -205,11 +214,13 @@ class Transformer(nn.Module):
   the last layer runs its output projection and MLP on those positions only (every position's keys
   and values are computed all the same): a prefill that wants the last token's logits skips most
   of its last layer, and a one-layer draft fed two tokens most of its work on the first.
+  With `counts_B` (int32[B], a prefill of right-padded prompts) positions t >= counts[b] are
+  padding: their logits are unspecified and the packed kernels skip them (`Attention`).
   """
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, tokens_BxT, positions_BxT, cache=None, logits_at_BxL=None):
+  def __call__(self, tokens_BxT, positions_BxT, cache=None, logits_at_BxL=None, counts_B=None):
     c = self.config
     embedding_VxD = _param(self, 'embedding', (c.vocab_size, c.d_model), ('vocab', 'embed'),
                            c.d_model, c.jnp_dtype)
@@ -227,12 +238,14 @@ class Transformer(nn.Module):
       layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.lengths)
       keep_BxL = logits_at_BxL if i == c.num_layers - 1 else None  # x is then [B, L, D].
       x_BxTxD, (k, v) = Block(c, name=f'layer_{i}')(x_BxTxD, positions_BxT, layer_cache,
-                                                   keep_BxL)
+                                                   keep_BxL, counts_B)
       new_k.append(k)
       new_v.append(v)
     final_norm = RMSNorm(c, name='final_norm')
     if head is not None:  # Packed: an untied head, or a copy of a tied table.
-      return native.matmul(x_BxTxD, head, norm=final_norm.fused), (tuple(new_k), tuple(new_v))
+      head_counts_B = counts_B if logits_at_BxL is None else None
+      return (native.matmul(x_BxTxD, head, norm=final_norm.fused, counts=head_counts_B),
+              (tuple(new_k), tuple(new_v)))
     x_BxTxD = final_norm(x_BxTxD)
     if c.tie_embeddings:
       logits_BxTxV = jnp.einsum('BTD,VD->BTV', x_BxTxD, embedding_VxD,

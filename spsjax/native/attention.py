@@ -81,7 +81,7 @@ def reference(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, rope_base):
   return out, keys_BxSxKxH, values_BxSxKxH
 
 
-def _kernel(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, rope_base, isa):
+def _kernel(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, counts_B, rope_base, isa):
   B, T, M, H = qkv_BxTxMxH.shape
   K = keys_BxSxKxH.shape[2]
   out = jax.ShapeDtypeStruct((B, T, K, (M - 2 * K) // K, H), jnp.float32)
@@ -89,6 +89,7 @@ def _kernel(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, rope_base, isa)
   return jax.ffi.ffi_call('spsjax_cached_attention', (out, cache, cache),
                           vmap_method='sequential', input_output_aliases={1: 1, 2: 2})(
       qkv_BxTxMxH.astype(jnp.float32), keys_BxSxKxH, values_BxSxKxH, starts_B.astype(jnp.int32),
+      counts_B,
       scale=np.float32(H**-0.5), rope_base=np.float32(rope_base),
       isa=np.int32(library.isa_code(isa)))
 
@@ -103,17 +104,26 @@ def use_kernel(qkv_BxTxMxH, keys_BxSxKxH) -> bool:
 
 
 def cached_attention(qkv_BxTxMxH: jax.Array, keys_BxSxKxH: jax.Array, values_BxSxKxH: jax.Array,
-                     starts_B: jax.Array, *, rope_base: float, isa: str = 'best'
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     starts_B: jax.Array, *, rope_base: float, counts_B: jax.Array | None = None,
+                     isa: str = 'best') -> tuple[jax.Array, jax.Array, jax.Array]:
   """(attention outputs [B, T, K, G, H], keys, values with this call's slots written); module
   docstring. qkv holds N = K G query heads, then K key and K value heads, before the rotation;
-  the caller keeps starts + T <= S."""
+  the caller keeps starts + T <= S.
+
+  `counts_B` (a prefill of right-padded prompts): row b's positions t >= counts[b] are padding;
+  their outputs and cache slots (at or past the row's length) are left unspecified. The kernel
+  skips them (zeros, slots not written); XLA's ops compute them."""
   K = keys_BxSxKxH.shape[2]
   M = qkv_BxTxMxH.shape[2]
   if M <= 2 * K or (M - 2 * K) % K:
     raise ValueError(f'qkv with {M} heads for {K} kv heads: want N + 2K heads, N a multiple of K.')
-  operands = (qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B)
-  xla = lambda ops: reference(*ops, rope_base)
+  B = qkv_BxTxMxH.shape[0]
+  if counts_B is None:
+    counts_B = jnp.zeros((0,), jnp.int32)
+  elif counts_B.shape != (B,):
+    raise ValueError(f'counts of shape {counts_B.shape} for {B} rows.')
+  operands = (qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, counts_B.astype(jnp.int32))
+  xla = lambda ops: reference(*ops[:4], rope_base)
   if not use_kernel(qkv_BxTxMxH, keys_BxSxKxH):
     return xla(operands)
   return library.on_cpu(operands, lambda ops: _kernel(*ops, rope_base, isa), xla)

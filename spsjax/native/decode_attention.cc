@@ -6,7 +6,9 @@
 // Row b's new positions are starts[b] + t. For each (row b, kv head k) the kernel rotates the T
 // keys and the T * G queries of that head group (G = N / K, query head n = k G + g), writes the
 // keys and values into slots starts[b] + t, and lets the queries attend to the slots [0,
-// starts[b] + T), each only up to its own position. The caches come back as outputs aliased to the
+// starts[b] + T), each only up to its own position. With counts [B] (a prefill of right-padded
+// prompts) row b takes its first counts[b] positions only: the padding is neither written nor
+// attended from, and its outputs are zeros. The caches come back as outputs aliased to the
 // inputs (the call writes T slots in place; if XLA gave distinct buffers the cache is copied
 // first). Unlike XLA's dots over the whole cache, it reads only the slots in use and never
 // transposes the cache; unlike separate XLA ops for the rotation and the writes, it costs one
@@ -55,7 +57,8 @@ void Rotate(const float* x, const float* cos_h, const float* sin_h, int64_t half
 
 ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
                                ffi::Buffer<ffi::F32> keys_in, ffi::Buffer<ffi::F32> values_in,
-                               ffi::Buffer<ffi::S32> starts, ffi::ResultBuffer<ffi::F32> out,
+                               ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> counts,
+                               ffi::ResultBuffer<ffi::F32> out,
                                ffi::ResultBuffer<ffi::F32> keys, ffi::ResultBuffer<ffi::F32> values,
                                float scale, float rope_base, int32_t isa) {
   const auto x_dims = qkv.dimensions();
@@ -82,6 +85,10 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
     return ffi::Error::InvalidArgument(
         "cached_attention: this CPU lacks the instruction set asked.");
   }
+  if (counts.element_count() != 0 && counts.element_count() != B) {
+    return ffi::Error::InvalidArgument("cached_attention: counts must be [B] or empty.");
+  }
+  const int32_t* counts_data = counts.element_count() == 0 ? nullptr : counts.typed_data();
   const int32_t* starts_data = starts.typed_data();
   for (int64_t b = 0; b < B; ++b) {
     if (starts_data[b] < 0 || starts_data[b] + T > S) {
@@ -115,8 +122,12 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
     for (int64_t bk = begin; bk < end; ++bk) {
       const int64_t b = bk / K, k = bk % K, start = starts_data[b];
       const int64_t n = start + T;
+      // Positions past counts[b] (padding) are neither written nor attended from; their outputs
+      // are zeros.
+      const int64_t used =
+          counts_data == nullptr ? T : std::clamp<int64_t>(counts_data[b], 0, T);
       if (static_cast<int64_t>(scores.size()) < J * n) scores.resize(J * n);
-      for (int64_t t = 0; t < T; ++t) {
+      for (int64_t t = 0; t < used; ++t) {
         const float position = static_cast<float>(start + t);
         for (int64_t i = 0; i < half; ++i) {
           const float angle = position * freq[i];
@@ -134,11 +145,17 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
         }
       }
       const int64_t offset = (b * S * K + k) * H;  // Slot 0 of row b, head k.
-      kernel(q_rows.data(), k_data + offset, v_data + offset, K * H, J, G, H, S, start,
-             scores.data(), out_rows.data());
+      if (used > 0) {
+        kernel(q_rows.data(), k_data + offset, v_data + offset, K * H, used * G, G, H, S, start,
+               scores.data(), out_rows.data());
+      }
       for (int64_t t = 0; t < T; ++t) {
-        std::copy(out_rows.data() + t * G * H, out_rows.data() + (t + 1) * G * H,
-                  out_data + ((b * T + t) * K + k) * G * H);
+        float* dst = out_data + ((b * T + t) * K + k) * G * H;
+        if (t < used) {
+          std::copy(out_rows.data() + t * G * H, out_rows.data() + (t + 1) * G * H, dst);
+        } else {
+          std::fill(dst, dst + G * H, 0.0f);
+        }
       }
     }
   });
@@ -153,7 +170,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxCachedAttention, CachedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // starts [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // counts [B], or empty
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

@@ -140,22 +140,27 @@ def _xla_matmul(x_RxI, packed, scale_I, residual_RxF, prologue, eps) -> jax.Arra
   return y_RxF if residual_RxF.size == 0 else residual_RxF + y_RxF
 
 
-def _kernel_matmul(x_RxI, packed, scale_I, residual_RxF, prologue, eps, isa) -> jax.Array:
+def _kernel_matmul(x_RxI, packed, scale_I, residual_RxF, counts_B, prologue, eps,
+                   isa) -> jax.Array:
   out = jax.ShapeDtypeStruct((x_RxI.shape[0], packed.out_dim), jnp.float32)
   w_scales = (jnp.zeros((0,), jnp.float32) if packed.scales_PxC is None
               else packed.scales_PxC.reshape(-1))
   return jax.ffi.ffi_call('spsjax_packed_matmul', out, vmap_method='sequential')(
-      x_RxI, scale_I, residual_RxF, packed.panels_PxIxC, w_scales,
+      x_RxI, scale_I, residual_RxF, packed.panels_PxIxC, w_scales, counts_B,
       isa=np.int32(library.isa_code(isa)), prologue=np.int32(prologue), eps=np.float32(eps))
 
 
 def matmul(x: jax.Array, packed: PackedWeight, *, norm: tuple[jax.Array, float] | None = None,
-           gated: bool = False, residual: jax.Array | None = None, isa: str = 'best',
+           gated: bool = False, residual: jax.Array | None = None,
+           counts: jax.Array | None = None, isa: str = 'best',
            use_kernel: bool | None = None) -> jax.Array:
   """`f(x)[..., I] @ w (+ residual) -> float32[..., *out_shape]` (module docstring for the path).
 
   `norm=(scale[I], eps)`: f = `rms_norm`; `gated`: x is `[..., 2, I]` (gate, input) and f =
   `silu_gate`; else f is the identity. `residual` (shaped like the output) is added to it.
+  `counts` (int32[B], x `[B, T, ...]`: right-padded rows, a prefill's prompts): the outputs at
+  positions t >= counts[b] are padding, left unspecified; the kernel skips them (they come out as
+  the residual, or 0) and XLA's dot computes them.
   `use_kernel`: force the kernel (True; an error where it cannot run) or the XLA dot (False);
   None: the kernel wherever it is built. `isa` picks the kernel's instruction set
   (`library.ISAS`), for tests.
@@ -188,11 +193,18 @@ def matmul(x: jax.Array, packed: PackedWeight, *, norm: tuple[jax.Array, float] 
     use_kernel = library.available()
   elif use_kernel and not library.available():
     raise RuntimeError('The native kernel library is not built (see spsjax/native/library.py).')
-  operands = (x_RxI, scale_I, residual_RxF)
+  counts_B = jnp.zeros((0,), jnp.int32)
+  if counts is not None:
+    if counts.ndim != 1 or not lead or lead[0] != counts.shape[0]:
+      raise ValueError(f'counts of shape {counts.shape} for an input of shape {x.shape}: want '
+                       'one count per row of the leading dimension.')
+    counts_B = counts.astype(jnp.int32)
+  operands = (x_RxI, scale_I, residual_RxF, counts_B)
   xla = lambda ops: _xla_matmul(ops[0], packed, ops[1], ops[2], prologue, eps)
   if use_kernel:
     y_RxF = library.on_cpu(
-        operands, lambda ops: _kernel_matmul(ops[0], packed, ops[1], ops[2], prologue, eps, isa),
+        operands,
+        lambda ops: _kernel_matmul(ops[0], packed, ops[1], ops[2], ops[3], prologue, eps, isa),
         xla)
   else:
     y_RxF = xla(operands)

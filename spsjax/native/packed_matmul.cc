@@ -4,7 +4,9 @@
 // exactly to float32 as it is loaded, the arithmetic float32 as for float32 weights) or in int8
 // with a float32 scale per output column (a quarter of the bytes; the column's sum is scaled).
 // The prologue f is the identity, an RMSNorm (x [R, D], scale [D]) or a gated SiLU (x [R, 2D]:
-// gate then input); both run on the calling thread before the product, into a scratch copy.
+// gate then input); both run before the product, into a scratch copy. With counts [B] (a prefill
+// of right-padded prompts, R = B * T) only the first counts[b] rows of each group of T are
+// computed; the others, padding, come out as their residual (or 0) at no cost.
 //
 // XLA's CPU dot costs 2-4x as much for 5 rows as for 1 at decoder sizes; this kernel streams each
 // panel once per call, keeping every row's 16 accumulators in registers, so 1 to 8 rows cost about
@@ -80,36 +82,78 @@ bool UseWide(int32_t isa, int64_t rows) {
   return min_rows > 0 && isa == spsjax::kAvx512 && rows >= min_rows;
 }
 
+// The rows a call computes: all of them, or (a prefill of right-padded prompts) each of the B
+// row groups' first counts[b] of its T = rows / B rows, the rest being padding. Runs(r0, r1)
+// visits the computed rows in [r0, r1) as contiguous runs (first row, number of rows).
+struct RowRuns {
+  int64_t rows, group;  // group: rows per batch row, T.
+  const int32_t* counts;  // null: every row.
+
+  template <typename Fn>
+  void Runs(int64_t r0, int64_t r1, Fn&& fn) const {
+    if (counts == nullptr) {
+      if (r1 > r0) fn(r0, r1 - r0);
+      return;
+    }
+    for (int64_t b = r0 / group; b * group < r1; ++b) {
+      const int64_t start = std::max(r0, b * group);
+      const int64_t end = std::min(r1, b * group + std::clamp<int64_t>(counts[b], 0, group));
+      if (end > start) fn(start, end - start);
+    }
+  }
+};
+
 // Runs the kernel for weights stored as W over the panels, shared among the threads (on the wide
-// path, over pairs of panels, after the tiles' inputs are transposed into `xt`).
+// path, over pairs of panels, after the tiles' inputs are transposed into `xt`), for the rows of
+// `runs` only: each thread takes its panels through every run, so skipped rows cost nothing.
 template <typename W>
-void RunPanels(ffi::ThreadPool& pool, int32_t isa, int64_t threads, const float* x, int64_t rows,
-               int64_t d_in, const void* w, int64_t d_out, float* y, int64_t num_panels,
-               const float* residual, const float* scales, std::vector<float>& xt) {
+void RunPanels(ffi::ThreadPool& pool, int32_t isa, int64_t threads, const float* x,
+               const RowRuns& runs, int64_t d_in, const void* w, int64_t d_out, float* y,
+               int64_t num_panels, const float* residual, const float* scales,
+               std::vector<float>& xt) {
   const W* w_data = static_cast<const W*>(w);
-  if (!UseWide(isa, rows)) {
+  const auto offset = [](const float* a, int64_t r, int64_t width) {
+    return a == nullptr ? nullptr : a + r * width;
+  };
+  if (!UseWide(isa, runs.rows)) {
     const PanelsFn<W> kernel = Kernel<W>(isa);
     spsjax::ParallelFor(pool, num_panels, threads, [=](int64_t p0, int64_t p1) {
-      kernel(x, rows, d_in, w_data, d_out, y, p0, p1, residual, scales);
+      runs.Runs(0, runs.rows, [&](int64_t r0, int64_t n) {
+        kernel(x + r0 * d_in, n, d_in, w_data, d_out, y + r0 * d_out, p0, p1,
+               offset(residual, r0, d_out), scales);
+      });
     });
     return;
   }
-  xt.resize(rows * d_in);
-  float* xt_data = xt.data();
-  const TransposeFn transpose = TransposeKernel(isa);
-  const int64_t tiles = SPSJAX_BY_ISA(isa, WideTiles)(rows);
-  spsjax::ParallelFor(pool, tiles, rows * d_in < kMinParallelWeights ? 1 : threads,
-                      [=](int64_t t0, int64_t t1) { transpose(x, rows, d_in, t0, t1, xt_data); });
-  const WidePanelsFn<W> kernel = WideKernel<W>(isa);
-  spsjax::ParallelFor(pool, (num_panels + 1) / 2, threads, [=](int64_t u0, int64_t u1) {
-    kernel(x, xt_data, rows, d_in, w_data, d_out, y, u0, u1, residual, scales);
+  runs.Runs(0, runs.rows, [&](int64_t r0, int64_t rows) {  // The wide path: run by run.
+    const float* xr = x + r0 * d_in;
+    float* yr = y + r0 * d_out;
+    const float* rr = offset(residual, r0, d_out);
+    if (!UseWide(isa, rows)) {
+      const PanelsFn<W> kernel = Kernel<W>(isa);
+      spsjax::ParallelFor(pool, num_panels, threads, [=](int64_t p0, int64_t p1) {
+        kernel(xr, rows, d_in, w_data, d_out, yr, p0, p1, rr, scales);
+      });
+      return;
+    }
+    xt.resize(rows * d_in);
+    float* xt_data = xt.data();
+    const TransposeFn transpose = TransposeKernel(isa);
+    const int64_t tiles = SPSJAX_BY_ISA(isa, WideTiles)(rows);
+    spsjax::ParallelFor(pool, tiles, rows * d_in < kMinParallelWeights ? 1 : threads,
+                        [=](int64_t t0, int64_t t1) { transpose(xr, rows, d_in, t0, t1, xt_data); });
+    const WidePanelsFn<W> kernel = WideKernel<W>(isa);
+    spsjax::ParallelFor(pool, (num_panels + 1) / 2, threads, [=](int64_t u0, int64_t u1) {
+      kernel(xr, xt_data, rows, d_in, w_data, d_out, yr, u0, u1, rr, scales);
+    });
   });
 }
 
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> residual,
                             ffi::AnyBuffer w, ffi::Buffer<ffi::F32> w_scales,
-                            ffi::ResultBuffer<ffi::F32> y, int32_t isa, int32_t prologue,
+                            ffi::Buffer<ffi::S32> counts, ffi::ResultBuffer<ffi::F32> y,
+                            int32_t isa, int32_t prologue,
                             float eps) {
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
@@ -145,9 +189,16 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument(
         "packed_matmul: int8 weights take one scale per panel column, other weights none.");
   }
+  const int64_t groups = counts.element_count();
+  if (groups != 0 && rows % groups != 0) {
+    return ffi::Error::InvalidArgument(
+        "packed_matmul: counts must have one entry per group of rows (B for [B * T] rows).");
+  }
   if (!spsjax::Resolve(&isa)) {
     return ffi::Error::InvalidArgument("packed_matmul: this CPU lacks the instruction set asked.");
   }
+  const RowRuns runs{rows, groups == 0 ? rows : rows / groups,
+                     groups == 0 ? nullptr : counts.typed_data()};
   const float* x_data = x.typed_data();
   const int64_t threads =
       num_panels * d_in * kPanel < kMinParallelWeights ? 1 : spsjax::MaxThreads(pool);
@@ -161,12 +212,16 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       const NormFn norm = NormKernel(isa);
       const float* norm_scale = scale.typed_data();
       spsjax::ParallelFor(pool, rows, prologue_threads, [=](int64_t r0, int64_t r1) {
-        norm(x_data + r0 * d_in, r1 - r0, d_in, norm_scale, eps, out + r0 * d_in);
+        runs.Runs(r0, r1, [&](int64_t s, int64_t n) {
+          norm(x_data + s * d_in, n, d_in, norm_scale, eps, out + s * d_in);
+        });
       });
     } else {
       const GateFn gate = GateKernel(isa);
       spsjax::ParallelFor(pool, rows, prologue_threads, [=](int64_t r0, int64_t r1) {
-        gate(x_data + r0 * 2 * d_in, r1 - r0, d_in, out + r0 * d_in);
+        runs.Runs(r0, r1, [&](int64_t s, int64_t n) {
+          gate(x_data + s * 2 * d_in, n, d_in, out + s * d_in);
+        });
       });
     }
     x_data = out;
@@ -175,15 +230,29 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   float* y_data = y->typed_data();
   const float* scales = w_type == ffi::DataType::S8 ? w_scales.typed_data() : nullptr;
   const void* w_data = w.untyped_data();
+  // Skipped rows come out as their residual, or zeros: finite, so that nothing downstream (XLA's
+  // attention multiplies masked probabilities, zeros, by values) turns them into NaNs.
+  if (runs.counts != nullptr) {
+    for (int64_t b = 0; b < groups; ++b) {
+      const int64_t used = std::clamp<int64_t>(runs.counts[b], 0, runs.group);
+      const int64_t r0 = b * runs.group + used, n = runs.group - used;
+      if (residual_data != nullptr) {
+        std::copy(residual_data + r0 * d_out, residual_data + (r0 + n) * d_out,
+                  y_data + r0 * d_out);
+      } else {
+        std::fill(y_data + r0 * d_out, y_data + (r0 + n) * d_out, 0.0f);
+      }
+    }
+  }
   std::vector<float> transposed;  // The wide path's inputs.
   if (w_type == ffi::DataType::F32) {
-    RunPanels<float>(pool, isa, threads, x_data, rows, d_in, w_data, d_out, y_data, num_panels,
+    RunPanels<float>(pool, isa, threads, x_data, runs, d_in, w_data, d_out, y_data, num_panels,
                      residual_data, scales, transposed);
   } else if (w_type == ffi::DataType::BF16) {
-    RunPanels<uint16_t>(pool, isa, threads, x_data, rows, d_in, w_data, d_out, y_data,
+    RunPanels<uint16_t>(pool, isa, threads, x_data, runs, d_in, w_data, d_out, y_data,
                         num_panels, residual_data, scales, transposed);
   } else {
-    RunPanels<int8_t>(pool, isa, threads, x_data, rows, d_in, w_data, d_out, y_data, num_panels,
+    RunPanels<int8_t>(pool, isa, threads, x_data, runs, d_in, w_data, d_out, y_data, num_panels,
                       residual_data, scales, transposed);
   }
   return ffi::Error::Success();
@@ -199,6 +268,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxPackedMatmul, PackedMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // residual, or empty
                                   .Arg<ffi::AnyBuffer>()  // w, packed: float32, bfloat16, int8
                                   .Arg<ffi::Buffer<ffi::F32>>()  // int8: column scales; or empty
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // counts [B], or empty: all rows
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("isa")
                                   .Attr<int32_t>("prologue")
