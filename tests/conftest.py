@@ -1,17 +1,34 @@
 """Test-wide JAX setup: 8 fake CPU devices, XLA:CPU's quicker compiler path (`tests/xla_env.py`),
-strict rank promotion.
+strict rank promotion, and one persistent compilation cache per test run.
+
+Compiling is most of the suite's time, and many tests compile the same small programs (the same
+toy models through the same samplers, binaries started by several tests): the run's xdist workers
+and the processes they start share one JAX compilation cache in a fresh temporary directory,
+removed when the run ends, so a program is compiled once per run. A run never reads another
+run's cache.
 
 XLA flags must be in XLA_FLAGS before JAX initialises its backends, so this runs at import, before
 any test module imports jax.
 """
 
 import os
+import shutil
+import tempfile
 
 from tests import xla_env
 
 for _flag in xla_env.flags(devices=8).split():
   if _flag.split('=')[0] not in os.environ.get('XLA_FLAGS', ''):
     os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
+
+# The first process of a run (pytest itself, which starts the xdist workers) makes the cache
+# directory; the workers and the processes tests start inherit it through the environment.
+_OWNER = 'SPSJAX_TEST_COMPILE_CACHE_OWNER'
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(prefix='spsjax-test-compile-cache-')
+  os.environ[_OWNER] = str(os.getpid())
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1')
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -28,3 +45,9 @@ def _release_compiled_programs():
   (vm.max_map_count, 65530 by default), where the next compile aborts the process."""
   yield
   jax.clear_caches()
+
+
+def pytest_sessionfinish(session):  # pylint: disable=unused-argument
+  """The run's compilation cache goes with it, removed by the process that made it."""
+  if os.environ.get(_OWNER) == str(os.getpid()):
+    shutil.rmtree(os.environ['JAX_COMPILATION_CACHE_DIR'], ignore_errors=True)
