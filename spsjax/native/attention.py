@@ -8,7 +8,9 @@ causal mask of a cached call): softmax(q k^T / sqrt(H)) v. The kernel (`decode_a
 does it in one call that reads only the slots in use and writes the cache in place, where XLA's
 ops are a rotation, two cache writes and dots that read (and on XLA:CPU transpose) the whole
 cache, five dispatches per layer. Its numbers are the reference's (`reference`, the model's own
-ops) up to float reassociation, sin and cos rounding and an exp accurate to ~2e-7.
+ops) up to float reassociation, sin and cos rounding and an exp accurate to ~2e-7. A prefill of
+right-padded prompts passes `counts_B` (each row's prompt length): the kernel then skips the
+padding positions, whose outputs and cache slots nothing reads.
 
 `rope`, `write_rows` and `attend` are the model's own ops (`spsjax.models.transformer` uses them
 on every path but this kernel's).

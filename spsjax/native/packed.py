@@ -17,6 +17,9 @@ costs a dispatch and a pass over memory, a fifth of a small model's decode step)
 - otherwise (another platform, no native library, or `use_kernel=False`) as an XLA dot on the
   panels, which gives the same numbers up to float reassociation.
 
+A prefill of right-padded prompts passes `counts` (each row's prompt length): the kernel computes
+those rows only (8 prompts padded to their longest are about half padding on Table 1's tasks).
+
 Invariant: `unpack(pack(w))` is `w` exactly (float32 panels; bfloat16 panels: `w` rounded to
 bfloat16; int8 panels: `w` quantized, each column to 255 levels of its largest magnitude), and
 `matmul(x, pack(w))` equals `x @ unpack(pack(w))` up to float reassociation whichever path runs.
