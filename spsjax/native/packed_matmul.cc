@@ -91,8 +91,9 @@ struct RowRuns {
 
   template <typename Fn>
   void Runs(int64_t r0, int64_t r1, Fn&& fn) const {
+    if (r1 <= r0) return;  // Also no rows at all (group 0).
     if (counts == nullptr) {
-      if (r1 > r0) fn(r0, r1 - r0);
+      fn(r0, r1 - r0);
       return;
     }
     for (int64_t b = r0 / group; b * group < r1; ++b) {
