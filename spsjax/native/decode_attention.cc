@@ -119,6 +119,7 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
     out_rows.resize(J * H);
     cos_t.resize(T * half);
     sin_t.resize(T * half);
+    int64_t angles_row = -1;  // The row whose cos_t / sin_t these are: its K heads share them.
     for (int64_t bk = begin; bk < end; ++bk) {
       const int64_t b = bk / K, k = bk % K, start = starts_data[b];
       const int64_t n = start + T;
@@ -127,13 +128,16 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
       const int64_t used =
           counts_data == nullptr ? T : std::clamp<int64_t>(counts_data[b], 0, T);
       if (static_cast<int64_t>(scores.size()) < J * n) scores.resize(J * n);
-      for (int64_t t = 0; t < used; ++t) {
+      for (int64_t t = 0; t < used && angles_row != b; ++t) {
         const float position = static_cast<float>(start + t);
         for (int64_t i = 0; i < half; ++i) {
           const float angle = position * freq[i];
           cos_t[t * half + i] = std::cos(angle);
           sin_t[t * half + i] = std::sin(angle);
         }
+      }
+      angles_row = b;
+      for (int64_t t = 0; t < used; ++t) {
         const float* x = x_data + (b * T + t) * M * H;
         const float* c = cos_t.data() + t * half;
         const float* s = sin_t.data() + t * half;
