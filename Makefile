@@ -21,7 +21,7 @@ demo: train-demo
 	$(PY) experiments/speedup_table.py --config=configs/speedup.py:root=checkpoints/demo,draft=draft_wide_distill,demo
 
 # Two pytest workers (pytest-xdist), a test file each at a time: the suite is mostly XLA compiles of
-# small programs, each on one core (13.5 min here against 21 min in one process, same flags).
+# small programs, each on one core (~11 min here with the tests' XLA flags, tests/xla_env.py).
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
 

@@ -67,11 +67,16 @@ def test_packed_matmul_prologues_and_residual(isa, d_in, d_out, rows):
 
 
 @pytest.mark.parametrize('isa', ISAS)
-@pytest.mark.parametrize('T', [9, 300])  # 3 x 300 x 128 inputs: the prologues on threads.
-def test_packed_matmul_skips_padding_rows(isa, T):
+@pytest.mark.parametrize('B,T,counts', [
+    (3, 9, [9, 3, 0]),
+    (3, 300, [300, 100, 0]),  # 3 x 300 x 128 inputs: the prologues on threads.
+    # A batch scoring 2 positions with idle rows (count 0) and a short one: whole rows next to
+    # each other are computed as one run of rows.
+    (8, 2, [2, 2, 0, 2, 1, 2, 2, 0])])
+def test_packed_matmul_skips_padding_rows(isa, B, T, counts):
   """With counts, rows t < counts[b] of x [B, T, I] are the product's and the others, padding,
   come out as their residual (or zeros), for every prologue."""
-  B, d_in, d_out = 3, 128, 100
+  d_in, d_out = 128, 100
   keys = jax.random.split(jax.random.key(T), 4)
   w_IxF = jax.random.normal(keys[0], (d_in, d_out))
   packed = native.pack(w_IxF)
@@ -79,7 +84,6 @@ def test_packed_matmul_skips_padding_rows(isa, T):
   gate_in_BxTx2xI = jnp.stack([x_BxTxI, x_BxTxI[:, ::-1]], axis=2)
   scale_I = 1 + jax.random.normal(keys[2], (d_in,))
   residual_BxTxF = jax.random.normal(keys[3], (B, T, d_out))
-  counts = [T, T // 3, 0]
   dot = lambda a: jnp.einsum('BTI,IF->BTF', a, w_IxF, precision='highest')
   cases = [
       (x_BxTxI, {}, dot(x_BxTxI)),
@@ -293,7 +297,9 @@ def test_for_decoding_packs_float32_on_one_cpu_device_only():
 
 @pytest.mark.parametrize('method', ['ars', 'sps'])
 def test_greedy_decoding_of_packed_model_equals_unpacked(method):
-  """Same tokens from the packed and the unpacked pair (greedy: argmax of equal logits)."""
+  """Same tokens from the packed and the unpacked pair (greedy: argmax of equal logits), with an
+  eos that stops one row early: the packed kernels skip the idle rows' work (count 0) while the
+  other rows go on, and those rows' tokens stay the same."""
   target = _model()
   draft_config = models.TransformerConfig(vocab_size=61, d_model=24, num_layers=1, num_heads=2,
                                           d_ff=48, max_seq_len=64)
@@ -301,17 +307,22 @@ def test_greedy_decoding_of_packed_model_equals_unpacked(method):
   prompts = jax.random.randint(jax.random.key(2), (3, 6), 0, 61)
   lengths = jnp.array([6, 2, 4])
   greedy = sampling.SamplingConfig(temperature=0.0)
+  free = np.asarray(sampling.autoregressive_sample(target, prompts, lengths, jax.random.key(3),
+                                                   max_new_tokens=20, sampling=greedy).tokens)
+  eos_id = next(int(free[0, j]) for j in range(3, 20) if free[0, j] not in free[0, :j])
 
   def run(t, d):
     if method == 'ars':
       return sampling.autoregressive_sample(t, prompts, lengths, jax.random.key(3),
-                                            max_new_tokens=20, sampling=greedy)
+                                            max_new_tokens=20, sampling=greedy, eos_id=eos_id)
     return sampling.speculative_sample(t, d, prompts, lengths, jax.random.key(3), k=3,
-                                       max_new_tokens=20, sampling=greedy)
+                                       max_new_tokens=20, sampling=greedy, eos_id=eos_id)
 
   want = run(target, draft)
+  assert len(set(np.asarray(want.num_generated).tolist())) > 1  # Rows stop at different times.
   got = run(models.pack(target), models.pack(draft))
   np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.num_generated, want.num_generated)
   if method == 'sps':  # A draft in bfloat16 or int8 changes its proposals, never the tokens.
     for weights in ('bfloat16', 'int8'):
       draft_low = models.pack(draft, weights)

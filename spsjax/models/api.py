@@ -89,8 +89,9 @@ def extend(config: TransformerConfig, params, cache: kv_cache.KVCache, tokens_Bx
 
   `logits_at_BxL` (int32 indices into T): return only those positions' logits, [B, L, V], and
   skip the output layer for the others (a decoder needs the last one or few).
-  `counts_B`: only row b's first counts[b] tokens are real (right padding): the others' logits
-  and cache slots are unspecified, and a model packed for CPU decoding skips their work.
+  `counts_B`: only row b's first counts[b] tokens are real (right padding; 0 for a row that
+  decodes no more): the others' logits and cache slots are unspecified, and a model packed for
+  CPU decoding skips their work.
   The caller guarantees lengths + T <= cache capacity (a write past the end would be clamped).
   """
   T = tokens_BxT.shape[1]

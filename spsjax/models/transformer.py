@@ -32,6 +32,14 @@ def _param(module, name, shape, names, fan_in, dtype, zeros=False):
   return module.param(name, nn.with_logical_partitioning(init, names), shape, dtype)
 
 
+def _kept_counts(keep_BxL: jax.Array, counts_B: jax.Array | None) -> jax.Array | None:
+  """Real positions among the kept ones (`keep_BxL`, increasing along L) of rows whose first
+  counts[b] positions are real: a count for the kept positions, for the products after them."""
+  if counts_B is None:
+    return None
+  return jnp.sum(keep_BxL < counts_B[:, None], axis=1).astype(jnp.int32)
+
+
 def _packed(module, name) -> native.PackedWeight | None:
   """The packed weight `name` of a model packed for CPU decoding, else None."""
   if module.has_variable('params', name):
@@ -79,8 +87,9 @@ class Attention(nn.Module):
   `keep_BxL` (indices into T): return the stream at those positions only, [B, L, D]; the keys and
   values of all T positions are still computed and returned (the model's last layer when only
   some positions' logits are wanted: the other positions' output projection and MLP are skipped).
-  `counts_B` (a prefill of right-padded prompts): positions t >= counts[b] are padding, whose
-  outputs nothing reads; the packed kernels skip them (XLA's ops compute them).
+  `counts_B` (a prefill of right-padded prompts, or 0 for a decoder's idle rows): positions
+  t >= counts[b] are padding, whose outputs nothing reads; the packed kernels skip them (XLA's ops
+  compute them). After `keep_BxL`, the kept positions that are real count (`_kept_counts`).
   """
   config: TransformerConfig
 
@@ -146,7 +155,7 @@ class Attention(nn.Module):
     if keep_BxL is not None:  # From here on the T axis holds the L kept positions.
       out_BxTxF, x_BxTxD = (jnp.take_along_axis(a, keep_BxL[:, :, None], axis=1)
                             for a in (out_BxTxF, x_BxTxD))
-      counts_B = None
+      counts_B = _kept_counts(keep_BxL, counts_B)
     if wqkv is None:
       x_BxTxD = x_BxTxD + jnp.einsum('BTF,FD->BTD', out_BxTxF, wo.reshape(N * H, D))
       if c.dense_bias:
@@ -202,8 +211,9 @@ class Block(nn.Module):
     x_BxTxD, new_kv = Attention(self.config, name='attn')(
         x_BxTxD, RMSNorm(self.config, name='attn_norm'), positions_BxT, layer_cache, keep_BxL,
         counts_B)
-    x_BxTxD = Mlp(self.config, name='mlp')(x_BxTxD, RMSNorm(self.config, name='mlp_norm'),
-                                           counts_B if keep_BxL is None else None)
+    x_BxTxD = Mlp(self.config, name='mlp')(
+        x_BxTxD, RMSNorm(self.config, name='mlp_norm'),
+        counts_B if keep_BxL is None else _kept_counts(keep_BxL, counts_B))
     return x_BxTxD, new_kv
 
 
@@ -214,8 +224,10 @@ class Transformer(nn.Module):
   the last layer runs its output projection and MLP on those positions only (every position's keys
   and values are computed all the same): a prefill that wants the last token's logits skips most
   of its last layer, and a one-layer draft fed two tokens most of its work on the first.
-  With `counts_B` (int32[B], a prefill of right-padded prompts) positions t >= counts[b] are
-  padding: their logits are unspecified and the packed kernels skip them (`Attention`).
+  With `counts_B` (int32[B]: a prefill of right-padded prompts, or a decoding call whose idle
+  rows, stopped at eos or at their length, have count 0) positions t >= counts[b] are padding:
+  their logits are unspecified and the packed kernels skip them (`Attention`); `logits_at`
+  positions must then be increasing along L.
   """
   config: TransformerConfig
 
@@ -243,7 +255,7 @@ class Transformer(nn.Module):
       new_v.append(v)
     final_norm = RMSNorm(c, name='final_norm')
     if head is not None:  # Packed: an untied head, or a copy of a tied table.
-      head_counts_B = counts_B if logits_at_BxL is None else None
+      head_counts_B = counts_B if logits_at_BxL is None else _kept_counts(logits_at_BxL, counts_B)
       return (native.matmul(x_BxTxD, head, norm=final_norm.fused, counts=head_counts_B),
               (tuple(new_k), tuple(new_v)))
     x_BxTxD = final_norm(x_BxTxD)

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -82,9 +83,15 @@ bool UseWide(int32_t isa, int64_t rows) {
   return min_rows > 0 && isa == spsjax::kAvx512 && rows >= min_rows;
 }
 
-// The rows a call computes: all of them, or (a prefill of right-padded prompts) each of the B
-// row groups' first counts[b] of its T = rows / B rows, the rest being padding. Runs(r0, r1)
-// visits the computed rows in [r0, r1) as contiguous runs (first row, number of rows).
+// Calls of at most this many rows whose computed rows form several runs (a decoding call with
+// idle rows) compute them gathered into one block (`PackedMatmulImpl`).
+constexpr int64_t kMaxGatheredRows = 64;
+
+// The rows a call computes: all of them, or each of the B row groups' first counts[b] of its
+// T = rows / B rows, the rest being padding (a prefill of right-padded prompts) or idle (a decoding
+// row that has stopped: counts[b] = 0). Runs(r0, r1) visits the computed rows in [r0, r1) as
+// contiguous runs (first row, number of rows), as few as it can: a group computed whole joins
+// the next group's run.
 struct RowRuns {
   int64_t rows, group;  // group: rows per batch row, T.
   const int32_t* counts;  // null: every row.
@@ -96,11 +103,18 @@ struct RowRuns {
       fn(r0, r1 - r0);
       return;
     }
+    int64_t run_start = r0, run_end = r0;  // The run being gathered.
     for (int64_t b = r0 / group; b * group < r1; ++b) {
       const int64_t start = std::max(r0, b * group);
       const int64_t end = std::min(r1, b * group + std::clamp<int64_t>(counts[b], 0, group));
-      if (end > start) fn(start, end - start);
+      if (end <= start) continue;
+      if (start != run_end) {
+        if (run_end > run_start) fn(run_start, run_end - run_start);
+        run_start = start;
+      }
+      run_end = end;
     }
+    if (run_end > run_start) fn(run_start, run_end - run_start);
   }
 };
 
@@ -246,15 +260,51 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     }
   }
   std::vector<float> transposed;  // The wide path's inputs.
-  if (w_type == ffi::DataType::F32) {
-    RunPanels<float>(pool, isa, threads, x_data, runs, d_in, w_data, d_out, y_data, num_panels,
-                     residual_data, scales, transposed);
-  } else if (w_type == ffi::DataType::BF16) {
-    RunPanels<uint16_t>(pool, isa, threads, x_data, runs, d_in, w_data, d_out, y_data,
-                        num_panels, residual_data, scales, transposed);
-  } else {
-    RunPanels<int8_t>(pool, isa, threads, x_data, runs, d_in, w_data, d_out, y_data, num_panels,
-                      residual_data, scales, transposed);
+  const auto run = [&](const float* xs, const RowRuns& rr, float* ys, const float* res) {
+    if (w_type == ffi::DataType::F32) {
+      RunPanels<float>(pool, isa, threads, xs, rr, d_in, w_data, d_out, ys, num_panels, res,
+                       scales, transposed);
+    } else if (w_type == ffi::DataType::BF16) {
+      RunPanels<uint16_t>(pool, isa, threads, xs, rr, d_in, w_data, d_out, ys, num_panels, res,
+                          scales, transposed);
+    } else {
+      RunPanels<int8_t>(pool, isa, threads, xs, rr, d_in, w_data, d_out, ys, num_panels, res,
+                        scales, transposed);
+    }
+  };
+  // A decoding call with idle rows (a few rows, in several runs): the rows computed are gathered
+  // into one block, so that the panels take as few passes as the rows need (a batch of 8 at 2
+  // positions with 2 rows idle: 12 rows in two passes, not three runs of up to 6), then scattered
+  // back. Prefills (long runs) keep their runs.
+  std::vector<std::pair<int64_t, int64_t>> pieces;
+  int64_t computed = 0;
+  if (runs.counts != nullptr && rows <= kMaxGatheredRows) {
+    runs.Runs(0, rows, [&](int64_t s, int64_t n) {
+      pieces.emplace_back(s, n);
+      computed += n;
+    });
+  }
+  if (pieces.size() < 2) {
+    run(x_data, runs, y_data, residual_data);
+    return ffi::Error::Success();
+  }
+  std::vector<float> x_rows(computed * d_in), y_rows(computed * d_out),
+      res_rows(residual_data == nullptr ? 0 : computed * d_out);
+  int64_t at = 0;
+  for (const auto& [s, n] : pieces) {
+    std::copy(x_data + s * d_in, x_data + (s + n) * d_in, x_rows.data() + at * d_in);
+    if (residual_data != nullptr) {
+      std::copy(residual_data + s * d_out, residual_data + (s + n) * d_out,
+                res_rows.data() + at * d_out);
+    }
+    at += n;
+  }
+  run(x_rows.data(), RowRuns{computed, computed, nullptr}, y_rows.data(),
+      residual_data == nullptr ? nullptr : res_rows.data());
+  at = 0;
+  for (const auto& [s, n] : pieces) {
+    std::copy(y_rows.data() + at * d_out, y_rows.data() + (at + n) * d_out, y_data + s * d_out);
+    at += n;
   }
   return ffi::Error::Success();
 }

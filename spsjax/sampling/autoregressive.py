@@ -62,10 +62,12 @@ class Loop(common.LoopSettings):
     return self._emit(state, last_logits_Bx1xV[:, 0])
 
   def body(self, model: Model, state: _State) -> _State:
-    """One token for every active row; stopped rows idle (their cache lengths stay put)."""
+    """One token for every active row; stopped rows idle (their cache lengths stay put, and a
+    model packed for CPU decoding skips their work)."""
     lengths_B = state.cache.lengths
     logits_Bx1xV, cache = extend(model.config, model.params, state.cache,
-                                 _last_tokens(state)[:, None])
+                                 _last_tokens(state)[:, None],
+                                 counts_B=common.active_counts(~state.done_B, 1))
     cache = kv_cache.constrain(
         cache.with_lengths(jnp.where(state.done_B, lengths_B, cache.lengths)), self.mesh,
         self.rules)

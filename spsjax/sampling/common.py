@@ -161,6 +161,12 @@ def place_params(model: Model, mesh: Mesh | None,
   return model.replace(params=sharding.put(model.params, shardings))
 
 
+def active_counts(active_B: jax.Array, positions: int) -> jax.Array:
+  """`models.extend`'s counts for a decoding call of `positions` tokens per row: all of them for
+  active rows, 0 for rows that stopped (a model packed for CPU decoding then skips their work)."""
+  return jnp.where(active_B, positions, 0).astype(jnp.int32)
+
+
 def output_buffer(batch: int, max_new_tokens: int, block: int) -> jax.Array:
   """PAD-filled output with room for one more block past max_new_tokens, so writes never clamp."""
   return jnp.full((batch, max_new_tokens + block), PAD_ID, jnp.int32)

@@ -52,13 +52,20 @@ class Proposal:
 
 @flax.struct.dataclass
 class Committed:
-  """The committed tokens of every row (prompt, then generated), as the loop holds them, and the
-  size of the target's vocabulary (the size of a proposal's laws)."""
+  """The committed tokens of every row (prompt, then generated), as the loop holds them, the
+  size of the target's vocabulary (the size of a proposal's laws) and which rows still generate
+  (`active_B`, None: all): an idle row's proposal is never read, and a draft model skips its work
+  (`models.extend`'s counts)."""
   prompts_BxP: jax.Array
   prompt_lengths_B: jax.Array
   tokens_BxW: jax.Array
   num_generated_B: jax.Array
   vocab_size: int = flax.struct.field(pytree_node=False)
+  active_B: jax.Array | None = None
+
+  def counts(self, positions: int) -> jax.Array | None:
+    """`models.extend`'s counts for a call of `positions` tokens per row: 0 for idle rows."""
+    return None if self.active_B is None else common.active_counts(self.active_B, positions)
 
   @property
   def lengths_B(self) -> jax.Array:
@@ -215,7 +222,8 @@ class ModelDrafter:
     cache = cache.with_lengths(committed.lengths_B - 2)
     last2_Bx2 = jnp.stack([committed.last(2), committed.last(1)], axis=1)
     logits_Bx1xV, cache = extend(draft.config, draft.params, cache, last2_Bx2,
-                                 logits_at_BxL=jnp.ones((B, 1), jnp.int32))  # The second's.
+                                 logits_at_BxL=jnp.ones((B, 1), jnp.int32),  # The second's.
+                                 counts_B=committed.counts(2))
     q_BxV, d_B, _ = choose(0, logits_Bx1xV[:, 0])  # The first draft is always proposed.
     drafts_BxK = jnp.zeros((B, k), jnp.int32).at[:, 0].set(d_B)
     q_BxKxV = jnp.zeros((B, k, V), jnp.float32).at[:, 0].set(q_BxV)
@@ -223,7 +231,8 @@ class ModelDrafter:
 
     def step(i, carry):
       drafts_BxK, q_BxKxV, num_B, cache = carry
-      logits_Bx1xV, cache = extend(draft.config, draft.params, cache, drafts_BxK[:, i - 1, None])
+      logits_Bx1xV, cache = extend(draft.config, draft.params, cache, drafts_BxK[:, i - 1, None],
+                                   counts_B=committed.counts(1))
       q_BxV, d_B, confident_B = choose(i, logits_Bx1xV[:, 0])
       num_B = jnp.where((num_B == i) & confident_B, i + 1, num_B)
       return drafts_BxK.at[:, i].set(d_B), q_BxKxV.at[:, i].set(q_BxV), num_B, cache

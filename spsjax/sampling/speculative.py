@@ -5,8 +5,9 @@ whose body is: `draft` (a drafter proposes up to k tokens per row with the laws 
 from, `spsjax.sampling.drafters`), `score` (the target on k + 1 positions in one call), `accept`
 (modified rejection sampling per row, `spsjax.sampling.rejection`). Rows accept different numbers
 of drafts; each row's caches roll back by moving that row's length (nothing is recomputed or
-copied). Rows that stopped idle until every row has. The loop, the accept step, the rollback and
-the statistics are the same for every drafter.
+copied). Rows that stopped idle until every row has (a model packed for CPU decoding skips their
+work: `_score`). The loop, the accept step, the rollback and the statistics are the same for
+every drafter.
 
 Cache invariant, with c_b = the number of committed tokens of row b (prompt + generated): the
 target cache holds exactly the first c_b - 1 tokens (all but the last, which is fed next), after
@@ -58,20 +59,25 @@ def headroom(k: int) -> int:
   return k - 1
 
 
-def _score(target: Model, cache: KVCache, tokens_BxKp1, longest):
+def _score(target: Model, cache: KVCache, tokens_BxKp1, active_B, longest):
   """The target's logits on the last committed token and the drafts: float32[B, k + 1, V].
 
+  Idle rows (not `active_B`) are not scored: their logits are unspecified and never read, and a
+  model packed for CPU decoding skips their work (`models.extend`'s counts): at a batch of 8 the
+  rows that finished first would otherwise keep two positions' arithmetic going to the end.
   With `longest` (the most drafts any active row proposed, traced) only its first longest + 1
   positions are scored, by one of k + 1 compiled branches; the others' logits are zeros (uniform
   laws), never read: a row accepts at most what it proposed.
   """
-  if longest is None:
-    return extend(target.config, target.params, cache, tokens_BxKp1)
   Kp1 = tokens_BxKp1.shape[1]
+  if longest is None:
+    return extend(target.config, target.params, cache, tokens_BxKp1,
+                  counts_B=common.active_counts(active_B, Kp1))
 
   def positions(n):
     def score(cache):
-      logits_BxNxV, cache = extend(target.config, target.params, cache, tokens_BxKp1[:, :n])
+      logits_BxNxV, cache = extend(target.config, target.params, cache, tokens_BxKp1[:, :n],
+                                   counts_B=common.active_counts(active_B, n))
       return jnp.pad(logits_BxNxV.astype(jnp.float32), ((0, 0), (0, Kp1 - n), (0, 0))), cache
     return score
 
@@ -130,7 +136,7 @@ class Loop(common.LoopSettings):
     k, mesh, rules = self.k, self.mesh, self.rules
     active_B = ~state.done_B
     committed = drafters.Committed(prompts_BxP, prompt_lengths_B, state.tokens_BxW,
-                                   state.num_generated_B, target.config.vocab_size)
+                                   state.num_generated_B, target.config.vocab_size, active_B)
     committed_B = committed.lengths_B
     last_B = committed.last(1)
     draft_keys_BxK, accept_keys_B = _loop_keys(state.row_keys_B, state.num_loops_B, k)
@@ -143,7 +149,7 @@ class Loop(common.LoopSettings):
     with jax.named_scope('score'):  # The target cache holds committed - 1 tokens.
       logits_BxKp1xV, target_cache = _score(
           target, state.target_cache, jnp.concatenate([last_B[:, None], drafts_BxK], axis=1),
-          jnp.max(jnp.where(active_B, proposal.num_B, 0))
+          active_B, jnp.max(jnp.where(active_B, proposal.num_B, 0))
           if self.trim_score and self.drafter.ragged else None)
 
     with jax.named_scope('accept'):
