@@ -14,7 +14,7 @@ import pytest
 
 from spsjax import models, native, sampling, sharding
 from spsjax.native import attention, threefry
-from spsjax.sampling import processors, rejection
+from spsjax.sampling import drafters, processors, rejection
 
 ISAS = native.isas()
 
@@ -295,11 +295,13 @@ def test_for_decoding_packs_float32_on_one_cpu_device_only():
     models.pack(bf16)
 
 
-@pytest.mark.parametrize('method', ['ars', 'sps'])
+@pytest.mark.parametrize('method', ['ars', 'sps', 'sps_dynamic', 'sps_lookup'])
 def test_greedy_decoding_of_packed_model_equals_unpacked(method):
   """Same tokens from the packed and the unpacked pair (greedy: argmax of equal logits), with an
   eos that stops one row early: the packed kernels skip the idle rows' work (count 0) while the
-  other rows go on, and those rows' tokens stay the same."""
+  other rows go on, and those rows' tokens stay the same. Ragged drafters (dynamic k, prompt
+  lookup) propose fewer than k drafts in some rows: the target then scores, and the draft model
+  reads, only what each row proposed, and the tokens stay ArS's."""
   target = _model()
   draft_config = models.TransformerConfig(vocab_size=61, d_model=24, num_layers=1, num_heads=2,
                                           d_ff=48, max_seq_len=64)
@@ -315,14 +317,30 @@ def test_greedy_decoding_of_packed_model_equals_unpacked(method):
     if method == 'ars':
       return sampling.autoregressive_sample(t, prompts, lengths, jax.random.key(3),
                                             max_new_tokens=20, sampling=greedy, eos_id=eos_id)
-    return sampling.speculative_sample(t, d, prompts, lengths, jax.random.key(3), k=3,
-                                       max_new_tokens=20, sampling=greedy, eos_id=eos_id)
+    drafter = {'sps': drafters.ModelDrafter(), 'sps_dynamic': drafters.ModelDrafter(stop_below=0.1),
+               'sps_lookup': drafters.PromptLookup(max_ngram=2)}[method]
+    if method == 'sps_dynamic':  # The target drafts: every draft it proposes is accepted.
+      d = t
+    return sampling.speculative_sample(t, None if method == 'sps_lookup' else d, prompts, lengths,
+                                       jax.random.key(3), k=3, max_new_tokens=20, sampling=greedy,
+                                       eos_id=eos_id, drafter=drafter)
 
   want = run(target, draft)
   assert len(set(np.asarray(want.num_generated).tolist())) > 1  # Rows stop at different times.
   got = run(models.pack(target), models.pack(draft))
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_array_equal(got.num_generated, want.num_generated)
+  if method != 'ars':  # Equal drafts too (greedy drafts of equal logits): same loops, accepted.
+    np.testing.assert_array_equal(got.num_loops, want.num_loops)
+    np.testing.assert_array_equal(got.accepted_histogram, want.accepted_histogram)
+  if method == 'sps_dynamic':
+    np.testing.assert_array_equal(got.num_accepted, got.num_drafted)
+  ars = sampling.autoregressive_sample(target, prompts, lengths, jax.random.key(3),
+                                      max_new_tokens=20, sampling=greedy, eos_id=eos_id)
+  np.testing.assert_array_equal(got.tokens, ars.tokens)
+  if method in ('sps_dynamic', 'sps_lookup'):  # Some loops proposed fewer than k, some more than 0.
+    proposed = np.asarray(got.proposed_histogram)
+    assert proposed[:3].sum() > 0 and proposed[1:].sum() > 0, proposed
   if method == 'sps':  # A draft in bfloat16 or int8 changes its proposals, never the tokens.
     for weights in ('bfloat16', 'int8'):
       draft_low = models.pack(draft, weights)

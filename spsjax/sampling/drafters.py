@@ -231,8 +231,14 @@ class ModelDrafter:
 
     def step(i, carry):
       drafts_BxK, q_BxKxV, num_B, cache = carry
+      # A row that stopped proposing (num_B < i) needs nothing more of this loop's drafting: its
+      # cache keeps at most num_B + 1 of the positions written (`rollback`), all written by now.
+      counts_B = committed.counts(1)
+      if self.ragged or forced_BxK is not None:
+        counts_B = ((num_B == i) if counts_B is None else (num_B == i) & (counts_B > 0))
+        counts_B = counts_B.astype(jnp.int32)
       logits_Bx1xV, cache = extend(draft.config, draft.params, cache, drafts_BxK[:, i - 1, None],
-                                   counts_B=committed.counts(1))
+                                   counts_B=counts_B)
       q_BxV, d_B, confident_B = choose(i, logits_Bx1xV[:, 0])
       num_B = jnp.where((num_B == i) & confident_B, i + 1, num_B)
       return drafts_BxK.at[:, i].set(d_B), q_BxKxV.at[:, i].set(q_BxV), num_B, cache

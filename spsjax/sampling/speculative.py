@@ -59,25 +59,27 @@ def headroom(k: int) -> int:
   return k - 1
 
 
-def _score(target: Model, cache: KVCache, tokens_BxKp1, active_B, longest):
+def _score(target: Model, cache: KVCache, tokens_BxKp1, active_B, num_B, longest):
   """The target's logits on the last committed token and the drafts: float32[B, k + 1, V].
 
-  Idle rows (not `active_B`) are not scored: their logits are unspecified and never read, and a
-  model packed for CPU decoding skips their work (`models.extend`'s counts): at a batch of 8 the
-  rows that finished first would otherwise keep two positions' arithmetic going to the end.
+  Row b's logits past its num_B[b] drafts, and every logit of an idle row (not `active_B`), are
+  unspecified and never read (a row accepts at most what it proposed), and a model packed for CPU
+  decoding skips their work (`models.extend`'s counts): at a batch of 8 the target's products are
+  compute-bound, so a row that proposed fewer drafts (dynamic k, prompt lookup without a match) or
+  finished first would otherwise pay for positions nobody reads.
   With `longest` (the most drafts any active row proposed, traced) only its first longest + 1
   positions are scored, by one of k + 1 compiled branches; the others' logits are zeros (uniform
-  laws), never read: a row accepts at most what it proposed.
+  laws).
   """
   Kp1 = tokens_BxKp1.shape[1]
+  counts_B = jnp.where(active_B, num_B + 1, 0).astype(jnp.int32)
   if longest is None:
-    return extend(target.config, target.params, cache, tokens_BxKp1,
-                  counts_B=common.active_counts(active_B, Kp1))
+    return extend(target.config, target.params, cache, tokens_BxKp1, counts_B=counts_B)
 
   def positions(n):
     def score(cache):
       logits_BxNxV, cache = extend(target.config, target.params, cache, tokens_BxKp1[:, :n],
-                                   counts_B=common.active_counts(active_B, n))
+                                   counts_B=jnp.minimum(counts_B, n))
       return jnp.pad(logits_BxNxV.astype(jnp.float32), ((0, 0), (0, Kp1 - n), (0, 0))), cache
     return score
 
@@ -149,7 +151,7 @@ class Loop(common.LoopSettings):
     with jax.named_scope('score'):  # The target cache holds committed - 1 tokens.
       logits_BxKp1xV, target_cache = _score(
           target, state.target_cache, jnp.concatenate([last_B[:, None], drafts_BxK], axis=1),
-          active_B, jnp.max(jnp.where(active_B, proposal.num_B, 0))
+          active_B, proposal.num_B, jnp.max(jnp.where(active_B, proposal.num_B, 0))
           if self.trim_score and self.drafter.ragged else None)
 
     with jax.named_scope('accept'):
