@@ -234,9 +234,11 @@ class ModelDrafter:
       # A row that stopped proposing (num_B < i) needs nothing more of this loop's drafting: its
       # cache keeps at most num_B + 1 of the positions written (`rollback`), all written by now.
       counts_B = committed.counts(1)
-      if self.ragged or forced_BxK is not None:
-        counts_B = ((num_B == i) if counts_B is None else (num_B == i) & (counts_B > 0))
-        counts_B = counts_B.astype(jnp.int32)
+      if self.ragged:  # Fixed k: every active row drafts on (num_B == i).
+        drafting_B = num_B == i
+        if committed.active_B is not None:
+          drafting_B &= committed.active_B
+        counts_B = drafting_B.astype(jnp.int32)
       logits_Bx1xV, cache = extend(draft.config, draft.params, cache, drafts_BxK[:, i - 1, None],
                                    counts_B=counts_B)
       q_BxV, d_B, confident_B = choose(i, logits_Bx1xV[:, 0])
