@@ -112,9 +112,26 @@ def test_rows_and_table_on_a_tiny_docstring_task(family, tmp_path):
   assert 0 < loop_profile.outside_loop < loop_profile.call
   np.testing.assert_allclose(loop_profile.loops * loop_profile.loop + loop_profile.outside_loop,
                              loop_profile.call, rtol=1e-6)
+  # Every draft accepted: the slowest row's tokens after the first, k + 1 = 4 a loop, from the
+  # same call run again (greedy, so the same tokens).
+  texts = task.prompts[:2]
+  prompts_NxP, lengths_N = prompts_lib.encode_prompts(
+      tok, texts, max_len=target.config.max_seq_len - task.max_new_tokens - 3)
+  again = sampling.speculative_sample(target, draft, prompts_NxP, lengths_N, jax.random.key(0),
+                                      k=3, max_new_tokens=task.max_new_tokens, sampling=greedy,
+                                      eos_id=tok.eos_id)
+  assert loop_profile.perfect_loops == max(-(-(int(g) - 1) // 4) for g in again.num_generated)
+  assert 1 <= loop_profile.perfect_loops <= loop_profile.loops
+  np.testing.assert_allclose(
+      loop_profile.perfect_call,
+      loop_profile.outside_loop + loop_profile.perfect_loops * loop_profile.loop, rtol=1e-6)
   cmp = speedup.Comparison(ars=ars, sps=sps, costs=costs, k=3, c_hat=0.5,
                            loop_profile=loop_profile)
+  np.testing.assert_allclose(cmp.perfect_draft_speedup,
+                             cmp.speedup * loop_profile.call / loop_profile.perfect_call)
+  assert cmp.perfect_draft_speedup >= cmp.speedup  # Fewer loops at the same cost.
   summary = cmp.summary()
+  assert summary['perfect_draft_speedup'] == cmp.perfect_draft_speedup
   assert summary['speedup'] > 0 and summary['metrics_differ_beyond_noise'] is False
   # Greedy: the same completions, so the same target log-probabilities, and a parity test with no
   # noise (MDE 0) that sees no difference.
@@ -130,7 +147,8 @@ def test_rows_and_table_on_a_tiny_docstring_task(family, tmp_path):
   assert (f'| docstrings | greedy | 2 | {lp.loops} | {ms(lp.loop)} | {ms(lp.draft)} | '
           f'{ms(lp.score)} | {ms(lp.accept)} | {lp.outside_forward_passes:.1%} | '
           f'{lp.outside_forward_ops:.1%} | {ms(lp.call)} | {ms(lp.outside_loop)} '
-          f'({lp.outside_loop / lp.call:.0%}) |') in table.splitlines()
+          f'({lp.outside_loop / lp.call:.0%}) | {cmp.perfect_draft_speedup:.2f}x '
+          f'({lp.perfect_loops} loops) |') in table.splitlines()
   assert table.count('| docstrings | greedy | 2 |') == 4  # ArS, SpS, the theory and the profile.
   assert '| rouge2 +0.000 (0.000), log p +0.000 (0.000), log p/q +0.000 (0.000) | no |' in table
   assert speedup.PARITY_NOTE in table

@@ -22,7 +22,10 @@ forward passes); c and s from jitted
 `extend` calls of the two models at the row's batch, attending over the slots a loop sees halfway
 through a generation (`halfway_capacity`). One SpS call per row is also
 profiled (`bench.profile`): time per loop and per phase read from the trace, and the call's time
-outside its loop (the prefills, which ArS pays too: a bound on what any loop can gain).
+outside its loop (the prefills, which ArS pays too: a bound on what any loop can gain), and what
+the row would give if every draft were accepted at the same costs (`Comparison.
+perfect_draft_speedup`: a bound on what a better draft can gain at this k, so that a row short of
+a target says whether the draft or the loop's cost is what limits it).
 
 A drafter that proposes fewer than k drafts in some loops (prompt lookup, dynamic k) is predicted
 from the measured number of loops that proposed each count (`theory.Prediction.loops_by_proposed`)
@@ -243,6 +246,17 @@ class Comparison:
     return self.ars.timing['mean_ms_per_token'] / self.sps.timing['mean_ms_per_token']
 
   @property
+  def perfect_draft_speedup(self) -> float:
+    """What a draft accepted every time would give with this loop: the measured speedup times
+    the profiled call over the same call with every draft accepted (`LoopProfile.perfect_call`),
+    the cost per loop, the prefills and the first token unchanged. An upper bound on what a better
+    draft can buy at this k; nan without a profile."""
+    lp = self.loop_profile
+    if lp is None or not lp.perfect_call > 0:
+      return float('nan')
+    return self.speedup * lp.call / lp.perfect_call
+
+  @property
   def pooled_speedup(self) -> float:
     """ArS / SpS in pooled ms per token (total time / total tokens; nan for rows without it)."""
     ars, sps = (r.timing.get('pooled_ms_per_token', float('nan')) for r in (self.ars, self.sps))
@@ -277,6 +291,7 @@ class Comparison:
         outside_forward_passes=self.loop_profile.outside_forward_passes,
         outside_forward_ops=self.loop_profile.outside_forward_ops)
     return dict(**profiled, speedup=self.speedup, pooled_speedup=self.pooled_speedup,
+                perfect_draft_speedup=self.perfect_draft_speedup,
                 predicted_speedup=p.speedup,
                 predicted_speedup_free_scoring=p.speedup_free_scoring,
                 predicted_tokens_per_loop=p.tokens_per_loop, operations_factor=p.operations,
@@ -306,6 +321,14 @@ class LoopProfile:
   # so at batch 8, where it is half the call, it bounds what any loop can gain.
   call: float
   outside_loop: float
+  # The loops the call would take if every draft were accepted: each row's tokens after the
+  # first (which comes from the prefill), k + 1 a loop, for the slowest row.
+  perfect_loops: int
+
+  @property
+  def perfect_call(self) -> float:
+    """The call with every draft accepted at the same cost per loop and outside it."""
+    return self.outside_loop + self.perfect_loops * self.loop
 
   @property
   def outside_forward_passes(self) -> float:
@@ -328,7 +351,7 @@ def profile_row(target: models.Model, draft: models.Model | None, tok: Tokenizer
   texts = [task.prompts[i % len(task.prompts)] for i in range(batch)]
   prompts_NxP, lengths_N = prompts_lib.encode_prompts(
       tok, texts, max_len=target.config.max_seq_len - task.max_new_tokens - k)
-  _, trace = profile.profile_speculative(
+  out, trace = profile.profile_speculative(
       target, draft, prompts_NxP, lengths_N, jax.random.key(seed), k=k,
       max_new_tokens=task.max_new_tokens, log_dir=log_dir, sampling=sampling_config,
       eos_id=tok.eos_id, mesh=mesh, drafter=drafter, lenience=lenience)
@@ -343,10 +366,12 @@ def profile_row(target: models.Model, draft: models.Model | None, tok: Tokenizer
   gaps = lambda phase: sum(it.phase_gap_s[phase] for it in its) / len(its)
   per_loop = lambda phase: sum(it.phase_wall_s[phase] for it in its) / len(its) + gaps(phase)
   in_loop = sum(it.wall_s for it in its)
+  after_first_B = np.maximum(np.asarray(out.num_generated) - 1, 0)
+  perfect_loops = int(np.max(-(-after_first_B // (k + 1))))
   return LoopProfile(trace_dir=trace.trace_dir, loops=len(its), loop=in_loop / len(its),
                      draft=per_loop('draft'), score=per_loop('score'), accept=per_loop('accept'),
                      forward_gaps=gaps('draft') + gaps('score'), call=trace.total_s,
-                     outside_loop=trace.total_s - in_loop)
+                     outside_loop=trace.total_s - in_loop, perfect_loops=perfect_loops)
 
 
 PARITY_NOTE = (
@@ -419,12 +444,13 @@ def markdown(comparisons: Sequence[Comparison]) -> str:
   if profiled:
     lines += ['', '| task | decoding | batch | loops traced | ms per loop | draft | score | accept '
               '| outside draft and score | not running draft or score ops | ms per call | '
-              'outside the loop (prefills) |',
-              '|---|---|---|---|---|---|---|---|---|---|---|---|']
+              'outside the loop (prefills) | speedup with every draft accepted |',
+              '|---|---|---|---|---|---|---|---|---|---|---|---|---|']
     for cmp in profiled:
       lp, ms = cmp.loop_profile, lambda x: f'{x * 1e3:.3f}'
       lines.append(f'| {cmp.sps.task} | {cmp.sps.decoding} | {cmp.sps.batch} | {lp.loops} | '
                    f'{ms(lp.loop)} | {ms(lp.draft)} | {ms(lp.score)} | {ms(lp.accept)} | '
                    f'{lp.outside_forward_passes:.1%} | {lp.outside_forward_ops:.1%} | '
-                   f'{ms(lp.call)} | {ms(lp.outside_loop)} ({lp.outside_loop / lp.call:.0%}) |')
+                   f'{ms(lp.call)} | {ms(lp.outside_loop)} ({lp.outside_loop / lp.call:.0%}) | '
+                   f'{cmp.perfect_draft_speedup:.2f}x ({lp.perfect_loops} loops) |')
   return '\n'.join(lines)
