@@ -3,10 +3,13 @@
   python experiments/decode_benchmark.py --preset=reference_target --dtype=float32
   python experiments/decode_benchmark.py --preset=bench150m --dtype=float32 --ceiling=false
   python experiments/decode_benchmark.py --small  # A tiny model: a quick smoke run.
+  python experiments/decode_benchmark.py --preset=bench150m --dtype=float32 --paths=native \
+      --ceiling=false --batches=8 --block=4  # s at batch 8 too
 
 For each dtype and path (`native`: packed for the CPU kernels, `models.pack`; `xla`: XLA's dots),
 one line each for: a 1-position `extend` and the bandwidth at which it reads the weights (as a
-share of the copy bandwidth measured first), s = `extend` on `block` positions / on 1, and ArS.
+share of the copy bandwidth measured first), s = `extend` on `block` positions / on 1, and ArS;
+with --batches, s at those batch sizes for 2 .. block positions.
 With --ceiling, SpS with a perfect draft (`spsjax.bench.ceiling`: zero output layers, every draft
 accepted) against ArS of the same target, beside (k + 1) / (k c + s). Models are randomly
 initialised: decode time does not depend on the weights' values.
@@ -31,6 +34,8 @@ _PROMPT_LEN = flags.DEFINE_integer('prompt_len', 128, 'Prompt tokens; cache capa
                                    'prompt_len + max_new_tokens.')
 _MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 128, 'Tokens per ArS run.')
 _BLOCK = flags.DEFINE_integer('block', 5, 'Tokens of the multi-token extend compared with T=1.')
+_BATCHES = flags.DEFINE_list('batches', [], 'Also s = extend on 2 .. block positions / on 1 at '
+                              'these batch sizes (e.g. 8), float32, per path.')
 _COPY_MB = flags.DEFINE_integer('copy_mb', 1024, 'Size of the copied array in MiB.')
 _CEILING = flags.DEFINE_bool('ceiling', True, 'Also the perfect-draft SpS/ArS ceiling (float32).')
 _DRAFT_PRESET = flags.DEFINE_string('draft_preset', '', 'Draft of the ceiling; default: the '
@@ -80,6 +85,10 @@ def main(argv):
          f'median of {_REPEATS.value} steps / {_ARS_REPEATS.value} ArS runs; load average '
          f'{os.getloadavg()[0]:.2f} (other processes on these cores skew every figure)'
          + (f'; mesh {dict(mesh.shape)}' if mesh else ''))
+  try:
+    batches = [int(b) for b in _BATCHES.value]
+  except ValueError:
+    raise app.UsageError(f'--batches takes integers, got {_BATCHES.value}.') from None
   copy = decode.copy_bandwidth(copy_mb * 2**20, repeats=_REPEATS.value)
   for line in decode.copy_report(copy):
     print0(line, flush=True)
@@ -90,12 +99,18 @@ def main(argv):
     for path in _PATHS.value:
       if path == 'native' and dtype != 'float32':
         continue
-      result = decode.measure_decode(_place(model, path), prompt_len=prompt_len,
+      placed = _place(model, path)
+      result = decode.measure_decode(placed, prompt_len=prompt_len,
                                      max_new_tokens=max_new_tokens, block=_BLOCK.value,
                                      repeats=_REPEATS.value, ars_repeats=_ARS_REPEATS.value,
                                      mesh=mesh)
       for line in decode.report(result, copy):
         print0(line, flush=True)
+      for batch in batches if dtype == 'float32' else ():
+        for line in decode.batch_scoring_report(placed, batch, _BLOCK.value,
+                                                prompt_len + max_new_tokens,
+                                                repeats=_REPEATS.value, mesh=mesh):
+          print0(line, flush=True)
   if _CEILING.value:
     draft_config = models.TransformerConfig(**presets.get(_draft_preset(preset)))
     target_config = models.TransformerConfig(**presets.get(preset))

@@ -2,6 +2,7 @@
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,21 @@ def test_measure_decode_tiny():
   assert abs(r.ars_per_token * 6 - r.ars) < 1e-12
   assert abs(r.ars_per_decode_step * 5 - (r.ars - r.prefill)) < 1e-12
   assert len(decode.report(r)) == 4
+
+
+def test_batch_scoring_report_gives_s_for_each_block_at_the_batch():
+  config = models.TransformerConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4,
+                                    num_kv_heads=2, d_ff=64, max_seq_len=64)
+  model = zero_model(config)
+  [line] = decode.batch_scoring_report(model, 3, 3, 12, repeats=2)
+  match = re.fullmatch(r'\[float32 xla\] batch 3: extend T=1 ([0-9.]+) ms, s\(2\) ([0-9.]+), '
+                       r's\(3\) ([0-9.]+) \(blocks alternating in each repeat, capacity 12\)', line)
+  assert match, line
+  assert all(float(x) > 0 for x in match.groups())
+  with pytest.raises(ValueError, match='block >= 2'):
+    decode.batch_scoring_report(model, 3, 1, 12, repeats=2)
+  with pytest.raises(ValueError, match='batch >= 1'):
+    decode.batch_scoring_report(model, 0, 3, 12, repeats=2)
 
 
 def test_copy_bandwidth_small():

@@ -244,6 +244,21 @@ def report(result: DecodeResult, copy: 'CopyBandwidth | None' = None) -> list[st
   ]
 
 
+def batch_scoring_report(model: models.Model, batch: int, block: int, capacity: int, *,
+                         repeats: int, mesh: Mesh | None = None) -> list[str]:
+  """One line: `extend` at `batch` rows on 1 position, and s(T) = `extend` on T positions / on 1
+  for T = 2 .. `block` (the cost of scoring T - 1 drafts per row; at batch 8 on a 2-core CPU the
+  rows x positions make the products compute-bound, where batch 1's are bound by the reads)."""
+  if batch < 1 or block < 2:
+    raise ValueError(f'Need batch >= 1 and block >= 2, got batch={batch}, block={block}.')
+  blocks = tuple(range(1, block + 1))
+  times, _, _ = extend_seconds(model, blocks, capacity, repeats=repeats, batch=batch, mesh=mesh)
+  ratios = ', '.join(f's({T}) {times[T] / times[1]:.2f}' for T in blocks[1:])
+  path = 'native' if models.is_packed(model) else 'xla'
+  return [f'[{model.config.dtype} {path}] batch {batch}: extend T=1 {times[1] * 1e3:.2f} ms, '
+          f'{ratios} (blocks alternating in each repeat, capacity {capacity})']
+
+
 def copy_report(copy: CopyBandwidth) -> list[str]:
   return [
       f'copy of {copy.nbytes / 2**20:.0f} MiB float32, GB/s read + written: jit(jnp.copy) into a '
