@@ -130,8 +130,24 @@ def test_rows_and_table_on_a_tiny_docstring_task(family, tmp_path):
   np.testing.assert_allclose(cmp.perfect_draft_speedup,
                              cmp.speedup * loop_profile.call / loop_profile.perfect_call)
   assert cmp.perfect_draft_speedup >= cmp.speedup  # Fewer loops at the same cost.
+  # A free draft: the draft phase's time gone from every loop, with the loops taken or with the
+  # loops of every draft accepted.
+  np.testing.assert_allclose(
+      loop_profile.free_draft_call,
+      loop_profile.call - loop_profile.loops * loop_profile.draft, rtol=1e-6)
+  np.testing.assert_allclose(
+      loop_profile.free_perfect_call,
+      loop_profile.perfect_call - loop_profile.perfect_loops * loop_profile.draft, rtol=1e-6)
+  np.testing.assert_allclose(cmp.free_draft_speedup,
+                             cmp.speedup * loop_profile.call / loop_profile.free_draft_call)
+  np.testing.assert_allclose(cmp.free_perfect_draft_speedup,
+                             cmp.speedup * loop_profile.call / loop_profile.free_perfect_call)
+  assert cmp.speedup < cmp.free_draft_speedup <= cmp.free_perfect_draft_speedup
+  assert cmp.perfect_draft_speedup < cmp.free_perfect_draft_speedup
   summary = cmp.summary()
   assert summary['perfect_draft_speedup'] == cmp.perfect_draft_speedup
+  assert summary['free_draft_speedup'] == cmp.free_draft_speedup
+  assert summary['free_perfect_draft_speedup'] == cmp.free_perfect_draft_speedup
   assert summary['speedup'] > 0 and summary['metrics_differ_beyond_noise'] is False
   # Greedy: the same completions, so the same target log-probabilities, and a parity test with no
   # noise (MDE 0) that sees no difference.
@@ -148,7 +164,8 @@ def test_rows_and_table_on_a_tiny_docstring_task(family, tmp_path):
           f'{ms(lp.score)} | {ms(lp.accept)} | {lp.outside_forward_passes:.1%} | '
           f'{lp.outside_forward_ops:.1%} | {ms(lp.call)} | {ms(lp.outside_loop)} '
           f'({lp.outside_loop / lp.call:.0%}) | {cmp.perfect_draft_speedup:.2f}x '
-          f'({lp.perfect_loops} loops) |') in table.splitlines()
+          f'({lp.perfect_loops} loops) | {cmp.free_draft_speedup:.2f}x '
+          f'({cmp.free_perfect_draft_speedup:.2f}x) |') in table.splitlines()
   assert table.count('| docstrings | greedy | 2 |') == 4  # ArS, SpS, the theory and the profile.
   assert '| rouge2 +0.000 (0.000), log p +0.000 (0.000), log p/q +0.000 (0.000) | no |' in table
   assert speedup.PARITY_NOTE in table

@@ -25,7 +25,10 @@ profiled (`bench.profile`): time per loop and per phase read from the trace, and
 outside its loop (the prefills, which ArS pays too: a bound on what any loop can gain), and what
 the row would give if every draft were accepted at the same costs (`Comparison.
 perfect_draft_speedup`: a bound on what a better draft can gain at this k, so that a row short of
-a target says whether the draft or the loop's cost is what limits it).
+a target says whether the draft or the loop's cost is what limits it), what it would give with
+the draft's time in the loop removed (`free_draft_speedup`: a bound on what a cheaper draft of
+the same alpha can gain), and with both (`free_perfect_draft_speedup`: no drafter does better
+with this target's scoring at this k).
 
 A drafter that proposes fewer than k drafts in some loops (prompt lookup, dynamic k) is predicted
 from the measured number of loops that proposed each count (`theory.Prediction.loops_by_proposed`)
@@ -257,6 +260,27 @@ class Comparison:
     return self.speedup * lp.call / lp.perfect_call
 
   @property
+  def free_draft_speedup(self) -> float:
+    """What a draft of the same acceptance that took no time in the loop would give: the measured
+    speedup times the profiled call over the same call without the draft phase's time per loop
+    (`LoopProfile.free_draft_call`). The draft's prefill stays outside the loop. nan without a
+    profile."""
+    lp = self.loop_profile
+    if lp is None or not lp.free_draft_call > 0:
+      return float('nan')
+    return self.speedup * lp.call / lp.free_draft_call
+
+  @property
+  def free_perfect_draft_speedup(self) -> float:
+    """The same with every draft accepted as well (`LoopProfile.free_perfect_call`): what no
+    drafter, however fast or accurate, exceeds with this target's scoring at this k (up to the
+    draft's prefill, which stays). nan without a profile."""
+    lp = self.loop_profile
+    if lp is None or not lp.free_perfect_call > 0:
+      return float('nan')
+    return self.speedup * lp.call / lp.free_perfect_call
+
+  @property
   def pooled_speedup(self) -> float:
     """ArS / SpS in pooled ms per token (total time / total tokens; nan for rows without it)."""
     ars, sps = (r.timing.get('pooled_ms_per_token', float('nan')) for r in (self.ars, self.sps))
@@ -292,6 +316,8 @@ class Comparison:
         outside_forward_ops=self.loop_profile.outside_forward_ops)
     return dict(**profiled, speedup=self.speedup, pooled_speedup=self.pooled_speedup,
                 perfect_draft_speedup=self.perfect_draft_speedup,
+                free_draft_speedup=self.free_draft_speedup,
+                free_perfect_draft_speedup=self.free_perfect_draft_speedup,
                 predicted_speedup=p.speedup,
                 predicted_speedup_free_scoring=p.speedup_free_scoring,
                 predicted_tokens_per_loop=p.tokens_per_loop, operations_factor=p.operations,
@@ -329,6 +355,16 @@ class LoopProfile:
   def perfect_call(self) -> float:
     """The call with every draft accepted at the same cost per loop and outside it."""
     return self.outside_loop + self.perfect_loops * self.loop
+
+  @property
+  def free_draft_call(self) -> float:
+    """The call with the draft phase's time removed from every loop, the loops unchanged."""
+    return self.outside_loop + self.loops * (self.loop - self.draft)
+
+  @property
+  def free_perfect_call(self) -> float:
+    """The call with every draft accepted and the draft phase's time removed from every loop."""
+    return self.outside_loop + self.perfect_loops * (self.loop - self.draft)
 
   @property
   def outside_forward_passes(self) -> float:
@@ -444,13 +480,15 @@ def markdown(comparisons: Sequence[Comparison]) -> str:
   if profiled:
     lines += ['', '| task | decoding | batch | loops traced | ms per loop | draft | score | accept '
               '| outside draft and score | not running draft or score ops | ms per call | '
-              'outside the loop (prefills) | speedup with every draft accepted |',
-              '|---|---|---|---|---|---|---|---|---|---|---|---|---|']
+              'outside the loop (prefills) | speedup with every draft accepted | '
+              'with a free draft (and every draft accepted) |',
+              '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|']
     for cmp in profiled:
       lp, ms = cmp.loop_profile, lambda x: f'{x * 1e3:.3f}'
       lines.append(f'| {cmp.sps.task} | {cmp.sps.decoding} | {cmp.sps.batch} | {lp.loops} | '
                    f'{ms(lp.loop)} | {ms(lp.draft)} | {ms(lp.score)} | {ms(lp.accept)} | '
                    f'{lp.outside_forward_passes:.1%} | {lp.outside_forward_ops:.1%} | '
                    f'{ms(lp.call)} | {ms(lp.outside_loop)} ({lp.outside_loop / lp.call:.0%}) | '
-                   f'{cmp.perfect_draft_speedup:.2f}x ({lp.perfect_loops} loops) |')
+                   f'{cmp.perfect_draft_speedup:.2f}x ({lp.perfect_loops} loops) | '
+                   f'{cmp.free_draft_speedup:.2f}x ({cmp.free_perfect_draft_speedup:.2f}x) |')
   return '\n'.join(lines)
