@@ -144,6 +144,10 @@ def test_rows_and_table_on_a_tiny_docstring_task(family, tmp_path):
                              cmp.speedup * loop_profile.call / loop_profile.free_perfect_call)
   assert cmp.speedup < cmp.free_draft_speedup <= cmp.free_perfect_draft_speedup
   assert cmp.perfect_draft_speedup < cmp.free_perfect_draft_speedup
+  unprofiled = speedup.Comparison(ars=ars, sps=sps, costs=costs, k=3, c_hat=0.5)
+  assert all(np.isnan(x) for x in (unprofiled.perfect_draft_speedup,
+                                   unprofiled.free_draft_speedup,
+                                   unprofiled.free_perfect_draft_speedup))
   summary = cmp.summary()
   assert summary['perfect_draft_speedup'] == cmp.perfect_draft_speedup
   assert summary['free_draft_speedup'] == cmp.free_draft_speedup

@@ -39,7 +39,7 @@ lookup and model tokens it proposes (marked "draft model").
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -248,16 +248,20 @@ class Comparison:
   def speedup(self) -> float:
     return self.ars.timing['mean_ms_per_token'] / self.sps.timing['mean_ms_per_token']
 
+  def _speedup_if_call_took(self, call: Callable[['LoopProfile'], float]) -> float:
+    """The measured speedup times the profiled call over `call(profile)`; nan without one."""
+    lp = self.loop_profile
+    if lp is None or not call(lp) > 0:
+      return float('nan')
+    return self.speedup * lp.call / call(lp)
+
   @property
   def perfect_draft_speedup(self) -> float:
     """What a draft accepted every time would give with this loop: the measured speedup times
     the profiled call over the same call with every draft accepted (`LoopProfile.perfect_call`),
     the cost per loop, the prefills and the first token unchanged. An upper bound on what a better
     draft can buy at this k; nan without a profile."""
-    lp = self.loop_profile
-    if lp is None or not lp.perfect_call > 0:
-      return float('nan')
-    return self.speedup * lp.call / lp.perfect_call
+    return self._speedup_if_call_took(lambda lp: lp.perfect_call)
 
   @property
   def free_draft_speedup(self) -> float:
@@ -265,20 +269,14 @@ class Comparison:
     speedup times the profiled call over the same call without the draft phase's time per loop
     (`LoopProfile.free_draft_call`). The draft's prefill stays outside the loop. nan without a
     profile."""
-    lp = self.loop_profile
-    if lp is None or not lp.free_draft_call > 0:
-      return float('nan')
-    return self.speedup * lp.call / lp.free_draft_call
+    return self._speedup_if_call_took(lambda lp: lp.free_draft_call)
 
   @property
   def free_perfect_draft_speedup(self) -> float:
     """The same with every draft accepted as well (`LoopProfile.free_perfect_call`): what no
     drafter, however fast or accurate, exceeds with this target's scoring at this k (up to the
     draft's prefill, which stays). nan without a profile."""
-    lp = self.loop_profile
-    if lp is None or not lp.free_perfect_call > 0:
-      return float('nan')
-    return self.speedup * lp.call / lp.free_perfect_call
+    return self._speedup_if_call_took(lambda lp: lp.free_perfect_call)
 
   @property
   def pooled_speedup(self) -> float:
