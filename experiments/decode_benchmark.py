@@ -89,6 +89,9 @@ def main(argv):
     batches = [int(b) for b in _BATCHES.value]
   except ValueError:
     raise app.UsageError(f'--batches takes integers, got {_BATCHES.value}.') from None
+  if batches and (min(batches) < 1 or _BLOCK.value < 2):
+    raise app.UsageError(f'--batches needs batch sizes >= 1 and --block >= 2, got '
+                         f'{_BATCHES.value} and --block={_BLOCK.value}.')
   copy = decode.copy_bandwidth(copy_mb * 2**20, repeats=_REPEATS.value)
   for line in decode.copy_report(copy):
     print0(line, flush=True)

@@ -2,7 +2,10 @@
 
 import functools
 import math
+import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +14,7 @@ import pytest
 from spsjax import models
 from spsjax.bench import ceiling, decode
 from spsjax.sampling import SamplingConfig
+from tests import xla_env
 
 
 def zero_model(config):
@@ -56,6 +60,22 @@ def test_batch_scoring_report_gives_s_for_each_block_at_the_batch():
     decode.batch_scoring_report(model, 3, 1, 12, repeats=2)
   with pytest.raises(ValueError, match='batch >= 1'):
     decode.batch_scoring_report(model, 0, 3, 12, repeats=2)
+
+
+@pytest.mark.parametrize('flags, message', [
+    (['--batches=x'], "--batches takes integers, got ['x']."),
+    (['--batches=0'], "--batches needs batch sizes >= 1 and --block >= 2, got ['0'] and --block=5."),
+    (['--batches=8', '--block=1'],
+     "--batches needs batch sizes >= 1 and --block >= 2, got ['8'] and --block=1."),
+])
+def test_decode_benchmark_rejects_bad_batches_before_measuring(flags, message):
+  repo = pathlib.Path(__file__).resolve().parents[1]
+  run = subprocess.run([sys.executable, 'experiments/decode_benchmark.py', '--small', *flags],
+                       cwd=repo, env=xla_env.subprocess_env(), capture_output=True, text=True,
+                       timeout=120, check=False)
+  assert run.returncode == 1, run.stderr
+  assert run.stderr.strip().endswith(f'decode_benchmark.py: error: {message}'), run.stderr
+  assert 'copy of' not in run.stdout  # Nothing was measured first.
 
 
 def test_copy_bandwidth_small():
