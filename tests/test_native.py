@@ -6,6 +6,7 @@ partial panels, head dims that are not a multiple of the vector width and ragged
 """
 
 import functools
+import importlib.machinery
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,21 @@ ISAS = native.isas()
 def test_library_is_built_and_runs_the_baseline():
   assert native.available(), 'spsjax/native was not built: reinstall with pip install -e .'
   assert 'baseline' in ISAS
+
+
+def test_loader_takes_the_library_built_for_this_interpreter(tmp_path, monkeypatch):
+  from spsjax.native import library
+  monkeypatch.delenv('SPSJAX_NATIVE_LIBRARY', raising=False)
+  assert library.path_to_load(str(tmp_path)) is None
+  for name in ('_kernels.cpython-39-x86_64-linux-gnu.so', '_kernels.cpython-313-darwin.so',
+               '_kernels.abi3.so'):
+    (tmp_path / name).write_bytes(b'')
+  assert library.path_to_load(str(tmp_path)) == str(tmp_path / '_kernels.abi3.so')
+  ours = tmp_path / f'_kernels{importlib.machinery.EXTENSION_SUFFIXES[0]}'
+  ours.write_bytes(b'')
+  assert library.path_to_load(str(tmp_path)) == str(ours)
+  monkeypatch.setenv('SPSJAX_NATIVE_LIBRARY', '/elsewhere/k.so')
+  assert library.path_to_load(str(tmp_path)) == '/elsewhere/k.so'
 
 
 @pytest.mark.parametrize('isa', ISAS)

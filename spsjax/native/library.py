@@ -4,11 +4,15 @@
 `lookup.cc` into one shared library, `_kernels*.so`, with every kernel in three variants (AVX-512,
 AVX2 + FMA, the compiler's baseline); the best variant this CPU runs is picked at call time. Without the library (a checkout
 that was never installed, a failed build) `available()` is False and callers use XLA's ops.
+
+The library loaded is the one built for the running interpreter (its extension suffix, e.g.
+`.cpython-311-x86_64-linux-gnu.so`; a checkout built by two Pythons holds two), or the file that
+`SPSJAX_NATIVE_LIBRARY` names (a sanitizer build, `tests/test_native_sanitized.py`).
 """
 
 import ctypes
 import functools
-import glob
+import importlib.machinery
 import logging
 import os
 
@@ -29,19 +33,33 @@ ISAS = {'best': 0, 'baseline': 1, 'avx2': 2, 'avx512': 3}
 @functools.cache
 def load() -> ctypes.CDLL | None:
   """The library with its targets registered for the CPU platform, or None if it is not built."""
-  paths = sorted(glob.glob(os.path.join(os.path.dirname(__file__), '_kernels*.so')))
-  if not paths:
-    logging.warning('spsjax.native: no built kernel library in %s (install the package with pip '
-                    'to build it); XLA ops are used instead.', os.path.dirname(__file__))
+  path = path_to_load()
+  if path is None:
+    logging.warning('spsjax.native: no kernel library built for this Python in %s (install the '
+                    'package with pip to build it); XLA ops are used instead.',
+                    os.path.dirname(__file__))
     return None
   try:
-    lib = ctypes.CDLL(paths[0])
+    lib = ctypes.CDLL(path)
   except OSError as e:
-    logging.warning('spsjax.native: cannot load %s (%s); XLA ops are used instead.', paths[0], e)
+    logging.warning('spsjax.native: cannot load %s (%s); XLA ops are used instead.', path, e)
     return None
   for target, symbol in TARGETS.items():
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform='cpu')
   return lib
+
+
+def path_to_load(here: str = os.path.dirname(__file__)) -> str | None:
+  """`SPSJAX_NATIVE_LIBRARY` if set, else the library in `here` whose name ends in one of this
+  interpreter's extension suffixes (most specific first), or None."""
+  explicit = os.environ.get('SPSJAX_NATIVE_LIBRARY')
+  if explicit:
+    return explicit
+  for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+    path = os.path.join(here, '_kernels' + suffix)
+    if os.path.isfile(path):
+      return path
+  return None
 
 
 def available() -> bool:
