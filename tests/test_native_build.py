@@ -80,9 +80,8 @@ def _libraries(root: pathlib.Path) -> list[str]:
   return sorted(str(p.relative_to(root)) for p in root.rglob('_kernels*'))
 
 
-@pytest.mark.skipif(not _setuptools_builds_wheels(),
-                    reason="setuptools < 70.1 here: pip install -e '.[test]' upgrades it")
 def test_pip_install_with_a_failing_compiler_uses_xla(tmp_path):
+  assert _setuptools_builds_wheels(), "setuptools < 70.1 here: pip install -e '.[test]' upgrades it"
   src, site = _sources(tmp_path), tmp_path / 'site'
   install = subprocess.run(
       [sys.executable, '-m', 'pip', 'install', '-v', '--no-build-isolation', '--no-deps',
