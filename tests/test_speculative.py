@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from spsjax import models, native
-from spsjax.sampling import (PAD_ID, SamplingConfig, autoregressive_sample, speculative,
+from spsjax.sampling import (PAD_ID, SamplingConfig, autoregressive_sample, drafters, speculative,
                              speculative_sample)
 from tests.stats import (exact_sequence_law, g_test_pvalue, scaled_model, sequence_counts,
                          truncated_at_eos)
@@ -358,3 +358,66 @@ def test_one_compilation_across_prompts_and_rngs(pair):
     out = run(seed)
   assert (np.asarray(out.tokens)[np.arange(8)[None] >= np.asarray(out.num_generated)[:, None]]
           == PAD_ID).all()
+
+
+# --- Keys and broken models ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('method', ['ars', 'sps', 'sps_lookup'])
+def test_legacy_and_typed_keys_give_the_same_tokens(pair, method):
+  """`jax.random.PRNGKey(seed)` (uint32 key data) and `jax.random.key(seed)` are the same key:
+  every sampler takes both and gives the same tokens; anything else is refused."""
+  target, draft = pair
+  prompts, lengths = _ragged(31)
+  sampling = SamplingConfig(temperature=0.9, top_p=0.95)
+
+  def run(rng):
+    if method == 'ars':
+      return autoregressive_sample(target, prompts, lengths, rng, max_new_tokens=10,
+                                   sampling=sampling)
+    lookup = method == 'sps_lookup'
+    return speculative_sample(target, None if lookup else draft, prompts, lengths, rng, k=3,
+                              max_new_tokens=10, sampling=sampling,
+                              drafter=drafters.PromptLookup() if lookup else
+                              drafters.ModelDrafter())
+
+  legacy, typed = run(jax.random.PRNGKey(5)), run(jax.random.key(5))
+  np.testing.assert_array_equal(legacy.tokens, typed.tokens)
+  assert not np.array_equal(typed.tokens, run(jax.random.key(6)).tokens)  # The key matters.
+  for bad in (5, np.zeros((3,), np.uint32), jax.random.split(jax.random.key(0), 2),
+              np.zeros((2,), np.int32)):
+    with pytest.raises(TypeError, match='rng must be one JAX key'):
+      run(bad)
+
+
+def _with_nan_output(model):
+  """The model with NaN final-norm scales: every logit it gives is NaN."""
+  params = dict(model.params, final_norm=jax.tree.map(lambda x: x * jnp.nan,
+                                                      model.params['final_norm']))
+  return models.Model(model.config, params)
+
+
+@pytest.mark.parametrize('packed', [False, True])
+def test_a_model_that_gives_nan_logits_gives_defined_tokens(pair, packed):
+  """NaN logits have no distribution: a NaN target emits token 0 at every position, on every
+  path, never an id outside the vocabulary; a NaN draft's drafts are all rejected, so SpS still
+  gives the target's tokens (greedy SpS == greedy ArS)."""
+  target, draft = pair
+  prepare = models.for_decoding if packed else (lambda m: m)
+  prompts, lengths = _ragged(32)
+  broken_target, broken_draft = prepare(_with_nan_output(target)), prepare(_with_nan_output(draft))
+  for sampling in (SamplingConfig(top_p=0.9), GREEDY):
+    ars = autoregressive_sample(broken_target, prompts, lengths, jax.random.key(0),
+                                max_new_tokens=6, sampling=sampling)
+    sps = speculative_sample(broken_target, prepare(draft), prompts, lengths, jax.random.key(0),
+                             k=3, max_new_tokens=6, sampling=sampling)
+    for out in (ars, sps):
+      np.testing.assert_array_equal(out.tokens, 0)
+      np.testing.assert_array_equal(out.num_generated, 6)
+  want = autoregressive_sample(prepare(target), prompts, lengths, jax.random.key(0),
+                               max_new_tokens=6, sampling=GREEDY)
+  got = speculative_sample(prepare(target), broken_draft, prompts, lengths, jax.random.key(0),
+                           k=3, max_new_tokens=6, sampling=GREEDY)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  assert int(np.sum(got.num_accepted)) <= int(np.sum(
+      np.asarray(want.tokens)[:, 1:] == 0))  # Only drafts of token 0 can be accepted.
