@@ -12,10 +12,16 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy import stats
+from scipy import optimize, stats
 
 from spsjax import models
 from spsjax.sampling import PAD_ID, SamplingConfig, probabilities
+
+
+def _cells(probs, n: float, min_expected: float):
+  """The test's cells: each outcome expected >= min_expected times in n draws, and the rest pooled."""
+  big = probs * n >= min_expected
+  return big, np.append(probs[big], probs[~big].sum())
 
 
 def g_test_pvalue(observed, expected_probs, min_expected: float = 5.0) -> float:
@@ -29,7 +35,7 @@ def g_test_pvalue(observed, expected_probs, min_expected: float = 5.0) -> float:
   if observed[probs <= 0].sum() > 0:
     return 0.0
   expected = probs * observed.sum()
-  big = expected >= min_expected
+  big, _ = _cells(probs, observed.sum(), min_expected)
   obs = np.append(observed[big], observed[~big].sum())
   exp = np.append(expected[big], expected[~big].sum())
   if exp[-1] == 0:
@@ -37,6 +43,27 @@ def g_test_pvalue(observed, expected_probs, min_expected: float = 5.0) -> float:
   nonzero = obs > 0
   g = 2.0 * np.sum(obs[nonzero] * np.log(obs[nonzero] / exp[nonzero]))
   return float(stats.chi2.sf(g, df=len(obs) - 1))
+
+
+def detectable_tv(n: int, expected_probs, p_min: float, power: float = 0.8,
+                  min_expected: float = 5.0) -> tuple[float, float]:
+  """(tv, pooled): `g_test_pvalue` on n draws, failing below p_min, detects with probability
+  >= `power` any law whose total-variation distance from `expected_probs` on the test's cells is
+  >= tv; `pooled` is the mass of the rare outcomes pooled into one cell, within which a change is
+  invisible.
+
+  Why: a law at total variation tv has chi-square divergence sum(d^2 / p) >= (sum |d|)^2 = 4 tv^2
+  (Cauchy-Schwarz), and the statistic is then noncentral chi-square with noncentrality >= 4 n tv^2
+  (asymptotically); tv is where that noncentrality gives the power asked.
+  """
+  probs = np.asarray(expected_probs, np.float64).ravel()
+  probs = probs / probs.sum()
+  big, cells = _cells(probs, n, min_expected)
+  cells = cells[cells > 0]
+  df = len(cells) - 1
+  critical = stats.chi2.isf(p_min, df)
+  noncentrality = optimize.brentq(lambda lam: stats.ncx2.sf(critical, df, lam) - power, 1e-9, 1e6)
+  return float(np.sqrt(noncentrality / (4 * n))), float(probs[~big].sum())
 
 
 def scaled_model(config: models.TransformerConfig, seed: int, scale: float) -> models.Model:

@@ -99,7 +99,10 @@ LAW_SETTINGS = {
 @pytest.mark.parametrize('setting, path', [(name, 'native') for name in LAW_SETTINGS] +
                          [('temperature_1.3_top_k_5_top_p_0.9', 'xla')])
 def test_output_law_is_the_models_law(tiny, setting, path):
-  """120k rows, 3 tokens each, against the exact law of each prompt's 343 sequences.
+  """120k rows, 3 tokens each, against the exact law of each prompt's 343 sequences. Power: 60k
+  rows per prompt detect at 80% any law within total variation 0.015-0.025 of the model's, by
+  setting and prompt (`stats.detectable_tv`; at temperature 1 outcomes rarer than 5 expected
+  draws, <= 0.3% of the mass, are pooled).
 
   `native`: no mesh, so the native sampling kernel draws where it is built; `xla`: a one-device
   mesh, so XLA's ops draw (the sampler picks the path by the mesh).
@@ -121,7 +124,8 @@ def test_output_law_is_the_models_law(tiny, setting, path):
 
 
 def test_eos_at_temperature_above_0(tiny):
-  """Rows stop at eos, keep it and hold PAD after it; the law is the model's law cut at eos."""
+  """Rows stop at eos, keep it and hold PAD after it; the law is the model's law cut at eos.
+  Power: detects at 80% any law within total variation 0.018 / 0.021 (per prompt) of it."""
   sampling = SamplingConfig(temperature=0.9, top_p=0.95)
   laws = [exact_sequence_law(tiny, p, NEW, sampling) for p in PROMPTS]
   eos_id = 1

@@ -11,9 +11,12 @@ import pytest
 from spsjax import models, sampling
 from spsjax.bench import speedup, sweep, theory, timing
 from spsjax.data import prompts as prompts_lib
-from spsjax.eval import acceptance, likelihood
+from spsjax.eval import acceptance, likelihood, metrics
 from spsjax.sampling import drafters
 from tests import data_helpers, stats
+
+
+STRICT_LEVEL = 1e-3  # Family-wise level of the negative control's exact half.
 
 
 def _fake_output(tokens_per_row, rows, loops=0, accepted=0, histogram=None):
@@ -231,7 +234,11 @@ def fixture_peaked_family():
 
 def test_parity_columns_flag_a_biased_sampler_and_pass_the_exact_one(peaked_family):
   """The negative control: SpS that accepts (almost) every draft samples the draft's law, not the
-  target's; the parity test must flag it on a task, and must not flag exact SpS on the same one."""
+  target's; the parity test must flag it on a task (at the table's family-wise level, 0.05), and
+  must not flag exact SpS on the same one. The exact half is judged at a family-wise level of
+  1e-3 (STRICT_LEVEL): a new draw of its random numbers (a JAX upgrade re-rolls them) fails it
+  with probability <= 1e-3, as the paired t-tests are calibrated, where the table's level would
+  fail it one time in twenty."""
   target, draft, tok = peaked_family
   prompts = tuple(f'def f{i}(a):\n    b = a + {i}\n' for i in range(16))
   references = tuple(f'    return b * {i}' for i in range(16))
@@ -246,7 +253,10 @@ def test_parity_columns_flag_a_biased_sampler_and_pass_the_exact_one(peaked_fami
                                     seed=0, lenience=1e-4))
   assert set(exact.parity) == {'chrF', 'next-line EM', 'log p', 'log p/q'}
   assert all(p.level == pytest.approx(0.05 / 4) for p in exact.parity.values())
-  assert not exact.metrics_differ
+  strict = {name: metrics.parity(exact.ars.columns[name], exact.sps.columns[name],
+                                 level=STRICT_LEVEL, tests=len(exact.parity))
+            for name in exact.parity}
+  assert not any(p.differs for p in strict.values()), strict
   # The pair's laws are far apart (exact alpha ~0.06); the biased sampler accepts most drafts.
   assert exact.sps.timing['alpha'] < 0.25 and biased.sps.timing['alpha'] > 0.75
   assert biased.metrics_differ and biased.parity['log p'].differs
@@ -256,9 +266,10 @@ def test_parity_columns_flag_a_biased_sampler_and_pass_the_exact_one(peaked_fami
   assert np.mean(biased.ars.log_ratios) > 0 > np.mean(biased.sps.log_ratios)
   assert biased.parity['log p/q'].differs
   assert biased.parity['log p/q'].difference < -biased.parity['log p/q'].mde
-  # The exact pair's log p difference is within what the test could have seen.
-  assert abs(exact.parity['log p'].difference) < exact.parity['log p'].mde
-  assert '| yes |' in speedup.markdown([biased]) and '| no |' in speedup.markdown([exact])
+  # The exact pair's log p difference is within what the strict test could have seen.
+  assert abs(strict['log p'].difference) < strict['log p'].mde
+  assert '| yes |' in speedup.markdown([biased])
+  assert ('| yes |' if exact.metrics_differ else '| no |') in speedup.markdown([exact])
 
 
 def test_sweep_point_csv_and_plot(family, tmp_path):

@@ -25,7 +25,9 @@ def _laws():
 
 
 def test_accept_resample_law_exact():
-  """With position-independent laws the emitted tokens are p_1, p_2, ... and n is exact."""
+  """With position-independent laws the emitted tokens are p_1, p_2, ... and n is exact. Power
+  (`stats.detectable_tv`, 80%): total variation 0.003 for the first token and for n, 0.005 for
+  the second token, 0.007 for the bonus token."""
   p, q = _laws()
   n_draws = 1_000_000
   key_d, key_a = jax.random.split(jax.random.key(0))
@@ -108,7 +110,8 @@ def _first_token(p, q, n_draws, lenience, num=None):
 
 def test_lenience_follows_its_own_law():
   """l = 0.5: the first position follows `lenient_law` (not p), and a draft is accepted with
-  probability sum min(q, p / l); the law sums to 1 and is p at l = 1."""
+  probability sum min(q, p / l); the law sums to 1 and is p at l = 1. Power: total variation
+  0.005 at 80% (`stats.detectable_tv`)."""
   p, q = _laws()
   law = np.asarray(lenient_law(jnp.asarray(p[0]), jnp.asarray(q[0]), 0.5), np.float64)
   assert law.sum() == pytest.approx(1.0, abs=1e-6) and np.abs(law - p[0]).sum() > 0.1
@@ -123,7 +126,8 @@ def test_lenience_follows_its_own_law():
 
 def test_fewer_proposals_than_k():
   """num = 1 of k = 3 drafts proposed: n <= 1, and the token after an accepted draft is drawn
-  from p_2 itself (no residual against the unproposed q_2)."""
+  from p_2 itself (no residual against the unproposed q_2). Power: total variation 0.006 (the
+  first token) and 0.01 (the token after an accepted draft) at 80% (`stats.detectable_tv`)."""
   p, q = _laws()
   n, first, token = _first_token(p, q, 200_000, 1.0, num=1)
   assert n.max() == 1 and g_test_pvalue(np.bincount(first, minlength=V), p[0]) > P_MIN

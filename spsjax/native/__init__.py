@@ -1,6 +1,7 @@
 """The native CPU path: C++ kernels for few-row products and cached attention, through `jax.ffi`.
 
-- `library`: finds the built library, registers its FFI targets, says which instruction sets run;
+- `library`: finds the built library, registers its FFI targets, says which instruction sets run
+  and how many threads a call uses;
 - `packed`: weights packed in panels (`PackedWeight`) and the product against them;
 - `attention`: a few new positions rotated, written into the KV cache and attending over it;
 - `lookup`: rows of an embedding table;

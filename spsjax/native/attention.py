@@ -23,9 +23,9 @@ import numpy as np
 from spsjax.native import library
 
 # Query rows per (row, kv head), T * G, up to which the kernel runs; its scores for one (row, kv
-# head) take T * G * S floats. Prefills run it too: for `reference_target` a 128-token prefill
-# took 23 ms with it and 35 ms with XLA's dots (which transpose the cache), 512 tokens 109 ms and
-# 165 ms.
+# head) take min(T, 16) * G * S floats (it takes positions 16 at a time). Prefills run it too: for
+# `reference_target` a 128-token prefill took 23 ms with it and 35 ms with XLA's dots (which
+# transpose the cache), 512 tokens 109 ms and 165 ms.
 MAX_KERNEL_QUERIES = 4096
 
 

@@ -43,6 +43,10 @@ bool SameDims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
 // Below this many multiply-adds a call runs on the calling thread.
 constexpr int64_t kMinParallelWork = 1 << 15;
 
+// Floats a thread's scratch buffer keeps between calls (1 MiB): a decode step's buffers fit and
+// are reused by the next call; a long prefill's (megabytes per thread) are freed after it.
+constexpr size_t kKeepFloats = size_t{1} << 18;
+
 // The model's rotary embedding (half-split), times `scale`: out[i] = (x[i] cos - x[i + half] sin)
 // scale, out[i + half] = (x[i + half] cos + x[i] sin) scale, with the angles' cos and sin given for
 // i < half. Queries take the attention's 1 / sqrt(H) here, so scores come out scaled.
@@ -114,6 +118,7 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
   spsjax::ParallelFor(pool, B * K, threads, [=](int64_t begin, int64_t end) {
     // One (row, kv head)'s queries are G consecutive heads at each of the T positions: rotated
     // into [J, H] (j = t * G + g) for the kernel, and its outputs scattered back.
+    // `scores` holds one block of positions (AttendHead): min(T, kQueryBlock) * G * n floats.
     thread_local std::vector<float> scores, q_rows, out_rows, cos_t, sin_t;
     q_rows.resize(J * H);
     out_rows.resize(J * H);
@@ -127,7 +132,10 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
       // are zeros.
       const int64_t used =
           counts_data == nullptr ? T : std::clamp<int64_t>(counts_data[b], 0, T);
-      if (static_cast<int64_t>(scores.size()) < J * n) scores.resize(J * n);
+      const int64_t block_queries = std::min(T, baseline::kQueryBlock) * G;
+      if (static_cast<int64_t>(scores.size()) < block_queries * n) {
+        scores.resize(block_queries * n);
+      }
       for (int64_t t = 0; t < used && angles_row != b; ++t) {
         const float position = static_cast<float>(start + t);
         for (int64_t i = 0; i < half; ++i) {
@@ -161,6 +169,9 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
           std::fill(dst, dst + G * H, 0.0f);
         }
       }
+    }
+    for (std::vector<float>* buffer : {&scores, &q_rows, &out_rows, &cos_t, &sin_t}) {
+      if (buffer->capacity() > kKeepFloats) std::vector<float>().swap(*buffer);
     }
   });
   return ffi::Error::Success();

@@ -15,6 +15,7 @@ import functools
 import importlib.machinery
 import logging
 import os
+import re
 
 import jax
 
@@ -46,6 +47,10 @@ def load() -> ctypes.CDLL | None:
     return None
   for target, symbol in TARGETS.items():
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform='cpu')
+  cap = os.environ.get('SPSJAX_NATIVE_THREADS')
+  if cap is not None and not re.fullmatch(r'[ \t\n\r]*[0-9]*[1-9][0-9]*[ \t\n\r]*', cap):
+    logging.warning('spsjax.native: SPSJAX_NATIVE_THREADS=%r is not a positive integer; '
+                    'ignored (the kernels use every usable CPU).', cap)
   return lib
 
 
@@ -74,6 +79,22 @@ def isas() -> list[str]:
     return []
   return [name for name, code in ISAS.items()
           if code and lib.spsjax_isa_supported(ctypes.c_int(code))]
+
+
+def threads() -> int:
+  """Threads a kernel call may use, the caller and `threads() - 1` helper threads; 0 without the
+  library. The CPUs this process may run on (affinity mask, cgroup CPU quota rounded up), capped
+  by `SPSJAX_NATIVE_THREADS` when that is a positive integer (other values are ignored); read once,
+  when the library first needs it (parallel.h, `UsableCpus`)."""
+  lib = load()
+  return 0 if lib is None else lib.spsjax_native_threads()
+
+
+def helpers_started() -> int:
+  """Helper threads the library has started: none before a call that splits its work, and none
+  ever when `threads()` is 1."""
+  lib = load()
+  return 0 if lib is None else lib.spsjax_native_helpers()
 
 
 def isa_code(isa: str) -> int:

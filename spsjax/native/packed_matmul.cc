@@ -329,4 +329,12 @@ extern "C" {
 // For the Python side (ctypes): whether this CPU runs `isa`, and the best one it runs.
 int spsjax_isa_supported(int isa) { return spsjax::Supported(isa) ? 1 : 0; }
 int spsjax_best_isa() { return spsjax::Best(); }
+// Threads a kernel call may use (parallel.h, UsableCpus), and helper threads started so far.
+int spsjax_native_threads() { return static_cast<int>(spsjax::UsableCpus()); }
+int spsjax_native_helpers() { return static_cast<int>(spsjax::Workers::Started()); }
+// For tests: the CPU quota found under `root` for the cgroups listed in `proc_cgroup` (the text of
+// /proc/self/cgroup), 0 if none (parallel.h, CgroupCpuLimit).
+int spsjax_cgroup_cpu_limit(const char* root, const char* proc_cgroup) {
+  return static_cast<int>(spsjax::CgroupCpuLimit(root, proc_cgroup));
+}
 }

@@ -1,15 +1,23 @@
-// What the native kernels share: instruction-set selection and splitting work over XLA's threads.
+// What the native kernels share: instruction-set selection, and splitting work between the calling
+// thread and helper threads, as many as the process has usable CPUs.
 #ifndef SPSJAX_NATIVE_PARALLEL_H_
 #define SPSJAX_NATIVE_PARALLEL_H_
 
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <mutex>
+#include <sstream>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -49,30 +57,137 @@ inline bool Resolve(int32_t* isa) {
   return Supported(*isa);
 }
 
-// Threads a call may use: XLA's intra-op pool, capped by SPSJAX_NATIVE_THREADS when it is set.
-inline int64_t MaxThreads(xla::ffi::ThreadPool& pool) {
-  static const int64_t cap = [] {
-    const char* env = std::getenv("SPSJAX_NATIVE_THREADS");
-    return env == nullptr ? int64_t{0} : std::max<int64_t>(1, std::atoll(env));
-  }();
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  return cap > 0 ? std::min(cap, threads) : threads;
+// The whole text of a file, or "" if it cannot be read.
+inline std::string ReadText(const std::string& path) {
+  std::ifstream file(path);
+  return std::string(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
 }
 
-// Helper threads of our own for the kernels, which spin between calls.
+// `text`, decimal digits between blanks, as a positive integer (at most 2^40), or 0 if it is not
+// one.
+inline int64_t PositiveInteger(const std::string& text) {
+  const char* blanks = " \t\n\r";
+  const size_t begin = text.find_first_not_of(blanks);
+  if (begin == std::string::npos) return 0;
+  const size_t end = text.find_last_not_of(blanks) + 1;
+  int64_t value = 0;
+  for (size_t i = begin; i < end; ++i) {
+    if (text[i] < '0' || text[i] > '9') return 0;
+    value = std::min<int64_t>(int64_t{1} << 40, value * 10 + (text[i] - '0'));
+  }
+  return value;
+}
+
+// CPUs that a CFS quota of `quota` us per `period` us allows, ceil(quota / period); 0 if there is
+// no quota ("max" in cgroup v2, "-1" in v1) or the texts are not numbers.
+inline int64_t QuotaCpus(const std::string& quota, const std::string& period) {
+  const int64_t q = PositiveInteger(quota), p = PositiveInteger(period);
+  return q > 0 && p > 0 ? (q + p - 1) / p : 0;
+}
+
+// The smallest CPU quota set on this process's cgroups or their ancestors (QuotaCpus), 0 if none.
+// `proc_cgroup` is the text of /proc/self/cgroup ("ID:CONTROLLERS:PATH" lines) and `root` where
+// the hierarchies are mounted (/sys/fs/cgroup): cgroup v2 ("0::PATH") keeps "QUOTA PERIOD" in
+// ROOT/PATH/cpu.max, v1 (CONTROLLERS naming cpu) keeps cpu.cfs_quota_us and cpu.cfs_period_us
+// under ROOT/cpu (or cpu,cpuacct)/PATH. Each directory from PATH up to the mount counts: a parent's
+// quota caps its children, and inside a container (whose mount shows its own cgroup as the root
+// while PATH names it as the host sees it) the files are found at the top.
+inline int64_t CgroupCpuLimit(const std::string& root, const std::string& proc_cgroup) {
+  int64_t limit = 0;
+  const auto take = [&limit](int64_t cpus) {
+    if (cpus > 0 && (limit == 0 || cpus < limit)) limit = cpus;
+  };
+  std::istringstream lines(proc_cgroup);
+  std::string line;
+  while (std::getline(lines, line)) {
+    const size_t colon1 = line.find(':'), colon2 = line.find(':', colon1 + 1);
+    if (colon1 == std::string::npos || colon2 == std::string::npos) continue;
+    const std::string controllers = line.substr(colon1 + 1, colon2 - colon1 - 1);
+    std::string path = line.substr(colon2 + 1);
+    std::vector<std::string> mounts;
+    if (controllers.empty()) {
+      mounts = {root};
+    } else if (("," + controllers + ",").find(",cpu,") != std::string::npos) {
+      mounts = {root + "/cpu", root + "/cpu,cpuacct", root + "/cpuacct,cpu"};
+    } else {
+      continue;
+    }
+    for (;;) {  // PATH, then each parent up to the mount.
+      if (!path.empty() && path.back() == '/') path.pop_back();
+      for (const std::string& mount : mounts) {
+        if (controllers.empty()) {
+          const std::string cpu_max = ReadText(mount + path + "/cpu.max");
+          const size_t space = cpu_max.find(' ');
+          if (space != std::string::npos) {
+            take(QuotaCpus(cpu_max.substr(0, space), cpu_max.substr(space + 1)));
+          }
+        } else {
+          take(QuotaCpus(ReadText(mount + path + "/cpu.cfs_quota_us"),
+                         ReadText(mount + path + "/cpu.cfs_period_us")));
+        }
+      }
+      if (path.empty()) break;
+      const size_t slash = path.rfind('/');
+      path.erase(slash == std::string::npos ? 0 : slash);
+    }
+  }
+  return limit;
+}
+
+// CPUs in this thread's affinity mask (the process's, unless someone changed the thread's).
+inline int64_t AffinityCpus() {
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
+  return std::max<int64_t>(1, std::thread::hardware_concurrency());  // Over 1024 CPUs, or not Linux.
+}
+
+// Threads a kernel call may use, decided once per process: the CPUs this process may run on (its
+// affinity mask, e.g. `taskset -c 0`), fewer under a cgroup CPU quota (ceil(quota / period): a
+// container given 1.5 CPUs gets 2), fewer still if SPSJAX_NATIVE_THREADS is set. That variable is
+// a positive decimal integer; any other value ("", "0", "-2", "two", "1.5") is ignored, as if
+// unset. At least 1, the calling thread; the helpers (`Workers`) are the other UsableCpus() - 1,
+// so with one usable CPU none is ever started.
+inline int64_t UsableCpus() {
+  static const int64_t usable = [] {
+    int64_t cpus = AffinityCpus();
+    const int64_t quota = CgroupCpuLimit("/sys/fs/cgroup", ReadText("/proc/self/cgroup"));
+    if (quota > 0) cpus = std::min(cpus, quota);
+    const char* env = std::getenv("SPSJAX_NATIVE_THREADS");
+    const int64_t cap = env == nullptr ? 0 : PositiveInteger(env);
+    if (cap > 0) cpus = std::min(cpus, cap);
+    return std::max<int64_t>(1, cpus);
+  }();
+  return usable;
+}
+
+// Threads a call may use: UsableCpus(), and no more than XLA's intra-op pool has.
+inline int64_t MaxThreads(xla::ffi::ThreadPool& pool) {
+  return std::min(UsableCpus(), std::max<int64_t>(1, pool.num_threads()));
+}
+
+// Helper threads of our own for the kernels, which stay awake a little while between calls.
 //
 // A decode step calls the kernels every few microseconds, each for 5 to 50 us of work. Handing
 // half of it to XLA's pool costs a wake-up of a sleeping thread (a futex, slower still in a VM)
 // on most calls: small products then ran slower on two threads than on one. These helpers instead
-// spin (with `pause`) for a while after each job and only then sleep, so the next call of the same
-// step finds them awake. One job runs at a time; a caller that finds the helpers busy (another XLA
-// thread in a kernel) does its work alone.
+// look for the next job for kSpin after each one (a few us of `pause`, then yielding the core
+// between looks, so that XLA's own threads get it at once when they need it), so the next call of
+// the same step finds them awake, and then sleep on a condition variable until a job comes: an
+// idle process takes no CPU. One job runs at a time; a caller that finds the helpers busy (another
+// XLA thread in a kernel) does its work alone. The caller takes chunks too and only waits for
+// chunks a helper has begun, so a late or sleeping helper never holds it up.
 class Workers {
  public:
   static Workers& Get() {
-    static Workers* workers = new Workers();  // Never destroyed: helpers are detached.
-    return *workers;
+    static Workers* workers = new Workers(UsableCpus() - 1);  // Never destroyed: helpers are
+    return *workers;                                          // detached.
   }
+
+  // Helper threads started so far in this process: 0 before the first call that splits its work
+  // and wherever UsableCpus() is 1.
+  static int64_t Started() { return started().load(std::memory_order_acquire); }
 
   // Runs fn over [0, n) in chunks with the caller and up to `helpers` helpers; false (nothing
   // run) if another job is in progress.
@@ -86,19 +201,32 @@ class Workers {
     job->chunk = chunk;
     job->num_chunks = (n + chunk - 1) / chunk;
     job->helpers = helpers;
+    bool wake;
     {
+      // A helper checks for a new job and goes to sleep under this lock: it either sees this
+      // generation or is counted in sleeping_ and waiting, so no wake-up is lost.
       std::lock_guard<std::mutex> lock(mutex_);
       job_ = job;
       generation_.fetch_add(1, std::memory_order_release);
+      wake = sleeping_ > 0;
     }
-    if (sleeping_.load(std::memory_order_acquire) > 0) wake_.notify_all();
+    if (wake) wake_.notify_all();
     job->Work();
-    // Chunks that helpers took: they are microseconds from done.
-    while (job->done.load(std::memory_order_acquire) < job->num_chunks) Pause();
+    // Chunks that helpers took: they are microseconds from done, unless the helper lost its core
+    // (more threads than cores); then yield it.
+    for (int looks = 0; job->done.load(std::memory_order_acquire) < job->num_chunks; ++looks) {
+      if (looks < kPauses) {
+        Pause();
+      } else {
+        std::this_thread::yield();
+      }
+    }
     return true;
   }
 
  private:
+  using Clock = std::chrono::steady_clock;
+
   // One call's work. Helpers hold it by shared_ptr, so one that arrives late finds no chunk
   // left and never calls fn after the caller returned.
   struct Job {
@@ -115,9 +243,16 @@ class Workers {
     }
   };
 
-  Workers() {
-    const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
-    for (int64_t i = 0; i + 1 < cores; ++i) std::thread([this, i] { Loop(i); }).detach();
+  static std::atomic<int64_t>& started() {
+    static std::atomic<int64_t> count{0};
+    return count;
+  }
+
+  explicit Workers(int64_t helpers) {
+    for (int64_t i = 0; i < helpers; ++i) {
+      std::thread([this, i] { Loop(i); }).detach();
+      started().fetch_add(1, std::memory_order_release);
+    }
   }
 
   static void Pause() {
@@ -126,28 +261,31 @@ class Workers {
 #endif
   }
 
+  // Returns once the generation differs from `seen` or kSpin has passed.
+  void Spin(uint64_t seen) const {
+    const Clock::time_point until = Clock::now() + kSpin;
+    for (int looks = 0; generation_.load(std::memory_order_acquire) == seen; ++looks) {
+      if (looks < kPauses) {
+        Pause();
+      } else if (Clock::now() < until) {
+        std::this_thread::yield();
+      } else {
+        return;
+      }
+    }
+  }
+
   void Loop(int64_t index) {
     uint64_t seen = 0;
     for (;;) {
-      // Wait for new work a while (a decode step's kernels come every few us), then sleep:
-      // a few us of `pause`, then yielding the core between looks, so that XLA's own threads
-      // (which run some fusions in parallel) get it at once when they need it.
-      uint64_t now = generation_.load(std::memory_order_acquire);
-      for (int spins = 0; now == seen && spins < kSpins; ++spins) {
-        if (spins < kPauses) {
-          Pause();
-        } else {
-          std::this_thread::yield();
-        }
-        now = generation_.load(std::memory_order_acquire);
-      }
+      Spin(seen);
       std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> lock(mutex_);
         if (generation_.load(std::memory_order_acquire) == seen) {
-          sleeping_.fetch_add(1, std::memory_order_acq_rel);
+          ++sleeping_;
           wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
-          sleeping_.fetch_sub(1, std::memory_order_acq_rel);
+          --sleeping_;
         }
         seen = generation_.load(std::memory_order_acquire);
         job = job_;
@@ -156,14 +294,18 @@ class Workers {
     }
   }
 
-  static constexpr int kPauses = 1 << 10;  // A few us of `pause` on current x86 cores,
-  static constexpr int kSpins = kPauses + (1 << 9);  // then ~0.2-0.5 ms of yields.
+  // Looks with `pause` before yielding (a few us on current x86 cores; the caller waits so too).
+  static constexpr int kPauses = 1 << 10;
+  // How long a helper looks for the next job before it sleeps: longer than the gaps between one
+  // decode step's kernel calls (XLA's small ops), short enough that a process that stops calling
+  // has its helpers asleep within a millisecond.
+  static constexpr std::chrono::microseconds kSpin{300};
   std::mutex busy_;  // Held by the caller of the job in progress.
-  std::mutex mutex_;  // Guards job_ and sleeping.
+  std::mutex mutex_;  // Guards job_ and sleeping_, and orders changes of generation_.
   std::condition_variable wake_;
   std::shared_ptr<Job> job_;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int64_t> sleeping_{0};
+  std::atomic<uint64_t> generation_{0};  // Jobs posted so far.
+  int64_t sleeping_ = 0;  // Helpers waiting on wake_.
 };
 
 // Runs fn(begin, end) over [0, n) in chunks that the caller and `threads - 1` helpers (`Workers`)

@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from spsjax import sharding
 from spsjax.models import Model, param_shardings, unpack
-from spsjax.sampling.processors import SamplingConfig
+from spsjax.sampling.processors import SamplingConfig, typed_keys
 
 PAD_ID = -1  # Fills `SampleOutput.tokens` after each row's last generated token.
 
@@ -121,9 +121,23 @@ def clean_padding(prompts_BxP: jax.Array, prompt_lengths_B: jax.Array) -> jax.Ar
   return jnp.where(valid_BxP, prompts_BxP, 0).astype(jnp.int32)
 
 
+def check_rng(rng) -> None:
+  """Raises TypeError unless `rng` is one JAX key: typed (`jax.random.key`) or legacy
+  (`jax.random.PRNGKey`: uint32 key data). Both give the same tokens for the same seed."""
+  dtype = rng.dtype if hasattr(rng, 'dtype') else np.asarray(rng).dtype
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    ok = np.ndim(rng) == 0
+  else:
+    ok = dtype == np.uint32 and np.shape(rng) == jax.random.key_data(jax.random.key(0)).shape
+  if not ok:
+    raise TypeError(f'rng must be one JAX key (jax.random.key(seed) or jax.random.PRNGKey(seed)), '
+                    f'got {getattr(rng, "dtype", type(rng).__name__)}{tuple(np.shape(rng))}.')
+
+
 def row_keys(rng: jax.Array, batch: int) -> jax.Array:
-  """One independent key per row; a row's draws never depend on the other rows."""
-  return jax.random.split(rng, batch)
+  """One independent typed key per row, from a typed or legacy key; a row's draws never depend
+  on the other rows."""
+  return jax.random.split(typed_keys(rng), batch)
 
 
 def step_keys(row_keys_B: jax.Array, counters_B: jax.Array) -> jax.Array:

@@ -20,6 +20,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from spsjax import native
 from spsjax.native import library
@@ -27,14 +28,21 @@ from spsjax.native import library
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-  """temperature 0: greedy; top_k 0: off; top_p 1.0: off. Hashable, so it is a static jit arg."""
+  """temperature 0: greedy; top_k 0: off; top_p 1.0: off. Hashable, so it is a static jit arg.
+
+  A positive temperature must be in [1.2e-38, 8.5e37], so that it and its reciprocal are float32
+  normal numbers (XLA may divide by multiplying with the reciprocal; a denormal one is flushed to
+  0).
+  """
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
 
   def __post_init__(self):
-    if not self.temperature >= 0:  # Also rejects NaN.
-      raise ValueError(f'temperature must be >= 0 (0 is greedy), got {self.temperature}.')
+    if not (self.temperature == 0 or
+            _FLOAT32_TINY <= self.temperature <= 1 / _FLOAT32_TINY):  # Also rejects NaN.
+      raise ValueError(f'temperature must be 0 (greedy) or in [{_FLOAT32_TINY:.3g}, '
+                       f'{1 / _FLOAT32_TINY:.3g}], got {self.temperature}.')
     if int(self.top_k) != self.top_k or self.top_k < 0:
       raise ValueError(f'top_k must be an integer >= 0 (0 is off), got {self.top_k}.')
     if not 0.0 < self.top_p <= 1.0:
@@ -45,20 +53,33 @@ class SamplingConfig:
     return self.temperature == 0
 
 
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+
+
 def probabilities(logits_xV: jax.Array, sampling: SamplingConfig) -> jax.Array:
-  """float32[..., V]: the distribution a sampler draws from under `sampling`."""
+  """float32[..., V]: the distribution a sampler draws from under `sampling`.
+
+  Logits are scaled as (logit - max) / temperature (at most 0: no overflow at any temperature).
+  A -inf logit has probability exactly 0, and so has a logit whose scaled value is below
+  log(float32 tiny) ~ -87.3 (its exp underflows). A row with no distribution (a NaN or +inf
+  logit, or every logit -inf) comes out NaN everywhere, at every temperature; a draw from it gives
+  token 0 (`draw`).
+  """
   logits_xV = logits_xV.astype(jnp.float32)
   V = logits_xV.shape[-1]
+  max_x1 = jnp.max(logits_xV, axis=-1, keepdims=True)
+  defined_x1 = jnp.isfinite(max_x1) & ~jnp.any(jnp.isnan(logits_xV), axis=-1, keepdims=True)
   if sampling.greedy:
-    return jax.nn.one_hot(jnp.argmax(logits_xV, axis=-1), V, dtype=jnp.float32)
-  logits_xV = logits_xV / sampling.temperature
+    probs_xV = jax.nn.one_hot(jnp.argmax(logits_xV, axis=-1), V, dtype=jnp.float32)
+    return jnp.where(defined_x1, probs_xV, jnp.nan)
+  logits_xV = jnp.where(defined_x1, (logits_xV - max_x1) / sampling.temperature, 0.0)
   probs_xV = jax.nn.softmax(logits_xV, axis=-1)
   top_k = sampling.top_k if 0 < sampling.top_k < V else 0
   if top_k:
     probs_xV = _renormalise(jnp.where(_top_k_mask(logits_xV, top_k), probs_xV, 0.0))
   if sampling.top_p < 1.0:
     probs_xV = _renormalise(jnp.where(_top_p_mask(probs_xV, sampling.top_p), probs_xV, 0.0))
-  return probs_xV
+  return jnp.where(defined_x1, probs_xV, jnp.nan)
 
 
 def _renormalise(probs_xV):
@@ -145,26 +166,42 @@ def draw(key: jax.Array, weights_V: jax.Array) -> jax.Array:
 
   Inverse CDF with one uniform u in [0, 1): the first token whose prefix mass exceeds u * total.
   Only tokens of positive weight can be drawn, whatever the rounding (if rounding leaves no prefix
-  above u * total, the last token of positive weight).
+  above u * total, the last token of positive weight). Weights with no positive entry (a NaN row
+  of `probabilities`) draw token 0.
   """
-  return _draw_with(jax.random.uniform(key, (), jnp.float32), weights_V)
+  return draw_with(jax.random.uniform(key, (), jnp.float32), weights_V)
 
 
-def _draw_with(u: jax.Array, weights_V: jax.Array) -> jax.Array:
-  """`draw` with its uniform number u given."""
+def draw_with(u: jax.Array, weights_V: jax.Array) -> jax.Array:
+  """`draw` with its uniform number u in [0, 1) given."""
   V = weights_V.shape[-1]
   weights_V = weights_V.astype(jnp.float32)
   cdf_V = _cumsum(weights_V)
   ids_V = jnp.arange(V, dtype=jnp.int32)
   positive_V = weights_V > 0
   first = jnp.min(jnp.where(positive_V & (cdf_V > u * cdf_V[-1]), ids_V, V))
-  last = jnp.max(jnp.where(positive_V, ids_V, -1))
+  last = jnp.max(jnp.where(positive_V, ids_V, 0))
   return jnp.where(first < V, first, last).astype(jnp.int32)
 
 
+def typed_keys(keys) -> jax.Array:
+  """Typed keys (`jax.random.key`) of any shape from typed keys or legacy raw ones (uint32 key
+  data with the key's trailing dimension, as `jax.random.PRNGKey` and `split` of it make): the
+  same keys, so the same random numbers, either way."""
+  if isinstance(keys, jax.Array) and jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key):
+    return keys
+  keys = jnp.asarray(keys)
+  if keys.dtype != jnp.uint32 or keys.ndim < 1:
+    raise TypeError(f'Expected JAX random keys (jax.random.key(seed) or jax.random.PRNGKey(seed)),'
+                    f' got an array of {keys.dtype}{keys.shape}.')
+  return jax.random.wrap_key_data(keys)
+
+
 def uniforms(keys: jax.Array) -> jax.Array:
-  """The uniform number `draw` uses for each key (keys of any shape; one threefry call for all:
-  a sampler that knows its keys ahead draws them at once, not one small op per step)."""
+  """The uniform number `draw` uses for each key (keys of any shape, typed or legacy; one
+  threefry call for all: a sampler that knows its keys ahead draws them at once, not one small
+  op per step)."""
+  keys = typed_keys(keys)
   flat = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys.reshape(-1))
   return flat.reshape(keys.shape)
 
@@ -177,7 +214,7 @@ def _native(logits_BxV, uniforms_B, sampling: SamplingConfig):
 
   def xla(ops):
     probs_BxV = probabilities(ops[0], sampling)
-    return probs_BxV, jax.vmap(_draw_with)(ops[1], probs_BxV)
+    return probs_BxV, jax.vmap(draw_with)(ops[1], probs_BxV)
 
   return library.on_cpu((logits_BxV.astype(jnp.float32), uniforms_B), kernel, xla)
 
@@ -223,4 +260,4 @@ def sample(keys_B: jax.Array, probs_BxV: jax.Array, *, greedy: bool = False) -> 
 def _sample_with(uniforms_B, probs_BxV, greedy: bool):
   if greedy:  # XLA drops the unused uniforms.
     return jnp.argmax(probs_BxV, axis=-1).astype(jnp.int32)
-  return jax.vmap(_draw_with)(uniforms_B, probs_BxV)
+  return jax.vmap(draw_with)(uniforms_B, probs_BxV)

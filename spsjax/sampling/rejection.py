@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from spsjax import native
 from spsjax.native import library
-from spsjax.sampling.processors import draw, uniforms
+from spsjax.sampling.processors import draw_with, uniforms
 
 
 def acceptance_probability(p_xV: jax.Array, q_xV: jax.Array) -> jax.Array:
@@ -59,10 +59,18 @@ def accept_and_resample(key: jax.Array, p_Kp1xV: jax.Array, q_KxV: jax.Array,
   after all `num` the token is drawn from p_{num+1} itself. `lenience` l < 1 accepts a draft with
   probability min(1, p / (l q)): LOSSY, the drafts' positions then follow `lenient_law`, not p.
   """
+  u_K, token_key = _split(key, drafts_K.shape[0])
+  return accept_with(u_K, uniforms(token_key), p_Kp1xV, q_KxV, drafts_K, num, lenience)
+
+
+def accept_with(u_K: jax.Array, u_token: jax.Array, p_Kp1xV: jax.Array, q_KxV: jax.Array,
+                drafts_K: jax.Array, num: jax.Array | int | None = None,
+                lenience: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """`accept_and_resample` with its uniform numbers given: draft i's test u_K[i] in [0, 1), and
+  the token's draw `u_token` (`processors.draw`'s)."""
   k = drafts_K.shape[0]
   num = k if num is None else num
   p_Kp1xV, q_KxV = p_Kp1xV.astype(jnp.float32), q_KxV.astype(jnp.float32)
-  u_K, token_key = _split(key, k)
   p_at_K = jnp.take_along_axis(p_Kp1xV[:k], drafts_K[:, None], axis=1)[:, 0]
   q_at_K = jnp.take_along_axis(q_KxV, drafts_K[:, None], axis=1)[:, 0]
   accepted_K = (u_K * (lenience * q_at_K) < p_at_K) & (jnp.arange(k) < num)
@@ -72,7 +80,7 @@ def accept_and_resample(key: jax.Array, p_Kp1xV: jax.Array, q_KxV: jax.Array,
   q_V = jnp.where(n < num, q_KxV[jnp.minimum(n, k - 1)], 0.0)
   residual_V = jnp.maximum(p_V - q_V, 0.0)
   residual_V = jnp.where(jnp.sum(residual_V) > 0, residual_V, p_V)
-  token = draw(token_key, residual_V)
+  token = draw_with(u_token, residual_V)
   return n.astype(jnp.int32), token.astype(jnp.int32)
 
 

@@ -245,7 +245,8 @@ def speculative_sample(target: Model, draft: Model | None, prompts, prompt_lengt
                        drafter: Drafter = drafters.ModelDrafter(), lenience: float = 1.0,
                        trim_score: bool = False) -> common.SampleOutput:
   """Samples from `target` with `drafter` proposing up to k tokens per loop (by default the
-  `draft` model, k per loop); the output law is the target's.
+  `draft` model, k per loop); the output law is the target's. `rng` is one JAX key, typed
+  (`jax.random.key`) or legacy (`jax.random.PRNGKey`): the same seed gives the same tokens.
 
   `draft_sampling` (default: `sampling`) sets how a draft model samples; acceptance always uses
   the distribution the draft really sampled from, so the output law does not depend on it. A
@@ -254,6 +255,7 @@ def speculative_sample(target: Model, draft: Model | None, prompts, prompt_lengt
   (`rejection.lenient_law`). `trim_score` (ragged drafters only) scores only the positions the
   loop's longest proposal needs.
   """
+  common.check_rng(rng)
   loop, args = prepare(target, draft, prompts, prompt_lengths, k=k, max_new_tokens=max_new_tokens,
                        sampling=sampling, draft_sampling=draft_sampling, eos_id=eos_id, mesh=mesh,
                        rules=rules, drafter=drafter, lenience=lenience, trim_score=trim_score)
