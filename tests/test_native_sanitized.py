@@ -64,15 +64,16 @@ def _runtime(compiler, name):
 
 
 def build(out_dir: str, compiler: str = 'g++') -> str:
-  """Compiles SOURCES with the sanitizers (one compiler per source, in parallel) and links them
-  into out_dir/_kernels_sanitized.so; returns its path."""
+  """Compiles SOURCES with the sanitizers (one compiler per source, in parallel; XLA's FFI
+  headers from jaxlib as system headers, as setup.py has them) and links them into
+  out_dir/_kernels_sanitized.so; returns its path."""
   include = os.path.join(os.path.dirname(jaxlib.__file__), 'include')
   objects, procs = [], []
   for source in SOURCES:
     obj = os.path.join(out_dir, os.path.basename(source) + '.o')
     log = open(obj + '.log', 'w')  # pylint: disable=consider-using-with
     procs.append((source, log, subprocess.Popen(
-        [compiler, *CXXFLAGS, f'-I{include}', f'-I{_NATIVE}', '-c', source, '-o', obj],
+        [compiler, *CXXFLAGS, '-isystem', include, f'-I{_NATIVE}', '-c', source, '-o', obj],
         stdout=log, stderr=subprocess.STDOUT)))
     objects.append(obj)
   for source, log, proc in procs:
