@@ -151,6 +151,19 @@ def test_packed_matmul_leading_and_output_dims_and_xla_path():
   np.testing.assert_array_equal(native.unpack(packed), w)
 
 
+def test_packed_matmul_of_no_rows():
+  """An empty batch gives [0, F] on both paths and with every prologue (a reshape that infers a
+  dimension from zero elements fails)."""
+  packed = native.pack(jax.random.normal(jax.random.key(0), (6, 5)))
+  cases = [(jnp.zeros((0, 6)), {}), (jnp.zeros((0, 6)), dict(norm=(jnp.ones(6), 1e-5))),
+           (jnp.zeros((0, 2, 6)), dict(gated=True, residual=jnp.zeros((0, 5))))]
+  for x, options in cases:
+    for use_kernel in (True, False):
+      got = jax.jit(lambda x, k=use_kernel, o=options: native.matmul(
+          x, packed, use_kernel=k, **o))(x)
+      assert got.shape == (0, 5), (options, use_kernel)
+
+
 @pytest.mark.parametrize('isa', ISAS)
 @pytest.mark.parametrize('rows', [1, 5, 9, 16, 24, 700])  # 700: the prologue on threads.
 @pytest.mark.parametrize('d_in,d_out', [(40, 37), (1001, 70)])  # 1001 x 70: panels on threads.

@@ -136,10 +136,12 @@ def _xla_matmul(x_RxI, packed, scale_I, residual_RxF, prologue, eps) -> jax.Arra
   if prologue == _RMS_NORM:
     x_RxI = rms_norm(x_RxI, scale_I, eps)
   elif prologue == _SILU_GATE:
-    gate_in_Rx2xI = x_RxI.reshape(x_RxI.shape[0], 2, -1)
+    R, I2 = x_RxI.shape  # Not reshape(R, 2, -1), nor below: ambiguous for R = 0 rows.
+    gate_in_Rx2xI = x_RxI.reshape(R, 2, I2 // 2)
     x_RxI = silu_gate(gate_in_Rx2xI[:, 0], gate_in_Rx2xI[:, 1])
   y_RxPxC = jnp.einsum('RI,PIC->RPC', x_RxI, _dense_panels(packed))
-  y_RxF = y_RxPxC.reshape(x_RxI.shape[0], -1)[:, :packed.out_dim]
+  R, P, C = y_RxPxC.shape
+  y_RxF = y_RxPxC.reshape(R, P * C)[:, :packed.out_dim]
   return y_RxF if residual_RxF.size == 0 else residual_RxF + y_RxF
 
 
