@@ -19,7 +19,7 @@ from spsjax.sampling import PAD_ID, SamplingConfig, probabilities
 
 
 def _cells(probs, n: float, min_expected: float):
-  """The test's cells: each outcome expected >= min_expected times in n draws, and the rest pooled."""
+  """The test's cells: each outcome expected >= min_expected times in n draws, the rest pooled."""
   big = probs * n >= min_expected
   return big, np.append(probs[big], probs[~big].sum())
 

@@ -89,7 +89,7 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
     return ffi::Error::InvalidArgument(
         "cached_attention: this CPU lacks the instruction set asked.");
   }
-  if (counts.element_count() != 0 && counts.element_count() != B) {
+  if (counts.element_count() != 0 && static_cast<int64_t>(counts.element_count()) != B) {
     return ffi::Error::InvalidArgument("cached_attention: counts must be [B] or empty.");
   }
   const int32_t* counts_data = counts.element_count() == 0 ? nullptr : counts.typed_data();

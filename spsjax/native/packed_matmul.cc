@@ -186,11 +186,11 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (prologue < kNone || prologue > kSiluGate) {
     return ffi::Error::InvalidArgument("packed_matmul: unknown prologue.");
   }
-  if (prologue == kRmsNorm && scale.element_count() != d_in) {
+  if (prologue == kRmsNorm && static_cast<int64_t>(scale.element_count()) != d_in) {
     return ffi::Error::InvalidArgument("packed_matmul: the norm scale must have D elements.");
   }
   const bool add_residual = residual.element_count() != 0;
-  if (add_residual && residual.element_count() != rows * d_out) {
+  if (add_residual && static_cast<int64_t>(residual.element_count()) != rows * d_out) {
     return ffi::Error::InvalidArgument("packed_matmul: the residual must be [R, F] like y.");
   }
   const ffi::DataType w_type = w.element_type();
@@ -200,7 +200,8 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
         "packed_matmul: weights must be float32, bfloat16 or int8.");
   }
   if ((w_type == ffi::DataType::S8) != (w_scales.element_count() != 0) ||
-      (w_type == ffi::DataType::S8 && w_scales.element_count() != num_panels * kPanel)) {
+      (w_type == ffi::DataType::S8 &&
+       static_cast<int64_t>(w_scales.element_count()) != num_panels * kPanel)) {
     return ffi::Error::InvalidArgument(
         "packed_matmul: int8 weights take one scale per panel column, other weights none.");
   }

@@ -140,7 +140,8 @@ inline int64_t AffinityCpus() {
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
 #endif
-  return std::max<int64_t>(1, std::thread::hardware_concurrency());  // Over 1024 CPUs, or not Linux.
+  // Over 1024 CPUs, or not Linux.
+  return std::max<int64_t>(1, std::thread::hardware_concurrency());
 }
 
 // Threads a kernel call may use, decided once per process: the CPUs this process may run on (its

@@ -103,8 +103,9 @@ def autoregressive_sample(model: Model, prompts, prompt_lengths, rng: jax.Array,
   """Samples up to `max_new_tokens` per row from `model`; one compiled program per shape bucket.
 
   `rng` is one JAX key, typed (`jax.random.key`) or legacy (`jax.random.PRNGKey`): the same seed
-  gives the same tokens. A row stops after emitting `eos_id` or `max_new_tokens` tokens. Recompiles only when the padded
-  prompt width P, the batch size, `max_new_tokens`, the sampling settings, eos or mesh change.
+  gives the same tokens. A row stops after emitting `eos_id` or `max_new_tokens` tokens.
+  Recompiles only when the padded prompt width P, the batch size, `max_new_tokens`, the sampling
+  settings, eos or mesh change.
   """
   common.check_rng(rng)
   loop, args = prepare(model, prompts, prompt_lengths, max_new_tokens=max_new_tokens,
