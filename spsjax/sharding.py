@@ -101,6 +101,20 @@ def spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
   return PartitionSpec(*axes)
 
 
+def replicated_dims(dims: dict[str, int], mesh: Mesh,
+                    rules: Rules = DEFAULT_RULES) -> dict[str, tuple[int, str, int]]:
+  """{name: (size, mesh axis, axis size)} of the logical dimensions in `dims` (name -> size) whose
+  rule names a mesh axis of more than one device that does not divide them: `spec` replicates
+  them on that axis, so their work is repeated on every shard of it."""
+  table = dict(rules)
+  unfit = {}
+  for name, size in dims.items():
+    axis = table.get(name)
+    if axis is not None and mesh.shape[axis] > 1 and size % mesh.shape[axis]:
+      unfit[name] = (size, axis, mesh.shape[axis])
+  return unfit
+
+
 def named(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
           rules: Rules = DEFAULT_RULES) -> NamedSharding:
   return NamedSharding(mesh, spec(names, shape, mesh, rules))

@@ -76,6 +76,23 @@ def _expected_spec(name, config, mesh):
   raise AssertionError(f'No expected sharding for parameter {name}.')
 
 
+def test_a_mesh_that_cannot_split_a_dimension_names_it(caplog):
+  """A `model` axis that does not divide the heads, kv heads, d_ff or vocabulary replicates them:
+  `unsharded_dims` names them, and placing parameters says so in one log line."""
+  config = models.TransformerConfig(vocab_size=100, d_model=32, num_layers=1, num_heads=8,
+                                    num_kv_heads=2, d_ff=48, max_seq_len=16)
+  assert models.unsharded_dims(config, sharding.make_mesh(4, 2)) == {}
+  assert models.unsharded_dims(config, sharding.make_mesh(2, 4)) == {
+      'kv_heads': (2, 'model', 4)}
+  assert models.unsharded_dims(config, sharding.make_mesh(1, 8)) == {
+      'kv_heads': (2, 'model', 8), 'vocab': (100, 'model', 8)}
+  with caplog.at_level('WARNING'):
+    models.param_shardings(config, sharding.make_mesh(1, 8))
+  lines = [r.getMessage() for r in caplog.records if 'does not divide' in r.getMessage()]
+  assert lines == ['The mesh does not divide kv_heads (2, model=8), vocab (100, model=8): '
+                   'replicated on that axis (their work is repeated on every shard of it).']
+
+
 @pytest.mark.parametrize('mesh_shape,num_kv_heads', CASES, ids=CASE_IDS)
 def test_params_logits_and_greedy_sampling_match_single_device(mesh_shape, num_kv_heads):
   config, params, prompts, lengths, logits_BxTxV, expected = _reference(num_kv_heads)

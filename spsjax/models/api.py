@@ -9,6 +9,7 @@ each row's length to its prompt length.
 import dataclasses
 import functools
 
+from absl import logging
 import flax.linen as nn
 import flax.struct
 import jax
@@ -38,9 +39,23 @@ def param_shardings(config: TransformerConfig, mesh: Mesh,
                     rules: sharding.Rules = sharding.DEFAULT_RULES):
   """NamedShardings for the parameter tree, from its logical axis names (computed once per
   config, mesh and rules: samplers ask for them on every call)."""
+  unfit = unsharded_dims(config, mesh, rules)
+  if unfit:
+    logging.warning('The mesh does not divide %s: replicated on that axis (their work is repeated '
+                    'on every shard of it).', ', '.join(
+                        f'{name} ({size}, {axis}={n})' for name, (size, axis, n) in unfit.items()))
   # The config is bound, not passed: eval_shape would trace it as an array argument.
   abstract = jax.eval_shape(functools.partial(_boxed_init, config), jax.random.key(0))
   return sharding.tree_shardings(abstract, mesh, rules)
+
+
+def unsharded_dims(config: TransformerConfig, mesh: Mesh,
+                   rules: sharding.Rules = sharding.DEFAULT_RULES) -> dict:
+  """The model's split dimensions (heads, kv heads, d_ff, vocabulary) that `mesh` cannot split
+  and replicates: {logical name: (size, mesh axis, axis size)} (`sharding.replicated_dims`).
+  `param_shardings` says so in one log line."""
+  return sharding.replicated_dims(dict(heads=config.num_heads, kv_heads=config.kv_heads,
+                                       mlp=config.d_ff, vocab=config.vocab_size), mesh, rules)
 
 
 def init_params(config: TransformerConfig, rng: jax.Array, *, mesh: Mesh | None = None,
