@@ -55,6 +55,18 @@ def make_mesh(data: int = 1, model: int = 1, devices: Sequence[jax.Device] | Non
   return jax.make_mesh((data, model), MESH_AXES, axis_types=(AxisType.Auto,) * 2, devices=devices)
 
 
+def mesh_of(devices_DxM) -> Mesh:
+  """A ('data', 'model') mesh with exactly this layout of devices (rows: `data`, columns: `model`),
+  for layouts `make_mesh` would not choose, such as a `model` axis across processes (2 processes
+  of 2 devices: [[d0, d2], [d1, d3]]). `jax.make_mesh` reorders the devices it is given on some
+  platforms (by id on GPUs); this one keeps them as they are."""
+  devices_DxM = np.asarray(devices_DxM, dtype=object)
+  if devices_DxM.ndim != 2:
+    raise ValueError(f'A mesh layout is a 2-D array of devices [data, model], got shape '
+                     f'{devices_DxM.shape}.')
+  return Mesh(devices_DxM, MESH_AXES, axis_types=(AxisType.Auto,) * 2)
+
+
 def run_mesh(data: int = 1, model: int = 1) -> Mesh:
   """A run's mesh from its `data` / `model_axis` settings: one process may use the first
   data x model of its devices (said in the log), several processes must use them all."""

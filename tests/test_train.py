@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spsjax import models
+from spsjax import models, sharding
 from spsjax.data import python_code
 from spsjax.train import checkpoint, experiment, load, losses, trainer
-from tests import data_helpers, train_helpers
+from tests import data_helpers, train_helpers, xla_env
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -111,6 +111,58 @@ def test_killed_run_resumes_exactly(finished, tmp_path):
   assert first_run == uninterrupted[:13]
   assert _leaves_equal(resumed.params, state.params)
   assert int(resumed.step) == train_helpers.STEPS
+
+
+def _off_the_mesh(state, config, mesh) -> list[str]:
+  """The leaves of `state` that do not live where they should on `mesh`: every leaf on all of its
+  devices, scalars replicated, parameters by their logical names."""
+  params = models.param_shardings(config.model, mesh)
+  wrong = []
+  for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+    name = jax.tree_util.keystr(path)
+    if leaf.sharding.device_set != set(mesh.devices.flat) or (
+        leaf.ndim == 0 and not leaf.sharding.is_fully_replicated):
+      wrong.append(f'{name}: {leaf.sharding}')
+  for path, leaf, want in zip(*zip(*jax.tree_util.tree_leaves_with_path(state.params)),
+                              jax.tree.leaves(params)):
+    if not leaf.sharding.is_equivalent_to(want, leaf.ndim):
+      wrong.append(f'params{jax.tree_util.keystr(path)}: {leaf.sharding}, not {want}')
+  return wrong
+
+
+# A shorter run whose heads, MLP and vocabulary all split 4 ways.
+MESH_CONFIG = dataclasses.replace(
+    train_helpers.CONFIG, save_every=3, eval_every=10,
+    model=dataclasses.replace(train_helpers.CONFIG.model, num_heads=4),
+    optimizer=dataclasses.replace(train_helpers.CONFIG.optimizer, total_steps=10))
+
+
+def test_killed_run_resumes_exactly_on_a_2x4_mesh(tmp_path):
+  """Data and model parallel (2 x 4 of the 8 fake devices): a run killed after its step-6 save
+  resumes to the uninterrupted run's bits, and the state lives on the mesh from start to finish
+  (fresh, stepped, restored)."""
+  mesh = sharding.make_mesh(2, 4, jax.devices()[:8])
+  finished_dir, workdir = str(tmp_path / 'finished'), str(tmp_path / 'run')
+  state, _ = train_helpers.run(finished_dir, config=MESH_CONFIG, mesh=mesh)
+  script = (f'import sys; sys.path.insert(0, {_REPO!r}); from spsjax import sharding; '
+            f'from tests import test_train, train_helpers; '
+            f'train_helpers.run({workdir!r}, kill_at=8, config=test_train.MESH_CONFIG, '
+            f'mesh=sharding.make_mesh(2, 4))')
+  env = dict(data_helpers.subprocess_env(), XLA_FLAGS=xla_env.flags(devices=8))
+  killed = subprocess.run([sys.executable, '-c', script], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+  assert killed.returncode == -9, killed.stderr[-3000:]
+  assert max(int(d) for d in os.listdir(workdir) if d.isdigit()) == 6
+
+  resumed, _ = train_helpers.run(workdir, config=MESH_CONFIG, mesh=mesh)  # The same command.
+  assert train_helpers.seen(workdir)[8:] == train_helpers.seen(finished_dir)[6:]
+  assert _leaves_equal(resumed, state) and int(resumed.step) == 10
+  mngr = checkpoint.manager(workdir, create=False)
+  restored, _, _ = checkpoint.restore(mngr, checkpoint.abstract_like(state), step=6)
+  mngr.close()
+  assert int(restored.step) == 6
+  for tree in (trainer.init_state(MESH_CONFIG, mesh), state, restored, resumed):
+    assert not _off_the_mesh(tree, MESH_CONFIG, mesh)
 
 
 @pytest.mark.parametrize('kind', losses.DIVERGENCES)

@@ -1,9 +1,10 @@
 """Shared by the training tests and the subprocess they kill: one tiny, fully determined run.
 
-`run(workdir, steps, kill_at=None)` trains the tiny config on the small stdlib subset. With
-`kill_at=i` the process SIGKILLs itself when the trainer asks for batch i, once checkpoint
-`KILL_AFTER_SAVE` is on disk: a crash in mid-run after a save landed. Every batch handed to the
-trainer is appended (as a hash) to `<workdir>.batches`, so a test can list what each run saw.
+`run(workdir, kill_at=None)` trains the tiny config on the small stdlib subset (on a 1 x 1 mesh
+unless given one). With `kill_at=i` the process SIGKILLs itself when the trainer asks for batch i,
+once the last checkpoint before it is on disk: a crash in mid-run after a save landed. Every batch
+handed to the trainer is appended (as a hash) to `<workdir>.batches` (by process 0 of several),
+so a test can list what each run saw.
 """
 
 import hashlib
@@ -14,12 +15,11 @@ import time
 import jax
 
 from spsjax import models, sharding
-from spsjax.data import pipeline
+from spsjax.data import pipeline, tokenizer
 from spsjax.train import optimizer, trainer
 from tests import data_helpers
 
 BATCH, SEQ_LEN, STEPS, SAVE_EVERY = 4, 32, 20, 5
-KILL_AFTER_SAVE = 10
 
 CONFIG = trainer.TrainConfig(
     model=models.TransformerConfig(vocab_size=data_helpers.SMALL_VOCAB, d_model=32, num_layers=1,
@@ -30,11 +30,13 @@ CONFIG = trainer.TrainConfig(
 
 
 class RecordedBatches:
-  """A `PackedBatches` that logs each batch it hands out and can kill its own process."""
+  """A `PackedBatches` that logs each batch it hands out and can kill its own process (at batch
+  `kill_at`, once checkpoint `kill_after_save` is on disk)."""
 
   def __init__(self, batches: pipeline.PackedBatches, log_path: str, workdir: str,
-               kill_at: int | None):
+               kill_at: int | None, kill_after_save: int | None = None):
     self._batches, self._log_path, self._workdir, self._kill_at = batches, log_path, workdir, kill_at
+    self._kill_after_save = kill_after_save
     self._count = 0
 
   def __iter__(self):
@@ -43,15 +45,16 @@ class RecordedBatches:
   def __next__(self):
     if self._kill_at is not None and self._count == self._kill_at:
       deadline = time.time() + 60
-      while not os.path.isdir(os.path.join(self._workdir, str(KILL_AFTER_SAVE))):
+      while not os.path.isdir(os.path.join(self._workdir, str(self._kill_after_save))):
         if time.time() > deadline:
-          raise TimeoutError(f'Checkpoint {KILL_AFTER_SAVE} never landed.')
+          raise TimeoutError(f'Checkpoint {self._kill_after_save} never landed.')
         time.sleep(0.05)
       os.kill(os.getpid(), signal.SIGKILL)
     batch = next(self._batches)
     self._count += 1
-    with open(self._log_path, 'a', encoding='utf-8') as f:
-      f.write(hashlib.sha256(batch.tobytes()).hexdigest()[:16] + '\n')
+    if jax.process_index() == 0:
+      with open(self._log_path, 'a', encoding='utf-8') as f:
+        f.write(hashlib.sha256(batch.tobytes()).hexdigest()[:16] + '\n')
     return batch
 
   def get_state(self):
@@ -72,15 +75,19 @@ def held_out(tok):
   return batches
 
 
-def run(workdir: str, kill_at: int | None = None, config: trainer.TrainConfig = CONFIG):
-  """Trains (or resumes) the tiny run in `workdir`; returns (final state, metrics)."""
-  tok = data_helpers.small_tokenizer()
+def run(workdir: str, kill_at: int | None = None, config: trainer.TrainConfig = CONFIG,
+        mesh: jax.sharding.Mesh | None = None, tok: tokenizer.Tokenizer | None = None):
+  """Trains (or resumes) the tiny run in `workdir` on `mesh` (None: 1 x 1); returns (final state,
+  metrics)."""
+  tok = tok or data_helpers.small_tokenizer()
+  kill_after_save = None if kill_at is None else kill_at - kill_at % config.save_every
   train = RecordedBatches(
-      pipeline.PackedBatches(data_helpers.texts('train'), tok, BATCH, SEQ_LEN, seed=0),
-      workdir + '.batches', workdir, kill_at)
+      pipeline.PackedBatches(data_helpers.texts('train'), tok, config.batch_size, config.seq_len,
+                             seed=0),
+      workdir + '.batches', workdir, kill_at, kill_after_save)
+  mesh = mesh or sharding.make_mesh(1, 1, jax.devices()[:1])
   return trainer.train(config, workdir=workdir, train_batches=train, eval_batches=held_out(tok),
-                       tokenizer_bytes=tok.to_bytes(),
-                       mesh=sharding.make_mesh(1, 1, jax.devices()[:1]))
+                       tokenizer_bytes=tok.to_bytes(), mesh=mesh)
 
 
 def seen(workdir: str) -> list[str]:

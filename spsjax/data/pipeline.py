@@ -1,4 +1,4 @@
-"""Packed, shuffled, resumable, sharded token batches for language-model training.
+"""Packed, shuffled, resumable token batches for language-model training.
 
 Epoch e is one stream: the documents in the order `epoch_order(num_docs, seed, e)`, each tokenised
 and followed by `eos_id`. The stream is cut into consecutive, non-overlapping global batches of
@@ -10,10 +10,11 @@ Invariants:
 - deterministic: the batches depend only on (source, tokenizer, seed, batch_size, seq_len);
 - resumable: `get_state()` is a small JSON-serialisable dict, and after `set_state(state)` a fresh
   pipeline yields exactly the batches the saved one would have yielded next;
-- sharded: process `shard_index` of `num_shards` gets rows [i * b, (i + 1) * b) of every global
-  batch, i = shard_index, b = batch_size / num_shards: disjoint, together the global batch. All
-  shards walk the same stream (each tokenises every document to find the row boundaries), so they
-  share one state, and a state saved with N shards resumes with M.
+- global: every batch is the whole global batch. With several processes each walks the same
+  stream (tokenising every document, cheap next to a step) and gets the same batches, so the state
+  does not depend on the number of processes (a state saved with N resumes with M), and each
+  process builds from the global batch the rows its devices hold, wherever the mesh puts them
+  (`trainer.global_batch`).
 Documents are tokenised on first use and their tokens cached (`cache_tokens=False` to re-tokenise).
 """
 
@@ -35,27 +36,20 @@ def epoch_order(num_docs: int, seed: int, epoch: int) -> np.ndarray:
 
 
 class PackedBatches:
-  """Yields `int32[batch_size // num_shards, seq_len + 1]` batches forever (see the module doc).
+  """Yields global batches `int32[batch_size, seq_len + 1]` forever (see the module doc).
 
   `source` is random access (len and [i]) to documents: str (or bytes), or records whose
   `text_field` holds the text.
   """
 
   def __init__(self, source: Sequence[Any], tokenizer: Tokenizer, batch_size: int, seq_len: int,
-               seed: int = 0, text_field: str | None = None, shard_index: int = 0,
-               num_shards: int = 1, cache_tokens: bool = True):
+               seed: int = 0, text_field: str | None = None, cache_tokens: bool = True):
     if batch_size < 1 or seq_len < 1:
       raise ValueError(f'batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}.')
-    if num_shards < 1 or batch_size % num_shards:
-      raise ValueError(f'batch_size {batch_size} is not divisible by num_shards {num_shards}.')
-    if not 0 <= shard_index < num_shards:
-      raise ValueError(f'shard_index {shard_index} is not in [0, {num_shards}).')
     if len(source) == 0:
       raise ValueError('The source has no documents.')
     self._source, self._tokenizer, self._text_field = source, tokenizer, text_field
     self._batch_size, self._seq_len, self._seed = batch_size, seq_len, seed
-    self._rows = slice(shard_index * batch_size // num_shards,
-                       (shard_index + 1) * batch_size // num_shards)
     self._cache = {} if cache_tokens else None
     self._tokenizer_id = hashlib.sha256(tokenizer.to_bytes()).hexdigest()[:16]
     self._epoch = self._doc = self._offset = self._batch_in_epoch = 0
@@ -65,7 +59,7 @@ class PackedBatches:
     return self
 
   def __next__(self) -> np.ndarray:
-    """This shard's rows of the next global batch: int32[batch // num_shards, seq_len + 1]."""
+    """The next global batch: int32[batch_size, seq_len + 1]."""
     needed = self._batch_size * (self._seq_len + 1)
     while True:
       pieces, have = [], 0
@@ -85,8 +79,7 @@ class PackedBatches:
       self._start_epoch(self._epoch + 1)  # The tail is dropped.
     self._doc, self._offset = doc, offset
     self._batch_in_epoch += 1
-    batch = np.concatenate(pieces).reshape(self._batch_size, self._seq_len + 1)
-    return batch[self._rows]
+    return np.concatenate(pieces).reshape(self._batch_size, self._seq_len + 1)
 
   def document_tokens(self, index: int) -> np.ndarray:
     """int32 tokens of document `index` followed by eos (cached)."""

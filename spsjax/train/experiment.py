@@ -99,13 +99,10 @@ def _all_texts(source) -> list[str]:
   return [source[i] for i in range(len(source))]
 
 
-def _process_shard() -> dict:
-  return dict(shard_index=jax.process_index(), num_shards=jax.process_count())
-
-
 def held_out(docs, tok: Tokenizer, batch_size: int, seq_len: int) -> pipeline.PackedBatches:
-  """This process's rows of the held-out batches: always the same ones (seed 0, epoch 0)."""
-  return pipeline.PackedBatches(docs, tok, batch_size, seq_len, seed=0, **_process_shard())
+  """The held-out global batches, the same on every process: always the same ones (seed 0,
+  epoch 0)."""
+  return pipeline.PackedBatches(docs, tok, batch_size, seq_len, seed=0)
 
 
 def _load_teacher(exp: Experiment, tok: Tokenizer, mesh) -> models.Model:
@@ -137,8 +134,7 @@ def run(exp: Experiment) -> dict:
   teacher = _load_teacher(exp, tok, mesh) if exp.teacher else None
 
   c = exp.train
-  train_batches = pipeline.PackedBatches(train_docs, tok, c.batch_size, c.seq_len, c.seed,
-                                         **_process_shard())
+  train_batches = pipeline.PackedBatches(train_docs, tok, c.batch_size, c.seq_len, c.seed)
   eval_pipeline = held_out(eval_docs, tok, c.batch_size, c.seq_len)
   eval_start = eval_pipeline.get_state()
 

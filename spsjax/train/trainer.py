@@ -4,6 +4,10 @@ Restarting the same run resumes from the latest checkpoint: parameters, optimize
 input iterator's position come back together, so a run killed at any moment loses at most one save
 interval and sees no batch twice. Metrics are read one step late, so the host never waits on the
 step it just dispatched.
+
+Invariants: every leaf of the state lives on the run's mesh (`state_shardings`: scalars replicated),
+from creation through every step, save and restore; every process feeds the same global batch, and
+builds from it the rows its own devices hold (`global_batch`), however the mesh spans processes.
 """
 
 import dataclasses
@@ -18,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spsjax import models, sharding
 from spsjax.sampling import autoregressive
@@ -89,22 +93,41 @@ class TrainState:
   opt_state: tuple
 
 
-def init_state(config: TrainConfig, mesh: Mesh) -> TrainState:
-  """Fresh state, created sharded: parameters by their logical names, optimizer state like them."""
-  params = models.init_params(config.model, jax.random.key(config.seed), mesh=mesh)
+def state_shardings(config: TrainConfig, mesh: Mesh) -> TrainState:
+  """Where every leaf of the state lives on `mesh`: parameters by their logical names, optimizer
+  moments like their parameters, and every scalar (`step`, optax's counts) replicated.
+
+  The state is created, stepped and restored with these, so no leaf is ever committed to a single
+  device: a jitted step refuses arguments on different sets of devices.
+  """
+  params = models.param_shardings(config.model, mesh)
   tx = optimizer_lib.make(config.optimizer)
-  opt_state = jax.jit(tx.init)(params)
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+  abstract_opt = jax.eval_shape(tx.init, jax.eval_shape(
+      functools.partial(models.init_params, config.model), jax.random.key(0)))
+  replicated = NamedSharding(mesh, PartitionSpec())
+  opt_state = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, params,
+                                    transform_non_params=lambda _: replicated,
+                                    is_leaf=lambda x: isinstance(x, NamedSharding))
+  return TrainState(step=replicated, params=params, opt_state=opt_state)
 
 
-def _from_teacher(config: TrainConfig, state: TrainState, teacher: models.Model,
-                  mesh: Mesh) -> TrainState:
-  """`state` restarted from the teacher's truncated parameters (copies: the step donates them)."""
+def _start(config: TrainConfig, params, mesh: Mesh) -> TrainState:
+  """Step 0 from `params`, with a fresh optimizer state, laid out by `state_shardings`."""
+  tx = optimizer_lib.make(config.optimizer)
+  fresh = lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p))
+  return jax.jit(fresh, out_shardings=state_shardings(config, mesh))(params)
+
+
+def init_state(config: TrainConfig, mesh: Mesh) -> TrainState:
+  """Fresh state, created sharded (`state_shardings`)."""
+  return _start(config, models.init_params(config.model, jax.random.key(config.seed), mesh=mesh),
+                mesh)
+
+
+def _from_teacher(config: TrainConfig, teacher: models.Model, mesh: Mesh) -> TrainState:
+  """Step 0 from the teacher's truncated parameters (copies: the step donates them)."""
   params = models.truncated_params(teacher.config, teacher.params, config.model)
-  params = jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), params),
-                          models.param_shardings(config.model, mesh))
-  opt_state = jax.jit(optimizer_lib.make(config.optimizer).init)(params)
-  return TrainState(step=state.step, params=params, opt_state=opt_state)
+  return _start(config, jax.tree.map(lambda x: jnp.array(x, copy=True), params), mesh)
 
 
 def _on_policy(config: TrainConfig, params, teacher: models.Model, batch_BxL1, key, mesh):
@@ -153,10 +176,11 @@ def _loss(config: TrainConfig, params, teacher: models.Model | None, batch_BxL1,
 
 
 def make_train_step(config: TrainConfig, mesh: Mesh | None = None):
+  """The jitted step (state, teacher, batch) -> (state, metrics), donating the state. On `mesh` its
+  outputs keep `state_shardings` (and the metrics replicated), step after step."""
   tx = optimizer_lib.make(config.optimizer)
   on_policy = config.distill_weight > 0 and config.distill_data != 'corpus'
 
-  @functools.partial(jax.jit, donate_argnums=(0,))
   def train_step(state: TrainState, teacher, batch_BxL1):
     distill_BxL1 = None
     if on_policy and teacher is not None:  # A key per step: a resumed run samples the same.
@@ -172,18 +196,22 @@ def make_train_step(config: TrainConfig, mesh: Mesh | None = None):
     metrics['learning_rate'] = optimizer_lib.schedule(config.optimizer)(state.step)
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
-  return train_step
+  placed = {} if mesh is None else dict(out_shardings=(
+      state_shardings(config, mesh), NamedSharding(mesh, PartitionSpec())))
+  return jax.jit(train_step, donate_argnums=(0,), **placed)
 
 
 def make_eval_step(config: TrainConfig):
   return jax.jit(lambda params, batch: _loss(config, params, None, batch)[1]['lm_loss'])
 
 
-def global_batch(local_BxL1: np.ndarray, mesh: Mesh) -> jax.Array:
-  """This process's rows of a batch -> one global array sharded over the data axis."""
-  spec = sharding.spec(('batch', None), (local_BxL1.shape[0] * jax.process_count(),
-                                         local_BxL1.shape[1]), mesh)
-  return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local_BxL1)
+def global_batch(batch_BxL1: np.ndarray, mesh: Mesh) -> jax.Array:
+  """A global batch (the same host array on every process) on `mesh`, rows over the `data` axis.
+
+  Each process builds the shards of its own devices from it, wherever the mesh puts them: rows are
+  not tied to processes, so a `model` axis across processes gets the same batch as one process.
+  """
+  return sharding.put(batch_BxL1, sharding.named(('batch', None), batch_BxL1.shape, mesh))
 
 
 def evaluate(config: TrainConfig, params, batches: Iterator[np.ndarray], mesh: Mesh,
@@ -230,8 +258,9 @@ def train(config: TrainConfig, *, workdir: str, train_batches, eval_batches: Cal
           meta: dict | None = None) -> tuple[TrainState, dict]:
   """Trains (or resumes) to `config.steps`; returns the final state and the last metrics.
 
-  `train_batches` yields this process's rows, `int32[local_batch, seq_len + 1]`, and has
-  `get_state()` / `set_state(dict)`; `eval_batches()` returns a fresh iterator over held-out data.
+  `train_batches` yields global batches, `int32[batch_size, seq_len + 1]`, the same on every
+  process, and has `get_state()` / `set_state(dict)`; `eval_batches()` returns a fresh iterator
+  over held-out global batches.
   """
   if (config.distill_weight > 0 or config.init_from_teacher) and teacher is None:
     raise ValueError('distill_weight > 0 and init_from_teacher need a teacher (the trained '
@@ -260,7 +289,7 @@ def train(config: TrainConfig, *, workdir: str, train_batches, eval_batches: Cal
     teacher = teacher.replace(params=jax.device_put(
         teacher.params, models.param_shardings(teacher.config, mesh)))
     if config.init_from_teacher and int(state.step) == 0:
-      state = _from_teacher(config, state, teacher, mesh)
+      state = _from_teacher(config, teacher, mesh)
       logging.info('Starting from the teacher\'s first %d layers, embedding and final norm.',
                    config.model.num_layers)
 
