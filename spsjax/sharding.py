@@ -43,8 +43,9 @@ MESH_AXES = ('data', 'model')
 def make_mesh(data: int = 1, model: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A ('data', 'model') mesh with explicit Auto axis types (JAX's default has changed before).
 
-  With several processes, `jax.make_mesh` orders devices so that the `model` axis stays inside a
-  host where it can and `data` spans hosts.
+  `jax.make_mesh` orders the devices by the chips' topology (on a TPU slice: neighbours along
+  each axis), not by host, so an axis may span processes; every input is built from global values
+  each process computes (`put`), so any layout gives the same results.
   """
   devices = list(jax.devices() if devices is None else devices)
   if data < 1 or model < 1:
