@@ -118,5 +118,9 @@ setuptools.setup(
         # experiments/peer_benchmark.py. torch pinned to the CPU build this machine carries (a
         # looser pin makes pip fetch a CUDA build of several GB).
         'hf': ['torch==2.13.0', 'transformers>=5.24'],
+        # A gs:// root or results directory (spsjax/storage.py): gcsfs for etils.epath,
+        # google-cloud-storage for orbax's step listing. Not installed by the tests, which use a
+        # fake bucket (tests/fake_gcs.py), so no version here was run.
+        'gcs': ['gcsfs', 'google-cloud-storage'],
     },
 )

@@ -11,13 +11,12 @@ trained on.
 """
 
 import itertools
-import os
 
 from absl import logging
 import jax
 from ml_collections import config_flags
 
-from spsjax import cli, distributed, models, sharding
+from spsjax import cli, distributed, models, sharding, storage
 from spsjax.eval import acceptance, tasks
 from spsjax.sampling import SamplingConfig, speculative
 from spsjax.train import evaluation, experiment, load
@@ -30,9 +29,10 @@ _RUNTIME = distributed.define_flags()
 def main(argv):
   distributed.start(argv, _RUNTIME())
   c = _CONFIG.value
-  present = [d for d in c.drafts if c.require_drafts or os.path.isdir(os.path.join(c.root, d))]
+  present = [d for d in c.drafts
+             if c.require_drafts or storage.path(storage.join(c.root, d)).is_dir()]
   for name in sorted(set(c.drafts) - set(present)):
-    logging.info('No checkpoint %s: skipped.', os.path.join(c.root, name))
+    logging.info('No checkpoint %s: skipped.', storage.join(c.root, name))
   mesh = sharding.mesh_from_axes(c.mesh.data, c.mesh.model)
   target, drafts, tok, meta = load.load_family(c.root, c.target, present, mesh=mesh,
                                                draft_weights=c.draft_weights)

@@ -6,15 +6,13 @@ The directory holds config.json (`LlamaForCausalLM`), model.safetensors (float32
 generation_config.json (the tokenizer's eos) and spsjax's SentencePiece model as
 spsjax_tokenizer.model (`spsjax.data.tokenizer.Tokenizer`; not a transformers tokenizer: spsjax
 spells a literal '▁' as bytes, which a plain SentencePiece tokenizer does not). The binaries take
-the directory back as `hf_target=DIR` with that tokenizer.
+the directory back as `hf_target=DIR` with that tokenizer. The directory may be a URI
+(gs://bucket/...); process 0 writes it.
 """
-
-import json
-import os
 
 from ml_collections import config_flags
 
-from spsjax import cli, distributed, models
+from spsjax import cli, distributed, models, storage
 from spsjax.models import hf
 from spsjax.train import load
 
@@ -28,9 +26,9 @@ def main(argv):
   c = _CONFIG.value
   model, tok, _ = load.load_model(c.checkpoint, step=c.step or None)
   path = hf.save_llama(model, c.out, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
-  with open(os.path.join(path, 'generation_config.json'), 'w', encoding='utf-8') as f:
-    json.dump(dict(eos_token_id=tok.eos_id, pad_token_id=tok.pad_id), f, indent=1)
-  tok.save(os.path.join(path, load.SPSJAX_TOKENIZER))
+  storage.write_json(storage.join(path, 'generation_config.json'),
+                     dict(eos_token_id=tok.eos_id, pad_token_id=tok.pad_id), indent=1)
+  tok.save(storage.join(path, load.SPSJAX_TOKENIZER))
   print0(f'Wrote {path}: {models.num_params(model.params):,} parameters as LlamaForCausalLM, '
          f'{load.SPSJAX_TOKENIZER} (SentencePiece, vocab {tok.vocab_size}).')
 

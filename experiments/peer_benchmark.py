@@ -9,11 +9,9 @@ ArS and assisted generation (`assistant_model=`), batch 1, greedy and nucleus, o
 Both frameworks get the token ids of the same HumanEval prompts (spsjax's tokenizer), generate
 exactly max_new_tokens (no eos), and take turns prompt by prompt; transformers' assistant drafts a
 constant k tokens per round (no confidence stop), as spsjax's SpS does. Report:
-`spsjax.bench.peer`, printed and in <results>/table.md.
+`spsjax.bench.peer`, printed and in <results>/table.md (local or a URI; process 0 writes).
 """
 
-import json
-import os
 import time
 
 from absl import app
@@ -21,7 +19,7 @@ import jax
 import numpy as np
 from ml_collections import config_flags
 
-from spsjax import cli, distributed, sampling
+from spsjax import cli, distributed, sampling, storage
 from spsjax.bench import peer, timing
 from spsjax.data import humaneval, prompts as prompts_lib
 from spsjax.sampling import speculative
@@ -111,11 +109,9 @@ def main(argv):
            f'[{time.time() - started:.0f} s]', flush=True)
   table = peer.markdown(rows)
   print0(table)
-  os.makedirs(c.results, exist_ok=True)
-  with open(os.path.join(c.results, 'table.md'), 'w', encoding='utf-8') as f:
-    f.write(table + '\n')
-  with open(os.path.join(c.results, 'table.json'), 'w', encoding='utf-8') as f:
-    json.dump(dict(config=c.to_dict(), rows=records), f, indent=1)
+  storage.write_text(storage.join(c.results, 'table.md'), table + '\n')
+  storage.write_json(storage.join(c.results, 'table.json'), dict(config=c.to_dict(), rows=records),
+                     indent=1)
   print0(f'Wrote {c.results}/table.md and table.json.')
 
 

@@ -4,18 +4,17 @@
   python experiments/speedup_table.py --config=configs/speedup.py:root=checkpoints/tiny,runlocal
 
 Prints the table and writes `table.md` and `table.json` (with every completion) to the config's
-results directory, and one profiler trace per SpS row under `traces/` (XProf / Perfetto).
+results directory (local or a URI such as gs://bucket/results; process 0 writes), and one profiler
+trace per SpS row under `traces/` (XProf / Perfetto).
 """
 
-import json
-import os
 import time
 
 from absl import logging
 import jax
 from ml_collections import config_flags
 
-from spsjax import cli, distributed, models, sharding
+from spsjax import cli, distributed, models, sharding, storage
 from spsjax.bench import speedup
 from spsjax.eval import tasks
 from spsjax.sampling import SamplingConfig, drafters
@@ -61,7 +60,7 @@ def main(argv):
                                       mesh=mesh)
         loop_profile = speedup.profile_row(
             target, draft, tok, task, sampling_config, batch, c.k, c.seed,
-            os.path.join(c.results, 'traces', f'{task_name}_{decoding}_b{batch}'), **kw)
+            storage.join(c.results, 'traces', f'{task_name}_{decoding}_b{batch}'), **kw)
         cmp = speedup.Comparison(ars=rows[0], sps=rows[1], costs=costs, k=c.k, c_hat=c_hat,
                                  loop_profile=loop_profile, drafter=drafter)
         comparisons.append(cmp)
@@ -72,9 +71,7 @@ def main(argv):
 
   table = c.title.format(**c) + '\n\n' + speedup.markdown(comparisons)
   print0(table)
-  os.makedirs(c.results, exist_ok=True)
-  with open(os.path.join(c.results, 'table.md'), 'w', encoding='utf-8') as f:
-    f.write(table + '\n')
+  storage.write_text(storage.join(c.results, 'table.md'), table + '\n')
   records = [dict(task=cmp.sps.task, decoding=cmp.sps.decoding, batch=cmp.sps.batch,
                   **cmp.summary(),
                   **{row.method: dict(metric=row.metric, mean=row.metric_mean,
@@ -83,8 +80,8 @@ def main(argv):
                                       extra=row.extra,
                                       timing=row.timing, completions=row.completions)
                      for row in (cmp.ars, cmp.sps)}) for cmp in comparisons]
-  with open(os.path.join(c.results, 'table.json'), 'w', encoding='utf-8') as f:
-    json.dump(dict(config=c.to_dict(), rows=records), f, indent=1)
+  storage.write_json(storage.join(c.results, 'table.json'), dict(config=c.to_dict(), rows=records),
+                     indent=1)
   print0(f'Wrote {c.results}/table.md and table.json ({time.time() - started:.0f} s).')
 
 

@@ -4,15 +4,13 @@
   python experiments/sweep.py --config=configs/sweep.py:root=checkpoints/reference,sweep=draft
   python experiments/sweep.py --config=configs/sweep.py:root=checkpoints/reference,sweep=drafter
 
-Writes `points.csv` and `figure1.png` to the config's results directory; each point's ArS time
-is measured call by call in turn with its SpS calls.
+Writes `points.csv`, `points.md` and `figure1.png` to the config's results directory (local or a
+URI; process 0 writes); each point's ArS time is measured call by call in turn with its SpS calls.
 """
-
-import os
 
 from ml_collections import config_flags
 
-from spsjax import cli, distributed, sharding
+from spsjax import cli, distributed, sharding, storage
 from spsjax.bench import sweep
 from spsjax.data import humaneval, prompts as prompts_lib
 from spsjax.sampling import SamplingConfig, drafters, speculative
@@ -60,13 +58,11 @@ def main(argv):
            f'{point.accepted_fraction:.3f}, alpha {point.alpha:.3f}, drafts/loop '
            f'{point.drafted_per_loop:.2f}, c {point.c:.3f}, '
            f'{point.loop_seconds * 1e3:.2f} ms per loop{lossy}', flush=True)
-  os.makedirs(c.results, exist_ok=True)
-  sweep.write_csv(points, os.path.join(c.results, 'points.csv'))
+  sweep.write_csv(points, storage.join(c.results, 'points.csv'))
   table = sweep.markdown(points)
   print0(table)
-  with open(os.path.join(c.results, 'points.md'), 'w', encoding='utf-8') as f:
-    f.write(table + '\n')
-  sweep.plot(points, os.path.join(c.results, 'figure1.png'),
+  storage.write_text(storage.join(c.results, 'points.md'), table + '\n')
+  sweep.plot(points, storage.join(c.results, 'figure1.png'),
              f'{family}: {c.prompts} HumanEval prompts, {c.max_new_tokens} tokens, batch 1',
              c.sweep)
   print0(f'Wrote {c.results}/points.csv, points.md and figure1.png')

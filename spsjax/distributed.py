@@ -11,9 +11,17 @@ back what it needs (`gather`).
 
 Invariant: after `initialize()`, only process 0 logs below ERROR and prints (`print0`), so a pod
 slice's log reads as one run.
+
+One writer: process 0 writes what all processes share (tokenizer, results, traces: `storage`),
+the others wait where they read it (`barrier`); what every process computes for itself and must
+agree on (the data it loaded) is compared across processes (`check_same`). Both are collective:
+every process calls them, in the same order, as an SPMD program calls everything.
 """
 
 import dataclasses
+import functools
+import hashlib
+import socket
 from collections.abc import Callable
 
 from absl import app, flags, logging
@@ -84,6 +92,49 @@ def start(argv, options: Options = Options()) -> None:
 
 def is_main() -> bool:
   return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+  """Waits until every process reaches the barrier `name` (the same name on all; a no-op with one
+  process)."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
+def _digests(value: bytes) -> np.ndarray:
+  """int32[processes, 32]: the SHA-256 of each process's `value`, row p from process p."""
+  mine = np.frombuffer(hashlib.sha256(value).digest(), np.uint8).astype(np.int32)
+  if jax.process_count() == 1:
+    return mine[None]
+  return np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
+
+
+def check_same(name: str, value: bytes | str, hint: str = '') -> None:
+  """Raises ValueError on every process unless all processes hold the same `value` (compared by
+  SHA-256; a no-op with one process). `name` says what differs ('dataset python_code/train'),
+  `hint` what to do about it."""
+  if jax.process_count() == 1:
+    return
+  value = value.encode('utf-8') if isinstance(value, str) else value
+  digests = _digests(value)
+  groups = {}
+  for p, row in enumerate(digests):
+    groups.setdefault(bytes(row.astype(np.uint8)).hex()[:12], []).append(p)
+  if len(groups) > 1:
+    held = '; '.join(f'processes {ps} hold {digest}' for digest, ps in groups.items())
+    raise ValueError(f'{name} differs between processes ({held}; SHA-256 prefixes).'
+                     + (f' {hint}' if hint else ''))
+
+
+@functools.cache
+def host_leader() -> bool:
+  """Whether this process has the lowest index among the processes on its host (by host name):
+  the one that writes a host's local files. Collective on its first call; True with one process."""
+  if jax.process_count() == 1:
+    return True
+  hosts = _digests(socket.gethostname().encode('utf-8'))
+  mine = hosts[jax.process_index()]
+  return next(p for p, row in enumerate(hosts) if np.array_equal(row, mine)) == jax.process_index()
 
 
 def print0(*args, **kwargs) -> None:

@@ -241,7 +241,7 @@ def test_heavy_scope_gets_the_time(toy, tmp_path):
 def test_refuses_two_runs_and_foreign_hlo(toy, tmp_path):
   compiled, args = toy
   jax.block_until_ready(compiled(*args))
-  _, xplane = profile.record(lambda: (compiled(*args), compiled(*args)), str(tmp_path))
+  _, xplane, _ = profile.record(lambda: (compiled(*args), compiled(*args)), str(tmp_path))
   hlo = profile.parse_hlo(compiled.as_text(), ('light', 'heavy'))
   events = profile.read_op_events(xplane, hlo.module)
   with pytest.raises(profile.ProfileError, match='2 runs'):

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from spsjax import sharding
+from spsjax import sharding, storage
 from spsjax.bench.hlo import OTHER, PHASES, Hlo, Instruction, hlo_phases, parse_hlo
 from spsjax.bench.trace import OpEvent, ProfileError, read_op_events, record
 from spsjax.models import Model
@@ -305,11 +305,11 @@ def profile_compiled(compiled: jax.stages.Compiled, *args, log_dir: str,
   """
   for _ in range(warmup):
     jax.block_until_ready(compiled(*args))
-  outputs, xplane = record(lambda: compiled(*args), log_dir)
+  outputs, xplane, xspace = record(lambda: compiled(*args), log_dir)
   hlo = parse_hlo(compiled.as_text(), phases)
   loops = num_loops(outputs) if callable(num_loops) else num_loops
-  return outputs, attribute(read_op_events(xplane, hlo.module), hlo, num_loops=loops,
-                            trace_dir=os.path.dirname(xplane), device=device)
+  return outputs, attribute(read_op_events(xspace, hlo.module), hlo, num_loops=loops,
+                            trace_dir=os.fspath(storage.path(xplane).parent), device=device)
 
 
 def profile_speculative(target: Model, draft: Model, prompts, prompt_lengths, rng: jax.Array, *,

@@ -14,14 +14,14 @@ point would carry this machine's drift (tens of percent) into its speedup.
 import csv
 import dataclasses
 import functools
-import os
+import io
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from spsjax import models, sampling
+from spsjax import models, sampling, storage
 from spsjax.bench import speedup as speedup_lib, theory, timing
 from spsjax.data import prompts as prompts_lib
 from spsjax.eval import acceptance
@@ -121,12 +121,14 @@ def run_point(label: str, target: models.Model, draft: models.Model | None, draf
 
 
 def write_csv(points: Sequence[Point], path: str) -> None:
+  """The points as CSV at `path` (local or a URI; process 0 writes: `storage`)."""
   fields = [f.name for f in dataclasses.fields(Point)] + ['accepted_fraction']
-  with open(path, 'w', newline='', encoding='utf-8') as f:
-    writer = csv.writer(f)
-    writer.writerow(fields)
-    for p in points:
-      writer.writerow([getattr(p, name) for name in fields])
+  out = io.StringIO(newline='')
+  writer = csv.writer(out)
+  writer.writerow(fields)
+  for p in points:
+    writer.writerow([getattr(p, name) for name in fields])
+  storage.write_text(path, out.getvalue())
 
 
 def markdown(points: Sequence[Point]) -> str:
@@ -148,8 +150,8 @@ def markdown(points: Sequence[Point]) -> str:
 
 
 def plot(points: Sequence[Point], path: str, title: str, x_label: str) -> None:
-  """The three panels of Figure 1 against the swept value, saved as a PNG (the first with each
-  point's own ArS time)."""
+  """The three panels of Figure 1 against the swept value, saved as a PNG at `path` (local or a
+  URI; process 0 writes: `storage`), the first with each point's own ArS time."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -174,6 +176,7 @@ def plot(points: Sequence[Point], path: str, title: str, x_label: str) -> None:
     ax.grid(alpha=0.3)
   fig.suptitle(title)
   fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=110)
+  png = io.BytesIO()
+  fig.savefig(png, format='png', dpi=110)
   plt.close(fig)
+  storage.write_bytes(path, png.getvalue())

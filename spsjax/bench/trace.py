@@ -3,7 +3,9 @@
 Files. `jax.profiler.trace(log_dir)` writes `log_dir/plugins/profile/<YYYY_MM_DD_HH_MM_SS>/` with
 `<host>.xplane.pb` (XSpace; open with XProf or TensorBoard `--logdir log_dir`) and
 `<host>.trace.json.gz` (Chrome trace JSON; open in ui.perfetto.dev). `PhaseProfile.trace_dir` is
-that directory. The xplane file is parsed with `jax.profiler.ProfileData` (ships with jaxlib).
+that directory. `log_dir` may be a URI (`gs://...`): the profiler writes into a local temporary
+directory and process 0 copies the files there (`record`). The xplane file is parsed with
+`jax.profiler.ProfileData` (ships with jaxlib).
 
 Events. On CPU (jaxlib 0.10.2) the thunk executor emits one event per executed thunk, with stats
 `hlo_op` (the HLO instruction name: `ynn_fusion.3`, `copy.6`, `while.638`), `hlo_module`
@@ -21,11 +23,13 @@ Neither was run here: the reader fails loudly if it finds no op events rather th
 import dataclasses
 import glob
 import os
-import time
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import jax
+
+from spsjax import storage
 
 
 class ProfileError(RuntimeError):
@@ -42,33 +46,39 @@ class OpEvent:
 
 
 def record(fn: Callable[[], Any], log_dir: str,
-           options: jax.profiler.ProfileOptions | None = None) -> tuple[Any, str]:
+           options: jax.profiler.ProfileOptions | None = None) -> tuple[Any, str, bytes]:
   """Runs `fn()` under `jax.profiler.trace`, blocked on before the trace stops.
 
-  Returns (outputs, path of the `.xplane.pb` written). The Python tracer is off by default: it
-  records host calls, not the program, and can make traces large.
+  Returns (outputs, the `.xplane.pb`'s path under `log_dir`, its XSpace bytes). The profiler
+  writes local files only: it writes into a temporary directory, from which process 0 copies the
+  run's files to `log_dir` (local or a URI: `storage`). The other processes copy nothing (their
+  path names where their trace would be); each parses its own bytes. The Python tracer is off by
+  default: it records host calls, not the program, and can make traces large.
   """
   if options is None:
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0
-  log_dir = os.path.abspath(log_dir)
-  started = time.time()
-  with jax.profiler.trace(log_dir, profiler_options=options):
-    outputs = jax.block_until_ready(fn())
-  written = [p for p in glob.glob(os.path.join(log_dir, 'plugins', 'profile', '*', '*.xplane.pb'))
-             if os.path.getmtime(p) >= started - 1]
-  if not written:
-    raise ProfileError(f'jax.profiler.trace wrote no .xplane.pb under {log_dir}/plugins/profile.')
-  return outputs, max(written, key=os.path.getmtime)
+  with tempfile.TemporaryDirectory(prefix='spsjax-trace-') as local:
+    with jax.profiler.trace(local, profiler_options=options):
+      outputs = jax.block_until_ready(fn())
+    written = glob.glob(os.path.join(local, 'plugins', 'profile', '*', '*.xplane.pb'))
+    if not written:
+      raise ProfileError(f'jax.profiler.trace wrote no .xplane.pb under {local}/plugins/profile.')
+    with open(written[0], 'rb') as f:  # The profiler's own temporary file.
+      xspace = f.read()
+    storage.copy_dir(local, log_dir)
+  return outputs, os.fspath(storage.path(log_dir) / os.path.relpath(written[0], local)), xspace
 
 
 def _module_matches(name: str, module: str) -> bool:
   return name == module or name.startswith(module + '(')
 
 
-def read_op_events(xplane_path: str, module: str) -> list[OpEvent]:
-  """The XLA op events of `module` in an XSpace file (see the module docstring for which)."""
-  data = jax.profiler.ProfileData.from_file(xplane_path)
+def read_op_events(xplane: str | bytes, module: str) -> list[OpEvent]:
+  """The XLA op events of `module` in an XSpace: its serialized bytes, or the path of its file
+  (see the module docstring for which)."""
+  xspace = xplane if isinstance(xplane, bytes) else storage.path(xplane).read_bytes()
+  data = jax.profiler.ProfileData.from_serialized_xspace(xspace)
   events = []
   for plane in data.planes:
     lines = list(plane.lines)
@@ -89,7 +99,7 @@ def read_op_events(xplane_path: str, module: str) -> list[OpEvent]:
             by_line.append(OpEvent(e.name, e.start_ns, e.end_ns, plane.name, str(runs[0])))
     events += tagged or by_line
   if not events:
-    raise ProfileError(f'No XLA op events of module {module} in {xplane_path}: this backend\'s '
+    raise ProfileError(f'No XLA op events of module {module} in the trace: this backend\'s '
                        'trace names no HLO ops (no `hlo_op` stats, no `XLA Ops` line).')
   return events
 

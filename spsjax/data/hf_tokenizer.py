@@ -10,19 +10,17 @@ are the same if their bytes are.
 """
 
 import json
-import os
 from collections.abc import Iterable, Sequence
 
 import tokenizers
 
+from spsjax import storage
+
 FILE = 'tokenizer.json'
 
 
-def _json(path: str) -> dict:
-  if not os.path.isfile(path):
-    return {}
-  with open(path, encoding='utf-8') as f:
-    return json.load(f)
+def _json(path) -> dict:
+  return json.loads(path.read_text(encoding='utf-8')) if path.is_file() else {}
 
 
 def _first(value):
@@ -40,20 +38,19 @@ class HFTokenizer:
 
   @classmethod
   def load(cls, directory: str) -> 'HFTokenizer':
-    path = os.path.join(directory, FILE)
-    if not os.path.isfile(path):
+    folder = storage.path(directory)
+    if not (folder / FILE).is_file():
       raise FileNotFoundError(f'{directory} has no {FILE}: a Hugging Face checkpoint needs its '
                               f'tokenizer beside it.')
-    with open(path, encoding='utf-8') as f:
-      text = f.read()
-    config = _json(os.path.join(directory, 'config.json'))
-    generation = _json(os.path.join(directory, 'generation_config.json'))
+    text = (folder / FILE).read_text(encoding='utf-8')
+    config = _json(folder / 'config.json')
+    generation = _json(folder / 'generation_config.json')
     eos_id = _first(config.get('eos_token_id'))
     if eos_id is None:
       eos_id = _first(generation.get('eos_token_id'))
     tok = cls(text)
     if eos_id is None:
-      eos = _json(os.path.join(directory, 'tokenizer_config.json')).get('eos_token')
+      eos = _json(folder / 'tokenizer_config.json').get('eos_token')
       eos = eos.get('content') if isinstance(eos, dict) else eos
       eos_id = tok._tok.token_to_id(eos) if eos else None
     pad_id = _first(config.get('pad_token_id'))
@@ -87,10 +84,8 @@ class HFTokenizer:
     return self._json.encode('utf-8')
 
   def save(self, directory: str) -> None:
-    """Writes tokenizer.json into `directory` (an exported checkpoint's)."""
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, FILE), 'w', encoding='utf-8') as f:
-      f.write(self._json)
+    """Writes tokenizer.json into `directory` (an exported checkpoint's; process 0 writes)."""
+    storage.write_text(storage.join(directory, FILE), self._json)
 
   def __repr__(self) -> str:
     return f'HFTokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, pad_id={self.pad_id})'

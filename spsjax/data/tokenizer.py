@@ -30,6 +30,8 @@ from collections.abc import Iterable, Sequence
 
 import sentencepiece as spm
 
+from spsjax import storage
+
 DEFAULT_VOCAB_SIZE = 4096
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 USER_SYMBOLS = ('\n', '\t')
@@ -123,13 +125,12 @@ class Tokenizer:
     return cls(model_proto)
 
   def save(self, path: str) -> None:
-    with open(path, 'wb') as f:
-      f.write(self.to_bytes())
+    """Writes the model proto to `path`, local or a URI (process 0 writes: `storage`)."""
+    storage.write_bytes(path, self.to_bytes())
 
   @classmethod
   def load(cls, path: str) -> 'Tokenizer':
-    with open(path, 'rb') as f:
-      return cls(f.read())
+    return cls(storage.path(path).read_bytes())
 
   def __repr__(self) -> str:
     return f'Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, pad_id={self.pad_id})'

@@ -28,10 +28,10 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 from jax.sharding import Mesh
+import safetensors.numpy
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
-from spsjax import sharding
+from spsjax import sharding, storage
 from spsjax.models.api import Model, init_params, param_shardings
 from spsjax.models.config import TransformerConfig
 from spsjax.models.packing import unpack
@@ -48,11 +48,10 @@ class UnsupportedCheckpoint(ValueError):
 
 
 def read_config(path: str) -> dict:
-  file = os.path.join(path, CONFIG)
-  if not os.path.isfile(file):
+  file = storage.path(path) / CONFIG
+  if not file.is_file():
     raise FileNotFoundError(f'{path} is not a Hugging Face checkpoint directory: no {CONFIG}.')
-  with open(file, encoding='utf-8') as f:
-    return json.load(f)
+  return json.loads(file.read_text(encoding='utf-8'))
 
 
 def _refuse(hf: dict, field: str, allowed, why: str) -> None:
@@ -125,18 +124,24 @@ def _gpt2_config(hf: dict, dtype: str) -> TransformerConfig:
 
 
 def _weight_files(path: str) -> list[str]:
-  if os.path.isfile(os.path.join(path, WEIGHTS)):
+  folder = storage.path(path)
+  if (folder / WEIGHTS).is_file():
     return [WEIGHTS]
-  index = os.path.join(path, INDEX)
-  if os.path.isfile(index):
-    with open(index, encoding='utf-8') as f:
-      return sorted(set(json.load(f)['weight_map'].values()))
+  if (folder / INDEX).is_file():
+    return sorted(set(json.loads((folder / INDEX).read_text(encoding='utf-8'))['weight_map']
+                      .values()))
   raise FileNotFoundError(f'{path}: no {WEIGHTS} and no {INDEX}.')
 
 
 def _tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
+  """Every tensor of the checkpoint: one at a time from a local file (safetensors maps it); from
+  a URI, a file's bytes are read whole first."""
   for name in _weight_files(path):
-    with safe_open(os.path.join(path, name), framework='numpy') as f:
+    file = storage.path(path) / name
+    if storage.is_uri(file):
+      yield from safetensors.numpy.load(file.read_bytes()).items()
+      continue
+    with safe_open(os.fspath(file), framework='numpy') as f:
       for key in f.keys():
         yield key, f.get_tensor(key)
 
@@ -297,7 +302,8 @@ def hf_config(config: TransformerConfig, **extra) -> dict:
 
 def save_llama(model: Model, path: str, **extra) -> str:
   """Writes `model` (unpacked, gathered to the host) as a Llama directory: config.json and
-  model.safetensors, in float32 whatever the model's dtype. Returns `path`."""
+  model.safetensors, in float32 whatever the model's dtype; `path` local or a URI, written by
+  process 0 (`storage`). Returns `path`."""
   model = unpack(model)
   config = model.config
   hf = hf_config(config, **extra)
@@ -312,8 +318,7 @@ def save_llama(model: Model, path: str, **extra) -> str:
     elif name.endswith(('_proj.weight',)) or name == 'lm_head.weight':
       value = value.T
     tensors[name] = np.ascontiguousarray(value)
-  os.makedirs(path, exist_ok=True)
-  save_file(tensors, os.path.join(path, WEIGHTS), metadata={'format': 'pt'})
-  with open(os.path.join(path, CONFIG), 'w', encoding='utf-8') as f:
-    json.dump(hf, f, indent=1)
+  storage.write_bytes(storage.join(path, WEIGHTS),
+                      safetensors.numpy.save(tensors, metadata={'format': 'pt'}))
+  storage.write_json(storage.join(path, CONFIG), hf, indent=1)
   return path

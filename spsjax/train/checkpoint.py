@@ -4,22 +4,26 @@ Items per step: `state` (params, optimizer state, step; StandardSave), `data` (t
 position, JSON), `meta` (the model config, the training config and the tokenizer, JSON). Saves are
 asynchronous and atomic: a step directory becomes visible only when complete, so after a crash the
 latest step is whole and its data position matches its parameters (no batch is seen twice).
+
+A directory is local or a URI (`gs://bucket/...`), handed to orbax as an epath.Path (`storage`):
+orbax reaches it through epath and, for the arrays, tensorstore's own drivers (on GCS, where a
+rename is no atomic operation, a step is complete once its `commit_success.txt` is written).
 """
 
 import base64
 import dataclasses
-import os
 
 import jax
 import orbax.checkpoint as ocp
 
+from spsjax import storage
 from spsjax.models import TransformerConfig
 
 
 def manager(directory: str, *, keep: int = 3, save_every: int = 1,
             create: bool = True) -> ocp.CheckpointManager:
-  directory = os.path.abspath(os.path.expanduser(directory))
-  if not create and not os.path.isdir(directory):
+  directory = storage.path(directory)
+  if not create and not directory.is_dir():
     raise FileNotFoundError(f'Checkpoint directory {directory} does not exist.')
   options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=save_every,
                                          create=create, enable_async_checkpointing=True)

@@ -5,6 +5,8 @@ The layout on disk, for a family of models that speculate together (a target and
   <root>/tokenizer.model   the family's SentencePiece model, trained once from the train split
   <root>/<name>/           one orbax checkpoint directory per model (target, draft_wide, ...)
 
+The root is local or a URI (`gs://bucket/family`): every file under it goes through `storage`.
+
 Invariants: every model of a family uses the family's tokenizer (each checkpoint also stores it, and
 `load.load_model` loads it back); a distilled draft's teacher is a finished checkpoint of the
 same family, checked at start. Everything that can be wrong with a config (unknown dataset or
@@ -13,15 +15,12 @@ first step with a message that names it.
 """
 
 import dataclasses
-import os
-import tempfile
 from collections.abc import Callable
 
 from absl import logging
 import jax
-from jax.experimental import multihost_utils
 
-from spsjax import models, sharding
+from spsjax import distributed, models, sharding, storage
 from spsjax.data import datasets, pipeline
 from spsjax.data.tokenizer import Tokenizer
 from spsjax.train import load, optimizer, trainer
@@ -45,7 +44,7 @@ class Experiment:
   """A training run: what to train, on what, where, and from which teacher (if any)."""
   train: trainer.TrainConfig
   data: DataConfig
-  root: str  # The family directory (tokenizer and sibling checkpoints).
+  root: str  # The family directory (tokenizer and sibling checkpoints), local or a URI.
   name: str  # This model's checkpoint directory under `root`.
   teacher: str | None = None  # Name of a finished checkpoint under `root` to distil from.
   tokenizer_seed: int = 0
@@ -54,11 +53,11 @@ class Experiment:
 
   @property
   def workdir(self) -> str:
-    return os.path.join(self.root, self.name)
+    return storage.join(self.root, self.name)
 
   @property
   def tokenizer_path(self) -> str:
-    return os.path.join(self.root, TOKENIZER_FILE)
+    return storage.join(self.root, TOKENIZER_FILE)
 
 
 def family_tokenizer(path: str, texts: Callable[[], list[str]], vocab_size: int,
@@ -66,13 +65,12 @@ def family_tokenizer(path: str, texts: Callable[[], list[str]], vocab_size: int,
   """The tokenizer at `path`, trained from `texts()` and saved there first if it is missing.
 
   Process 0 trains and writes it (to a temporary name, then renamed, so a crash never leaves half
-  a tokenizer); the other processes wait for it. A tokenizer that exists with another vocabulary
-  size is an error, not silently retrained.
+  a tokenizer); the other processes wait for it, then read it (the root is storage they share). A
+  tokenizer that exists with another vocabulary size is an error, not silently retrained.
   """
-  if not os.path.exists(path) and jax.process_index() == 0:
+  if distributed.is_main() and not storage.path(path).exists():
     _train_tokenizer(path, texts, vocab_size, seed)
-  if jax.process_count() > 1:  # The others wait for process 0's file (root is shared storage).
-    multihost_utils.sync_global_devices(f'tokenizer {path}')
+  distributed.barrier(f'tokenizer {path}')
   tok = Tokenizer.load(path)
   if tok.vocab_size != vocab_size:
     raise ValueError(f'Tokenizer {path} has vocab_size {tok.vocab_size}, but the model config '
@@ -84,11 +82,7 @@ def _train_tokenizer(path: str, texts: Callable[[], list[str]], vocab_size: int,
                      seed: int) -> None:
   logging.info('Training a %d-piece tokenizer for %s ...', vocab_size, path)
   tok = Tokenizer.train(texts(), vocab_size, seed=seed)
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(path)), delete=False) as f:
-    f.write(tok.to_bytes())
-  os.chmod(f.name, 0o644)
-  os.replace(f.name, path)
+  storage.write_bytes(path, tok.to_bytes(), atomic=True)
 
 
 def load_docs(data: DataConfig, split: str):
@@ -106,7 +100,7 @@ def held_out(docs, tok: Tokenizer, batch_size: int, seq_len: int) -> pipeline.Pa
 
 
 def _load_teacher(exp: Experiment, tok: Tokenizer, mesh) -> models.Model:
-  teacher_dir = os.path.join(exp.root, exp.teacher)
+  teacher_dir = storage.join(exp.root, exp.teacher)
   model, teacher_tok, _ = load.load_model(teacher_dir, mesh=mesh)
   if teacher_tok.to_bytes() != tok.to_bytes():
     raise ValueError(f'Teacher checkpoint {teacher_dir} has another tokenizer than {exp.root}: '
@@ -122,8 +116,8 @@ def run(exp: Experiment) -> dict:
   if (exp.train.distill_weight > 0 or exp.train.init_from_teacher) and not exp.teacher:
     raise ValueError('distill_weight > 0 and init_from_teacher need a teacher checkpoint name '
                      '(config.teacher).')
-  if exp.teacher and not os.path.isdir(os.path.join(exp.root, exp.teacher)):
-    raise FileNotFoundError(f'Teacher checkpoint directory {os.path.join(exp.root, exp.teacher)} '
+  if exp.teacher and not storage.path(storage.join(exp.root, exp.teacher)).is_dir():
+    raise FileNotFoundError(f'Teacher checkpoint directory {storage.join(exp.root, exp.teacher)} '
                             'does not exist: train the target first.')
   mesh = sharding.run_mesh(exp.mesh_data, exp.mesh_model)
   sharding.check_batch(exp.train.batch_size, mesh)

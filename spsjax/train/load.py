@@ -7,16 +7,16 @@ optimizer's state in the checkpoint is left on disk).
 
 A Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json, or the
 spsjax_tokenizer.model that experiments/export_hf.py writes) loads as well, wherever a checkpoint
-is named (`models.hf`, `data.hf_tokenizer`); its meta is {'hf': config}.
+is named (`models.hf`, `data.hf_tokenizer`); its meta is {'hf': config}. Every location is local or
+a URI (`storage`).
 """
 
-import os
 from collections.abc import Sequence
 
 import jax
 from jax.sharding import Mesh
 
-from spsjax import models, sharding
+from spsjax import models, sharding, storage
 from spsjax.data.hf_tokenizer import HFTokenizer
 from spsjax.data.tokenizer import Tokenizer
 from spsjax.models import hf
@@ -28,14 +28,15 @@ SPSJAX_TOKENIZER = 'spsjax_tokenizer.model'  # Our tokenizer in an exported HF d
 
 def _hf_tokenizer(path: str):
   """An HF directory's tokenizer: tokenizer.json, or spsjax's own where we exported it."""
-  if os.path.isfile(os.path.join(path, SPSJAX_TOKENIZER)):
-    return Tokenizer.load(os.path.join(path, SPSJAX_TOKENIZER))
+  own = storage.join(path, SPSJAX_TOKENIZER)
+  if storage.path(own).is_file():
+    return Tokenizer.load(own)
   return HFTokenizer.load(path)
 
 
 def is_hf(path: str) -> bool:
   """Whether `path` is a Hugging Face checkpoint directory (it has a config.json)."""
-  return os.path.isfile(os.path.join(path, hf.CONFIG))
+  return (storage.path(path) / hf.CONFIG).is_file()
 
 
 def load_model(workdir: str, *, step: int | None = None, mesh: Mesh | None = None,
@@ -78,7 +79,7 @@ def load_family(root: str, target: str, drafts: Sequence[str], *, mesh: Mesh | N
   if draft_weights not in models.WEIGHT_DTYPES:
     raise ValueError(f'draft_weights must be one of {models.WEIGHT_DTYPES}, not {draft_weights!r}.')
   place = (lambda m, _=None: m) if mesh is not None else models.for_decoding
-  path = lambda name: name if is_hf(name) else os.path.join(root, name)
+  path = lambda name: name if is_hf(name) else storage.join(root, name)
   target_model, tok, meta = load_model(path(target), mesh=mesh)
   draft_models = {}
   for name in drafts:
