@@ -4,7 +4,7 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 
-.PHONY: demo test setup clean train-tiny train-demo train-reference
+.PHONY: demo test setup clean train-tiny train-demo train-reference accelerator-check
 
 # pip builds the native CPU kernels (spsjax/native) too: rebuild when their sources change.
 $(VENV)/.installed: setup.py pyproject.toml $(wildcard spsjax/native/*.cc spsjax/native/*.h spsjax/native/*.inc)
@@ -24,6 +24,11 @@ demo: train-demo
 # small programs, each on one core (~11 min here with the tests' XLA flags, tests/xla_env.py).
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
+
+# Exactness, one program per generation and decode figures on the default JAX backend (a GPU or
+# TPU: bench150m and llama1b; a CPU: tiny sizes); the report goes to results/accelerator_check.md.
+accelerator-check: $(VENV)/.installed
+	$(PY) experiments/accelerator_check.py
 
 # The tiny family (tokenizer, target, wide-shallow draft) in checkpoints/tiny; resumes if killed.
 train-tiny: $(VENV)/.installed

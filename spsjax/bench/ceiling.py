@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from spsjax import models, sampling
-from spsjax.bench import speedup, timing
+from spsjax.bench import decode, timing
 from spsjax.sampling import common
 
 
@@ -102,7 +102,7 @@ def measure(target: models.Model, draft: models.Model, *, k: int = 4, prompt_len
           'sps_prefill': sps(1)}
   timings = timing.time_interleaved(runs, repeats, bucket=lambda i: 0, ks={'sps': k})
   median = {name: statistics.median(c.seconds for c in t.calls) for name, t in timings.items()}
-  costs = speedup.measure_costs(target, draft, k, batch=1,
+  costs = decode.measure_costs(target, draft, k, batch=1,
                                 capacity=prompt_len + max_new_tokens + k, mesh=mesh)
   return Ceiling(k=k, max_new_tokens=max_new_tokens, **median,
                  tokens_per_loop=timings['sps'].tokens_per_loop, c=costs.c, s=costs.s)

@@ -265,3 +265,32 @@ def copy_report(copy: CopyBandwidth) -> list[str]:
       f'fresh output {copy.jax_fresh:.2f}; jit copy into a donated buffer {copy.jax_donated:.2f}; '
       f'numpy copyto {copy.numpy:.2f}',
   ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+  """Measured step costs at one batch and cache size (seconds, medians)."""
+  target_step: float
+  draft_step: float
+  score_call: float  # Target `extend` on k + 1 positions.
+
+  @property
+  def c(self) -> float:
+    return self.draft_step / self.target_step
+
+  @property
+  def s(self) -> float:
+    return self.score_call / self.target_step
+
+
+def measure_costs(target: models.Model, draft: models.Model | None, k: int, batch: int,
+                  capacity: int, repeats: int = 20, mesh: Mesh | None = None) -> Costs:
+  """Step costs; a drafter without a model (draft None) costs nothing per step (c = 0)."""
+  t, _, _ = extend_seconds(target, (1, k + 1), capacity, repeats=repeats, batch=batch,
+                                  mesh=mesh)
+  draft_step = 0.0
+  if draft is not None:
+    d, _, _ = extend_seconds(draft, (1,), capacity, repeats=repeats, batch=batch,
+                                    mesh=mesh)
+    draft_step = d[1]
+  return Costs(target_step=t[1], draft_step=draft_step, score_call=t[k + 1])

@@ -47,6 +47,7 @@ from jax.sharding import Mesh
 
 from spsjax import models, sampling, sharding
 from spsjax.bench import decode, profile, theory, timing
+from spsjax.bench.decode import Costs, measure_costs
 from spsjax.data import prompts as prompts_lib
 from spsjax.data.tokenizer import Tokenizer
 from spsjax.eval import likelihood, metrics, tasks
@@ -58,22 +59,6 @@ LOGP = 'log p'  # The parity column of the target's mean log-probability per gen
 LOG_RATIO = 'log p/q'  # The parity column of the mean of log p - log q per generated token.
 PARITY_LEVEL = 0.05  # Family-wise, over a row's columns (Bonferroni).
 PARITY_POWER = 0.8  # For the minimal detectable difference each column reports.
-
-
-@dataclasses.dataclass(frozen=True)
-class Costs:
-  """Measured step costs at one batch and cache size (seconds, medians)."""
-  target_step: float
-  draft_step: float
-  score_call: float  # Target `extend` on k + 1 positions.
-
-  @property
-  def c(self) -> float:
-    return self.draft_step / self.target_step
-
-  @property
-  def s(self) -> float:
-    return self.score_call / self.target_step
 
 
 def _encode(task: Task, tok: Tokenizer, target: models.Model, draft: models.Model | None,
@@ -95,19 +80,6 @@ def halfway_capacity(task: Task, tok: Tokenizer, target: models.Model,
   capacity = int(round(float(np.mean(lengths_N)))) + task.max_new_tokens // 2 + k + 1
   limits = [m.config.max_seq_len for m in (target, draft) if m is not None]
   return min([capacity] + limits)
-
-
-def measure_costs(target: models.Model, draft: models.Model | None, k: int, batch: int,
-                  capacity: int, repeats: int = 20, mesh: Mesh | None = None) -> Costs:
-  """Step costs; a drafter without a model (draft None) costs nothing per step (c = 0)."""
-  t, _, _ = decode.extend_seconds(target, (1, k + 1), capacity, repeats=repeats, batch=batch,
-                                  mesh=mesh)
-  draft_step = 0.0
-  if draft is not None:
-    d, _, _ = decode.extend_seconds(draft, (1,), capacity, repeats=repeats, batch=batch,
-                                    mesh=mesh)
-    draft_step = d[1]
-  return Costs(target_step=t[1], draft_step=draft_step, score_call=t[k + 1])
 
 
 @dataclasses.dataclass

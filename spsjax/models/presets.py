@@ -1,7 +1,7 @@
 """Named model sizes shared by configs: keyword arguments for `TransformerConfig`.
 
 `tiny_*` run the README's main job and the tests on a 2-core CPU; `bench150m` is the ~150M-parameter
-model of the decode benchmark. Draft presets are wide and shallow relative to their target, as in
+model of the decode benchmark, `llama1b` a 1.2B model of Llama 3.2 1B's shape for accelerators. Draft presets are wide and shallow relative to their target, as in
 Chen et al. (2023): about 0.75 of the width and 1/8 to 1/10 of the depth.
 """
 
@@ -43,6 +43,10 @@ PRESETS = {
                                 num_kv_heads=1, d_ff=608, max_seq_len=1024),
     'bench150m': dict(vocab_size=32_000, d_model=768, num_layers=12, num_heads=12, d_ff=3072,
                       max_seq_len=2048, tie_embeddings=False),
+    # Llama-3.2-1B's shape (1.24B parameters, GQA 32/8, tied 128k vocabulary): the accelerator
+    # check's large model, randomly initialised.
+    'llama1b': dict(vocab_size=128_256, d_model=2048, num_layers=16, num_heads=32,
+                    num_kv_heads=8, d_ff=8192, max_seq_len=2048, rope_base=500_000.0),
 }
 
 # Truncated drafts: a target's first layer at the target's width, started from the trained
@@ -50,6 +54,12 @@ PRESETS = {
 for _size in ('tiny', 'demo', 'reference'):
   PRESETS[f'{_size}_draft_trunc'] = dict(PRESETS[f'{_size}_target'], num_layers=1)
 del _size
+# The benchmark models' drafts (the perfect-draft ceiling's): two narrow layers over the target's
+# vocabulary, a step reading ~6% of the target's bytes (the output layer is most of it).
+PRESETS['bench150m_draft'] = dict(PRESETS['bench150m'], d_model=256, num_layers=2, num_heads=4,
+                                  d_ff=1024)
+PRESETS['llama1b_draft'] = dict(PRESETS['llama1b'], d_model=512, num_layers=2, num_heads=8,
+                                num_kv_heads=2, d_ff=2048)
 
 
 def get(name: str) -> dict:

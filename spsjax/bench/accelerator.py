@@ -1,0 +1,272 @@
+"""What `experiments/accelerator_check.py` checks and measures on whatever JAX backend runs it.
+
+Three parts, each usable alone:
+- `exactness_checks`: SpS on XLA's ops (a one-device mesh: the path TPUs and GPUs take) against
+  the enumerated law of its target (G-tests, `eval.exactness`) at temperature 1 and top-p, k = 2
+  and 4, 5 tokens per row, on a batch of two interleaved prompts of different lengths; in
+  bfloat16, where the cached and uncached forwards round differently, SpS against ArS of the same
+  bfloat16 model (a two-sample test); and greedy SpS against greedy ArS token for token.
+- `one_program_check`: a whole SpS generation dispatches one executable (counted in a profiler
+  trace of the call: every execution of every XLA module).
+- `decode_figures` / `ceilings`: per model and batch, ArS time per token and per decoding step,
+  the rate at which a step reads the weights against the device's copy bandwidth, s(k + 1) =
+  `extend` on k + 1 positions / on 1, and the perfect-draft ceiling (`bench.ceiling`).
+`markdown` puts them on one screen.
+"""
+
+import dataclasses
+import tempfile
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spsjax import models, sampling, sharding
+from spsjax.bench import ceiling, decode, timing, trace
+from spsjax.eval import exactness
+from spsjax.sampling import SamplingConfig, speculative
+
+GREEDY = SamplingConfig(temperature=0.0)
+# The exactness checks' tiny pair: 7 tokens, far-apart laws (as in tests/test_speculative.py).
+_V = 7
+_PROMPTS = ((1, 4, 2), (5,))
+_NEW = 5
+LAWS = (('temperature 1', SamplingConfig(), 2), ('top-p 0.8', SamplingConfig(top_p=0.8), 4))
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+  name: str
+  passed: bool
+  detail: str
+
+
+def _cast(model: models.Model, dtype: str) -> models.Model:
+  config = dataclasses.replace(model.config, dtype=dtype)
+  return models.Model(config, jax.tree.map(lambda x: x.astype(dtype), model.params))
+
+
+def one_device_mesh() -> jax.sharding.Mesh:
+  """A 1 x 1 mesh: the samplers then run XLA's ops (no native CPU kernels), on any backend."""
+  return sharding.make_mesh(1, 1, jax.devices()[:1])
+
+
+def _tiny_pair(dtype: str) -> tuple[models.Model, models.Model]:
+  config = lambda layers: models.TransformerConfig(
+      vocab_size=_V, d_model=16, num_layers=layers, num_heads=2, d_ff=32, max_seq_len=16,
+      tie_embeddings=False)
+  pair = exactness.scaled_model(config(2), 0, 1.5), exactness.scaled_model(config(1), 1, 1.5)
+  return tuple(_cast(m, dtype) for m in pair)
+
+
+def _interleaved(rows: int) -> tuple[np.ndarray, np.ndarray]:
+  """`rows` prompts alternating between `_PROMPTS` (right-padded): a ragged batch."""
+  prompts = np.zeros((rows, max(map(len, _PROMPTS))), np.int32)
+  lengths = np.zeros((rows,), np.int32)
+  for i, prompt in enumerate(_PROMPTS):
+    prompts[i::2, :len(prompt)] = prompt
+    lengths[i::2] = len(prompt)
+  return prompts, lengths
+
+
+def exactness_checks(dtype: str, *, rows: int, p_min: float = 1e-5, seed: int = 0) -> list[Check]:
+  """The law checks (`LAWS`, each prompt its own G-test) and greedy SpS == greedy ArS, on XLA's
+  ops in `dtype`. float32: against the enumerated law of the target; bfloat16: against ArS of
+  the same model. A correct sampler fails each law check with probability p_min."""
+  mesh = one_device_mesh()
+  target, draft = _tiny_pair(dtype)
+  prompts, lengths = _interleaved(rows)
+  checks = []
+  for name, config, k in LAWS:
+    key = jax.random.key(seed + k)
+    sps = np.asarray(sampling.speculative_sample(
+        target, draft, prompts, lengths, key, k=k, max_new_tokens=_NEW, sampling=config,
+        mesh=mesh).tokens)
+    if dtype == 'float32':
+      against = 'the enumerated law'
+      pvalues = [exactness.g_test_pvalue(exactness.sequence_counts(sps[i::2], _V),
+                                         exactness.exact_sequence_law(target, prompt, _NEW, config))
+                 for i, prompt in enumerate(_PROMPTS)]
+    else:
+      against = 'ArS'
+      ars = np.asarray(sampling.autoregressive_sample(
+          target, prompts, lengths, jax.random.fold_in(key, 1), max_new_tokens=_NEW,
+          sampling=config, mesh=mesh).tokens)
+      pvalues = [exactness.two_sample_pvalue(exactness.sequence_counts(sps[i::2], _V),
+                                             exactness.sequence_counts(ars[i::2], _V))
+                 for i in range(len(_PROMPTS))]
+    checks.append(Check(
+        f'{dtype} SpS law, {name}, k={k}, {_NEW} tokens, ragged batch', min(pvalues) > p_min,
+        f'G-test against {against}, {rows // 2:,} rows per prompt: p = '
+        + ', '.join(f'{p:.2g}' for p in pvalues) + f' (fails below {p_min:g})'))
+  checks.append(greedy_check(dtype, mesh))
+  return checks
+
+
+def greedy_check(dtype: str, mesh, *, k_values: Sequence[int] = (2, 4)) -> Check:
+  """Greedy SpS emits greedy ArS's tokens, on a ragged batch of a random pair."""
+  config = lambda layers, width: models.TransformerConfig(
+      vocab_size=64, d_model=width, num_layers=layers, num_heads=4, num_kv_heads=2, d_ff=2 * width,
+      max_seq_len=64, dtype=dtype)
+  target = models.Model(config(2, 32), models.init_params(config(2, 32), jax.random.key(0)))
+  draft = models.Model(config(1, 24), models.init_params(config(1, 24), jax.random.key(1)))
+  rng = np.random.default_rng(0)
+  lengths = rng.integers(1, 9, size=6).astype(np.int32)
+  prompts = rng.integers(0, 64, size=(6, 8)).astype(np.int32)
+  ars = np.asarray(sampling.autoregressive_sample(target, prompts, lengths, jax.random.key(2),
+                                                  max_new_tokens=24, sampling=GREEDY,
+                                                  mesh=mesh).tokens)
+  same = [np.array_equal(ars, np.asarray(sampling.speculative_sample(
+      target, draft, prompts, lengths, jax.random.key(3), k=k, max_new_tokens=24,
+      sampling=GREEDY, mesh=mesh).tokens)) for k in k_values]
+  return Check(f'{dtype} greedy SpS == greedy ArS', all(same),
+               ', '.join(f'k={k}: {"same tokens" if s else "DIFFERENT tokens"}'
+                         for k, s in zip(k_values, same)) + ', 6 ragged rows x 24 tokens')
+
+
+def executions(xspace: bytes) -> dict[str, int]:
+  """{XLA module: times it ran} in a profiler trace: the `XLA Modules` lines of device planes
+  (TPU, GPU) where there are any, else the distinct run ids of op events (CPU)."""
+  data = jax.profiler.ProfileData.from_serialized_xspace(xspace)
+  by_line, runs = {}, set()
+  for plane in data.planes:
+    for line in plane.lines:
+      for e in line.events:
+        if line.name == 'XLA Modules' and plane.name.startswith('/device:'):
+          by_line[e.name] = by_line.get(e.name, 0) + 1
+        stats = dict(e.stats)
+        if 'hlo_module' in stats and 'run_id' in stats:
+          runs.add((str(stats['hlo_module']), str(stats['run_id'])))
+  if by_line:
+    return by_line
+  counts = {}
+  for module, _ in runs:
+    counts[module] = counts.get(module, 0) + 1
+  if not counts:
+    raise trace.ProfileError('The trace names no XLA module executions.')
+  return counts
+
+
+def one_program_check(*, k: int = 4, max_new_tokens: int = 10) -> Check:
+  """A whole SpS generation (prefill and every loop, 6 ragged rows at temperature 1) dispatches
+  exactly one executable: no host round trip between loops."""
+  mesh = one_device_mesh()
+  target, draft = _tiny_pair('float32')
+  prompts, lengths = _interleaved(6)
+  loop, args = speculative.prepare(target, draft, prompts, lengths, k=k,
+                                   max_new_tokens=max_new_tokens, sampling=SamplingConfig(),
+                                   mesh=mesh)
+  key = jax.random.key(0)
+  out = jax.block_until_ready(loop.run(*args, key))  # Compiles.
+  with tempfile.TemporaryDirectory() as log_dir:
+    out, _, xspace = trace.record(lambda: loop.run(*args, key), log_dir)
+  ran = executions(xspace)
+  loops = int(np.max(out.num_loops))
+  return Check('one compiled program per generation', sum(ran.values()) == 1 and loops > 1,
+               f'{sum(ran.values())} executable(s) dispatched for {loops} loops: '
+               + ', '.join(f'{m} x{n}' for m, n in sorted(ran.items())))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRow:
+  """One model at one batch size; seconds, bytes."""
+  preset: str
+  dtype: str
+  batch: int
+  num_params: int
+  weight_bytes: int  # What a step reads of the weights (`decode.weight_bytes_per_token`).
+  step: float  # `extend` of 1 position per row, inside a jitted loop.
+  s: dict[int, float]  # T -> `extend` of T positions / of 1.
+  ars_call: float  # `autoregressive_sample` of max_new_tokens per row, whole call.
+  ars_prefill: float  # The same call stopping after the prefill's token.
+  max_new_tokens: int
+
+  @property
+  def ars_step(self) -> float:
+    """ArS time per decoding step (prefill subtracted)."""
+    return (self.ars_call - self.ars_prefill) / (self.max_new_tokens - 1)
+
+  @property
+  def ars_per_token(self) -> float:
+    """Whole ArS call per generated token of one row."""
+    return self.ars_call / self.max_new_tokens
+
+  @property
+  def weight_rate(self) -> float:
+    """GB/s of weights read by an ArS decoding step (all of its time charged to them)."""
+    return self.weight_bytes / self.ars_step / 1e9
+
+
+def decode_figures(model: models.Model, preset: str, *, batch: int, blocks: Sequence[int],
+                   prompt_len: int, max_new_tokens: int, repeats: int) -> DecodeRow:
+  """`extend` at 1 and each of `blocks` positions per row, and ArS, at `batch` rows."""
+  capacity = prompt_len + max_new_tokens + max(blocks)
+  times, _, _ = decode.extend_seconds(model, (1,) + tuple(blocks), capacity, repeats=repeats,
+                                      batch=batch)
+  prompts = (np.arange(batch * prompt_len, dtype=np.int32).reshape(batch, prompt_len) * 7
+             + 1) % model.config.vocab_size
+  lengths = np.full((batch,), prompt_len, np.int32)
+  prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
+  ars = lambda n: lambda i: sampling.autoregressive_sample(
+      model, prompts, lengths, jax.random.key(i), max_new_tokens=n, sampling=SamplingConfig())
+  timed = timing.time_interleaved({'call': ars(max_new_tokens), 'prefill': ars(1)}, repeats,
+                                  bucket=lambda i: 0)
+  median = {name: float(np.median([c.seconds for c in t.calls])) for name, t in timed.items()}
+  return DecodeRow(preset=preset, dtype=model.config.dtype, batch=batch,
+                   num_params=models.num_params(model.params),
+                   weight_bytes=decode.weight_bytes_per_token(model.config, model.params),
+                   step=times[1], s={T: times[T] / times[1] for T in blocks},
+                   ars_call=median['call'], ars_prefill=median['prefill'],
+                   max_new_tokens=max_new_tokens)
+
+
+def ceilings(target: models.Model, draft: models.Model, *, ks: Sequence[int], prompt_len: int,
+             max_new_tokens: int, repeats: int) -> list[ceiling.Ceiling]:
+  """The perfect-draft ceiling (zero output layers: every draft accepted) at each k, batch 1."""
+  pair = ceiling.perfect_pair(target, draft)
+  return [ceiling.measure(*pair, k=k, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                          repeats=repeats) for k in ks]
+
+
+def random_model(preset_kwargs: dict, dtype: str, seed: int) -> models.Model:
+  config = models.TransformerConfig(**dict(preset_kwargs, dtype=dtype))
+  return models.Model(config, models.init_params(config, jax.random.key(seed)))
+
+
+def device_description() -> str:
+  d = jax.devices()[0]
+  return (f'{jax.device_count()} x {getattr(d, "device_kind", d.platform)} '
+          f'({jax.default_backend()}), JAX {jax.__version__}')
+
+
+def markdown(*, device: str, copy: decode.CopyBandwidth | None, checks: Sequence[Check],
+             rows: Sequence[DecodeRow], ceiling_rows: Sequence[tuple[str, ceiling.Ceiling]],
+             command: str) -> str:
+  """The one-screen report."""
+  lines = [f'# Accelerator check: {device}', '', f'`{command}`', '']
+  if checks:
+    lines += ['| check | result | detail |', '|---|---|---|']
+    lines += [f'| {c.name} | {"pass" if c.passed else "FAIL"} | {c.detail} |' for c in checks]
+    lines.append('')
+  if rows:
+    copy_text = f'{copy.best:.0f} GB/s (read + written, best of three copies)' if copy else '-'
+    blocks = sorted({T for r in rows for T in r.s})
+    lines += [f'Copy bandwidth: {copy_text}. Random weights; ArS at temperature 1.', '',
+              '| model | dtype | batch | params | ArS ms/token | ArS ms/step | weights GB/s (of copy) '
+              '| ' + ' | '.join(f's({T})' for T in blocks) + ' |',
+              '|---|---|---|---|---|---|---|' + '---|' * len(blocks)]
+    for r in rows:
+      share = f' ({r.weight_rate / copy.best:.0%})' if copy else ''
+      lines.append(
+          f'| {r.preset} | {r.dtype} | {r.batch} | {r.num_params / 1e6:.0f}M | '
+          f'{r.ars_per_token * 1e3:.3f} | {r.ars_step * 1e3:.3f} | {r.weight_rate:.0f}{share} | '
+          + ' | '.join(f'{r.s[T]:.2f}' for T in blocks) + ' |')
+    lines.append('')
+  if ceiling_rows:
+    lines += ['| perfect draft | k | c | s | decoding SpS/ArS | formula (k+1)/(kc+s) | whole calls |',
+              '|---|---|---|---|---|---|---|']
+    for label, c in ceiling_rows:
+      lines.append(f'| {label} | {c.k} | {c.c:.3f} | {c.s:.2f} | {c.decode_speedup:.2f}x | '
+                   f'{c.predicted:.2f}x | {c.speedup:.2f}x |')
+  return '\n'.join(lines) + '\n'

