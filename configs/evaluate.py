@@ -1,11 +1,12 @@
 """Held-out loss of trained checkpoints and alpha of target/draft pairs.
 
-  python experiments/evaluate.py --config=configs/evaluate.py:size=tiny
-  python experiments/evaluate.py --config=configs/evaluate.py:size=reference,drafts=draft_wide
+  python experiments/evaluate.py --config=configs/evaluate.py   # the reference pair
+  python experiments/evaluate.py --config=configs/evaluate.py:size=tiny,drafts=all
 
-Arguments: size (tiny | reference: the family root checkpoints/<size>), root (overrides it),
-target (checkpoint name), drafts ('+'-separated checkpoint names; those missing are reported and
-skipped unless listed explicitly), batches (0: no held-out text), batch_size, seq_len, split (the
+Arguments: size (tiny | demo | reference: the family root checkpoints/<size>; default reference),
+root (overrides it), target (checkpoint name), drafts ('+'-separated checkpoint names, or `all`:
+every draft the families train, those missing reported and skipped; default the family's best,
+`spsjax.config_args.best_draft`), batches (0: no held-out text), batch_size, seq_len, split (the
 held-out text); tasks ('+'-separated Table 1 tasks whose prompts alpha is also measured on, along
 the target's own samples; '' for none), num (prompts per task; 0: all), max_new_tokens (0: the
 task's, as in Table 1), task_batch (rows per sampler call), k (prompts are cut as Table 1 cuts
@@ -14,22 +15,27 @@ them for this lookahead), seed.
 
 import ml_collections
 
-from spsjax.config_args import parse_arg
+from spsjax.config_args import best_draft, default_pair_note, parse_arg
 from spsjax.eval import tasks
 
-ALL_DRAFTS = 'draft_wide+draft_mid+draft_deep+draft_wide_distill+draft_deep_distill'
+ALL_DRAFTS = ('draft_wide+draft_mid+draft_deep+draft_wide_distill+draft_deep_distill+'
+              'draft_trunc_distill_3000')
 
 
 def get_config(arg=None):
-  a = parse_arg(arg, size='tiny', root='', target='target', drafts='', batches=8, batch_size=8,
+  a = parse_arg(arg, size='reference', root='', target='target', drafts='', batches=8,
+                batch_size=8,
                 seq_len=256, split='validation', data=1, model_axis=1, draft_weights='int8',
                 tasks='humaneval', num=0, max_new_tokens=0, task_batch=8, k=4, seed=0)
   c = ml_collections.ConfigDict()
+  c.note = default_pair_note(arg, ('size', 'root', 'drafts'))
   c.root = a.root or f'checkpoints/{a.size}'
   c.target = a.target
   c.draft_weights = a.draft_weights  # The drafts' packed weights (native CPU path).
-  c.drafts = [d for d in (a.drafts or ALL_DRAFTS).split('+') if d]
-  c.require_drafts = bool(a.drafts)  # Named drafts must exist; the default list is best effort.
+  drafts = a.drafts or best_draft(c.root)
+  c.drafts = [d for d in (ALL_DRAFTS if drafts == 'all' else drafts).split('+') if d]
+  # Named drafts must exist; `all` is best effort.
+  c.require_drafts = drafts != 'all'
   c.batches = a.batches
   c.batch_size = a.batch_size
   c.seq_len = a.seq_len

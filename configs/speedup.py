@@ -1,6 +1,9 @@
-"""Table 1 for a trained family: `--config=configs/speedup.py:root=checkpoints/reference`.
+"""Table 1 for a trained family: `--config=configs/speedup.py` (the reference pair) or
+`--config=configs/speedup.py:root=checkpoints/demo,draft=draft_wide_distill`.
 
-Arguments: root (family directory), draft (checkpoint name of the draft), k, humaneval /
+Arguments: root (family directory; default checkpoints/reference), draft (checkpoint name of the
+draft; default the family's best: draft_trunc_distill_3000 for the reference family,
+draft_wide_distill for demo, draft_wide for tiny), k, humaneval /
 docstrings / code (number of examples of each task; 0: all; code is `code_completion`, held-out
 functions cut in half), batches ('+'-separated, e.g. 1+8), seed, results (output
 directory; default results/speedup_<family>), runlocal (a few examples, for a smoke run), demo
@@ -20,21 +23,22 @@ import os
 
 import ml_collections
 
-from spsjax.config_args import parse_arg
+from spsjax.config_args import REFERENCE_ROOT, best_draft, default_pair_note, parse_arg
 from spsjax.eval import tasks
 
 
 def get_config(arg=None):
-  a = parse_arg(arg, root='checkpoints/tiny', draft='draft_wide', k=4, humaneval=164,
+  a = parse_arg(arg, root=REFERENCE_ROOT, draft='', k=4, humaneval=164,
                 docstrings=200, code=200, batches='1+8', seed=0, results='', runlocal=False, demo=False,
                 data=1, model_axis=1, draft_weights='int8', drafter='model', max_ngram=3,
                 min_ngram=1, stop_below=0.0, lenience=1.0, hf_target='', hf_draft='')
   if a.demo:
     a.humaneval, a.docstrings, a.code, a.batches = 8, 8, 8, '1'
   c = ml_collections.ConfigDict()
+  c.note = default_pair_note(arg, ('root', 'draft', 'hf_target', 'hf_draft'))
   c.root = a.root
   c.target = a.hf_target or 'target'
-  c.draft = a.hf_draft or a.draft
+  c.draft = a.hf_draft or a.draft or best_draft(a.root)
   c.target_path = a.hf_target or os.path.join(a.root, 'target')
   c.draft_weights = a.draft_weights  # The draft's packed weights (native CPU path).
   c.drafter = dict(kind=a.drafter, max_ngram=a.max_ngram, min_ngram=a.min_ngram,
@@ -66,8 +70,7 @@ def get_config(arg=None):
     c.title += ('\n\nDemo run (`make demo`): 8 prompts per task at batch 1 on the demo pair (a 5M '
                 'target and a 0.5M draft distilled from it, trained for minutes). It is a '
                 'pipeline-sized check that everything runs end to end and SpS keeps ArS\'s '
-                'results, with a small speedup at best; the speedups are measured on the '
-                'reference pair (docs/reference_results.md).')
+                'results; the speedups are measured on the reference pair (docs/results.md).')
   elif a.runlocal:
     c.title += ('\n\nSmoke run (`runlocal`): a few examples per task; the numbers check that the '
                 'pipeline runs, they do not measure the speedup.')

@@ -1,7 +1,8 @@
-"""Figure 1 sweeps: `--config=configs/sweep.py:root=checkpoints/reference,sweep=k`.
+"""Figure 1 sweeps: `--config=configs/sweep.py:sweep=k` (the reference pair).
 
-Arguments: root (family), sweep (k | draft | temperature | drafter | lenience), draft (the draft
-model of every sweep but `draft`), drafts (the draft sweep's checkpoints, '+'-separated; default
+Arguments: root (family; default checkpoints/reference), sweep (k | draft | temperature | drafter
+| lenience), draft (the draft model of every sweep but `draft`; default the family's best,
+`spsjax.config_args.best_draft`), drafts (the draft sweep's checkpoints, '+'-separated; default
 all three topologies), k (of the draft, temperature and lenience sweeps), prompts (HumanEval
 prompts, one timed call each), max_new_tokens (128 as in the paper), temperature (of every sweep
 but `temperature`), seed, results, runlocal; ks and thresholds ('+'-separated) for the drafter
@@ -17,7 +18,7 @@ import os
 
 import ml_collections
 
-from spsjax.config_args import parse_arg
+from spsjax.config_args import REFERENCE_ROOT, best_draft, default_pair_note, parse_arg
 
 DRAFTS = ('draft_wide', 'draft_mid', 'draft_deep', 'draft_wide_distill')
 
@@ -62,7 +63,7 @@ def _values(name, text, kind, valid, what):
 
 
 def get_config(arg=None):
-  a = parse_arg(arg, root='checkpoints/tiny', sweep='k', draft='draft_wide', k=4, prompts=16,
+  a = parse_arg(arg, root=REFERENCE_ROOT, sweep='k', draft='', k=4, prompts=16,
                 max_new_tokens=128, temperature=0.8, seed=0, results='', runlocal=False,
                 drafts='+'.join(DRAFTS), data=1, model_axis=1, draft_weights='int8',
                 ks='2+4+6', thresholds='0.1+0.2+0.4', hf_target='', hf_draft='')
@@ -73,11 +74,13 @@ def get_config(arg=None):
   if not drafts:
     raise ValueError('drafts names no checkpoint.')
   c = ml_collections.ConfigDict()
+  c.note = default_pair_note(arg, ('root', 'draft', 'drafts', 'hf_target', 'hf_draft'))
   c.root = a.root
   c.target = a.hf_target or 'target'
   c.sweep = a.sweep
   c.draft_weights = a.draft_weights  # The drafts' packed weights (native CPU path).
-  c.points = points(a.sweep, a.k, a.hf_draft or a.draft, a.temperature, drafts, ks, thresholds)
+  c.points = points(a.sweep, a.k, a.hf_draft or a.draft or best_draft(a.root), a.temperature,
+                    drafts, ks, thresholds)
   if a.runlocal:
     c.points = c.points[:2]
   c.prompts = 2 if a.runlocal else a.prompts

@@ -29,6 +29,8 @@ _RUNTIME = distributed.define_flags()
 def main(argv):
   distributed.start(argv, _RUNTIME())
   c = _CONFIG.value
+  if c.note:
+    print0(c.note)
   present = [d for d in c.drafts
              if c.require_drafts or storage.path(storage.join(c.root, d)).is_dir()]
   for name in sorted(set(c.drafts) - set(present)):

@@ -29,6 +29,8 @@ def main(argv):
   distributed.start(argv, _RUNTIME())
   c = _CONFIG.value
   started = time.time()
+  if c.note:
+    print0(c.note)
   mesh = sharding.mesh_from_axes(c.mesh.data, c.mesh.model)
   drafter = drafters.build(**c.drafter)
   names = [c.draft] if drafter.needs_model else []

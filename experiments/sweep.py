@@ -24,6 +24,8 @@ _RUNTIME = distributed.define_flags()
 def main(argv):
   distributed.start(argv, _RUNTIME())
   c = _CONFIG.value
+  if c.note:
+    print0(c.note)
   mesh = sharding.mesh_from_axes(c.mesh.data, c.mesh.model)
   point_drafters = [drafters.build(**p['drafter']) for p in c.points]
   names = sorted({p['draft'] for p, d in zip(c.points, point_drafters) if d.needs_model})

@@ -2,7 +2,36 @@
 
 `parse_arg(arg, **defaults)` turns the text after the colon into a ConfigDict of typed values: each
 key must be one of `defaults` and its value is cast to the default's type; a bare key sets a bool.
+The measuring configs default to the documented pair, `REFERENCE_ROOT`'s target and its best draft
+`REFERENCE_DRAFT` (what `make train-reference` trains), and to a family's best draft
+(`best_draft`) when only its root is named; `default_pair_note` is the line a binary prints when
+it runs on the reference pair because nothing else was named.
 """
+
+REFERENCE_ROOT = 'checkpoints/reference'
+REFERENCE_DRAFT = 'draft_trunc_distill_3000'
+# Each family's best draft, by the family directory's name (`make train-<family>` trains it).
+BEST_DRAFTS = {'reference': REFERENCE_DRAFT, 'demo': 'draft_wide_distill', 'tiny': 'draft_wide'}
+
+
+def best_draft(root: str) -> str:
+  """The draft the measuring configs use with `root` when none is named: the family's best
+  (`BEST_DRAFTS`, by the directory's name), `draft_wide` for a family of another name."""
+  name = root.rstrip('/').rsplit('/', 1)[-1].removesuffix('_runlocal')
+  return BEST_DRAFTS.get(name, 'draft_wide')
+
+
+def given(arg: str | None) -> set[str]:
+  """The keys `arg` names."""
+  return {item.partition('=')[0].strip() for item in filter(None, (arg or '').split(','))}
+
+
+def default_pair_note(arg: str | None, keys: tuple[str, ...]) -> str:
+  """'' if `arg` names any of `keys` (the model choices), else the line saying which pair runs."""
+  if given(arg) & set(keys):
+    return ''
+  return (f'Defaults: the reference target ({REFERENCE_ROOT}/target) and its best draft '
+          f'({REFERENCE_DRAFT}), trained by `make train-reference`; root= and draft= name others.')
 
 import ml_collections
 

@@ -172,7 +172,8 @@ def test_speedup_table_title_says_what_the_demo_is():
   assert 'pipeline-sized check' in title
   full = config.get_config('root=checkpoints/reference,draft_weights=float32')
   assert full.title.format(**full) == ('# Table 1 (Chen et al., 2023): ArS vs SpS, '
-                                       'checkpoints/reference/target and draft draft_wide, k = 4 '
+                                       'checkpoints/reference/target and draft '
+                                       'draft_trunc_distill_3000, k = 4 '
                                        '(draft weights stored in float32 on the native CPU path)')
   lossy = config.get_config('root=checkpoints/reference,drafter=hybrid,lenience=0.5')
   title = lossy.title.format(**lossy)
@@ -249,6 +250,19 @@ def _config_module(name):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+def test_measuring_configs_default_to_the_reference_pair_and_say_so():
+  """No arguments: the reference target and its best draft, and a line saying so; a root alone:
+  that family's best draft, silently."""
+  for name in ('speedup', 'sweep', 'evaluate'):
+    config = _config_module(name)
+    plain, demo = config.get_config(None), config.get_config('root=checkpoints/demo')
+    draft = lambda c: c.get('draft') or (c.get('drafts') or [None])[0] or c.points[0]['draft']
+    assert (plain.root, draft(plain)) == ('checkpoints/reference', 'draft_trunc_distill_3000')
+    assert plain.note.startswith('Defaults: the reference target (checkpoints/reference/target) '
+                                 'and its best draft (draft_trunc_distill_3000)'), name
+    assert (demo.root, draft(demo), demo.note) == ('checkpoints/demo', 'draft_wide_distill', '')
 
 
 def test_train_config_names_each_kind_of_run_and_takes_an_explicit_name():
