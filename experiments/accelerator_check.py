@@ -13,6 +13,7 @@ absl, etils): no datasets, tokenizers or config files.
 """
 
 import sys
+import time
 
 from absl import app, flags
 import jax
@@ -23,8 +24,8 @@ from spsjax.models import presets
 
 _SMALL = flags.DEFINE_bool('small', None, 'Tiny sizes (a smoke run); default: on a CPU only.')
 _OUT = flags.DEFINE_string('out', 'results/accelerator_check.md', 'Where the report goes.')
-_PRESETS = flags.DEFINE_list('presets', None, 'Model presets to time (default: bench150m, '
-                             'llama1b; small: tiny_target).')
+_PRESETS = flags.DEFINE_list('presets', None, 'Model presets to time (default: llama1b, '
+                             'bench150m; small: tiny_target).')
 _DTYPE = flags.DEFINE_enum('dtype', 'bfloat16', ['bfloat16', 'float32'], 'Timed models\' dtype.')
 _BATCHES = flags.DEFINE_list('batches', None, 'Batch sizes (default 1, 8, 32; small: 1, 8).')
 _KS = flags.DEFINE_list('ks', None, 'Lookaheads k of s(k + 1) (default 1..8; small: 1, 4).')
@@ -40,12 +41,26 @@ def _ints(values, default):
   return [int(v) for v in values] if values else list(default)
 
 
+def _ceilings(report, name, target, i, ks, prompt_len, max_new, repeats, log):
+  draft_name = name.replace('_target', '_draft') if name.endswith('_target') else f'{name}_draft'
+  if draft_name not in presets.PRESETS:
+    return
+  draft = accelerator.random_model(presets.get(draft_name), _DTYPE.value, seed=2 * i + 1)
+  for k in ks:
+    c = report.attempt(f'{name} perfect-draft ceiling k={k}', lambda: accelerator.ceilings(
+        target, draft, ks=[k], prompt_len=prompt_len, max_new_tokens=max_new,
+        repeats=repeats)[0])
+    if c:
+      report.ceiling_rows.append((f'{name} / {draft_name}', c))
+      log(f'{name} ceiling k={k}: {c.speedup:.2f}x whole calls')
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   small = jax.default_backend() == 'cpu' if _SMALL.value is None else _SMALL.value
-  names = _PRESETS.value or (['tiny_target'] if small else ['bench150m', 'llama1b'])
-  batches = _ints(_BATCHES.value, (1, 8) if small else (1, 8, 32))
+  names = _PRESETS.value or (['tiny_target'] if small else ['llama1b', 'bench150m'])
+  batches = sorted(_ints(_BATCHES.value, (1, 8) if small else (1, 8, 32)))
   ks = _ints(_KS.value, (1, 4) if small else range(1, 9))
   ceiling_ks = _ints(_CEILING_KS.value, (4,) if small else (4, 8))
   rows = _ROWS.value or (20_000 if small else 100_000)
@@ -55,38 +70,43 @@ def main(argv):
     presets.get(name)  # Unknown names fail before anything runs.
   device = accelerator.device_description()
   print(f'{device}; {"small" if small else "full"} run', flush=True)
+  report = accelerator.Report(device=device, command='python ' + ' '.join(sys.argv))
+  write = lambda: storage.write_text(_OUT.value, report.markdown())
+  start = time.perf_counter()
+  log = lambda text: print(f'[{time.perf_counter() - start:6.1f} s] {text}', flush=True)
 
-  checks = []
   if _EXACTNESS.value:
     for dtype in ('float32', 'bfloat16'):
-      checks += accelerator.exactness_checks(dtype, rows=rows)
-    checks.append(accelerator.one_program_check())
-    for c in checks:
-      print(f'{"pass" if c.passed else "FAIL"}: {c.name}: {c.detail}', flush=True)
+      report.checks += accelerator.exactness_checks(dtype, rows=rows)
+      write()
+    report.checks.append(accelerator.guarded('one compiled program per generation',
+                                               accelerator.one_program_check))
+    for c in report.checks:
+      log(f'{"pass" if c.passed else "FAIL"}: {c.name}: {c.detail}')
+    write()
 
-  copy = decode.copy_bandwidth((16 if small else 1024) * 2**20, repeats=repeats)
-  rows_out, ceiling_rows = [], []
+  report.copy = report.attempt('copy bandwidth', lambda: decode.copy_bandwidth(
+      (16 if small else 1024) * 2**20, repeats=repeats))
   for i, name in enumerate(names):
+    # Batch 1 and the ceilings first: what a run cut short should still have.
     target = accelerator.random_model(presets.get(name), _DTYPE.value, seed=2 * i)
-    draft_name = name.replace('_target', '_draft') if name.endswith('_target') else f'{name}_draft'
-    for batch in batches:
-      row = accelerator.decode_figures(target, name, batch=batch, blocks=[k + 1 for k in ks],
-                                       prompt_len=prompt_len, max_new_tokens=max_new,
-                                       repeats=repeats)
-      rows_out.append(row)
-      print(f'{name} batch {batch}: ArS {row.ars_step * 1e3:.3f} ms/step, weights '
-            f'{row.weight_rate:.0f} GB/s', flush=True)
-    if draft_name in presets.PRESETS:
-      draft = accelerator.random_model(presets.get(draft_name), _DTYPE.value, seed=2 * i + 1)
-      for c in accelerator.ceilings(target, draft, ks=ceiling_ks, prompt_len=prompt_len,
-                                    max_new_tokens=max_new, repeats=repeats):
-        ceiling_rows.append((f'{name} / {draft_name}', c))
-  command = 'python ' + ' '.join(sys.argv)
-  report = accelerator.markdown(device=device, copy=copy, checks=checks, rows=rows_out,
-                                ceiling_rows=ceiling_rows, command=command)
-  storage.write_text(_OUT.value, report)
-  print(report, flush=True)
-  if not all(c.passed for c in checks):
+    for j, batch in enumerate(batches):
+      row = report.attempt(f'{name} batch {batch}', lambda: accelerator.decode_figures(
+          target, name, batch=batch, blocks=[k + 1 for k in ks], prompt_len=prompt_len,
+          max_new_tokens=max_new, repeats=repeats))
+      if row:
+        report.rows.append(row)
+        log(f'{name} batch {batch}: ArS {row.ars_step * 1e3:.3f} ms/step, weights '
+            f'{row.weight_rate:.0f} GB/s, s = '
+            + ', '.join(f'{T}: {s:.2f}' for T, s in sorted(row.s.items())))
+      write()
+      if j == 0:
+        _ceilings(report, name, target, i, ceiling_ks, prompt_len, max_new, repeats, log)
+        write()
+  for error in report.errors:
+    log(f'ERROR {error}')
+  print(report.markdown(), flush=True)
+  if report.errors or not all(c.passed for c in report.checks):
     sys.exit(1)
 
 

@@ -42,3 +42,14 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
   decode_rows = [line for line in report.splitlines() if line.startswith('| tiny_target |')]
   assert [row.split('|')[3].strip() for row in decode_rows] == ['1', '8']
   assert '| tiny_target / tiny_draft | 4 |' in report
+
+
+def test_a_gpu_trace_counts_one_dispatch_and_the_loop_conditions_copies():
+  """A trace of `one_program_check` recorded on an H100 (JAX 0.11.2): the GPU names executions
+  by host `Execute` events, and each while-loop iteration copies its condition to the host."""
+  import gzip  # pylint: disable=import-outside-toplevel
+  from spsjax.bench import accelerator  # pylint: disable=import-outside-toplevel
+  with gzip.open(os.path.join(_ROOT, 'tests', 'data', 'h100_sps_generation.xplane.pb.gz')) as f:
+    xspace = f.read()
+  assert accelerator.executions(xspace) == {'jit_run': 1}
+  assert accelerator.device_to_host_copies(xspace) == 7  # The condition, read for 6 loops + 1.
