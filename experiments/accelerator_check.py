@@ -34,7 +34,8 @@ _CEILING_KS = flags.DEFINE_list('ceiling_ks', None, 'k of the perfect-draft ceil
 _ROWS = flags.DEFINE_integer('rows', None, 'Rows of each law check (default 100,000; small: '
                              '20,000).')
 _REPEATS = flags.DEFINE_integer('repeats', None, 'Timed calls per figure (default 7; small 2).')
-_EXACTNESS = flags.DEFINE_bool('exactness', True, 'Run the exactness and one-program checks.')
+_EXACTNESS = flags.DEFINE_list('exactness', ['float32', 'bfloat16'], 'dtypes of the exactness '
+                                'checks (empty: none, nor the one-program check).')
 
 
 def _ints(values, default):
@@ -68,6 +69,8 @@ def main(argv):
   prompt_len, max_new = (16, 16) if small else (128, 128)
   for name in names:
     presets.get(name)  # Unknown names fail before anything runs.
+  if unknown := set(_EXACTNESS.value) - set(accelerator.LAWS):
+    raise app.UsageError(f'--exactness takes {", ".join(accelerator.LAWS)}; got {unknown}.')
   device = accelerator.device_description()
   print(f'{device}; {"small" if small else "full"} run', flush=True)
   report = accelerator.Report(device=device, command='python ' + ' '.join(sys.argv))
@@ -76,7 +79,7 @@ def main(argv):
   log = lambda text: print(f'[{time.perf_counter() - start:6.1f} s] {text}', flush=True)
 
   if _EXACTNESS.value:
-    for dtype in ('float32', 'bfloat16'):
+    for dtype in _EXACTNESS.value:
       report.checks += accelerator.exactness_checks(dtype, rows=rows)
       write()
     report.checks.append(accelerator.guarded('one compiled program per generation',
