@@ -15,7 +15,7 @@ import jax
 from ml_collections import config_flags
 
 from spsjax import cli, distributed, models, sharding, storage
-from spsjax.bench import speedup
+from spsjax.bench import comparison, decode, speedup, table1
 from spsjax.eval import tasks
 from spsjax.sampling import SamplingConfig, drafters
 from spsjax.train import load
@@ -58,20 +58,20 @@ def main(argv):
       for batch in c.batches:
         rows = speedup.run_rows(target, draft, tok, task, decoding, sampling_config, batch, c.k,
                                 c.seed, **kw)
-        costs = speedup.measure_costs(target, draft, c.k, batch, capacity, c.cost_repeats,
-                                      mesh=mesh)
+        costs = decode.measure_costs(target, draft, c.k, batch, capacity, c.cost_repeats,
+                                     mesh=mesh)
         loop_profile = speedup.profile_row(
             target, draft, tok, task, sampling_config, batch, c.k, c.seed,
             storage.join(c.results, 'traces', f'{task_name}_{decoding}_b{batch}'), **kw)
-        cmp = speedup.Comparison(ars=rows[0], sps=rows[1], costs=costs, k=c.k, c_hat=c_hat,
-                                 loop_profile=loop_profile, drafter=drafter)
+        cmp = comparison.Comparison(ars=rows[0], sps=rows[1], costs=costs, k=c.k, c_hat=c_hat,
+                                    loop_profile=loop_profile, drafter=drafter)
         comparisons.append(cmp)
         logging.info('%s %s batch %d: %s %.3f vs %.3f, speedup %.2fx (predicted %.2fx) '
                      '[%.0f s elapsed]', task_name, decoding, batch, rows[0].metric,
                      rows[0].metric_mean, rows[1].metric_mean, cmp.speedup,
                      cmp.prediction.speedup, time.time() - started)
 
-  table = c.title.format(**c) + '\n\n' + speedup.markdown(comparisons)
+  table = c.title.format(**c) + '\n\n' + table1.markdown(comparisons)
   print0(table)
   storage.write_text(storage.join(c.results, 'table.md'), table + '\n')
   records = [dict(task=cmp.sps.task, decoding=cmp.sps.decoding, batch=cmp.sps.batch,

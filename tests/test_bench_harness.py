@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from spsjax import models, sampling
-from spsjax.bench import speedup, sweep, theory, timing
+from spsjax.bench import comparison, decode, speedup, sweep, table1, theory, timing
 from spsjax.data import prompts as prompts_lib
 from spsjax.eval import acceptance, likelihood, metrics
 from spsjax.sampling import drafters
@@ -105,7 +105,7 @@ def test_rows_and_table_on_a_tiny_docstring_task(family, tmp_path):
   assert len(ars.values) == 3 and all(0.0 <= v <= 1.0 for v in ars.values)
   assert ars.timing['calls'] == 2 and 0.0 <= sps.alpha_model <= 1.0
   assert sps.timing['tokens_per_loop'] >= 1.0
-  costs = speedup.measure_costs(target, draft, 3, batch=1, capacity=32, repeats=2)
+  costs = decode.measure_costs(target, draft, 3, batch=1, capacity=32, repeats=2)
   assert costs.c > 0 and costs.s > 0
   loop_profile = speedup.profile_row(target, draft, tok, task, greedy, 2, 3, 0, str(tmp_path))
   assert loop_profile.loops >= 1 and loop_profile.trace_dir.startswith(str(tmp_path))
@@ -128,7 +128,7 @@ def test_rows_and_table_on_a_tiny_docstring_task(family, tmp_path):
   np.testing.assert_allclose(
       loop_profile.perfect_call,
       loop_profile.outside_loop + loop_profile.perfect_loops * loop_profile.loop, rtol=1e-6)
-  cmp = speedup.Comparison(ars=ars, sps=sps, costs=costs, k=3, c_hat=0.5,
+  cmp = comparison.Comparison(ars=ars, sps=sps, costs=costs, k=3, c_hat=0.5,
                            loop_profile=loop_profile)
   np.testing.assert_allclose(cmp.perfect_draft_speedup,
                              cmp.speedup * loop_profile.call / loop_profile.perfect_call)
@@ -147,7 +147,7 @@ def test_rows_and_table_on_a_tiny_docstring_task(family, tmp_path):
                              cmp.speedup * loop_profile.call / loop_profile.free_perfect_call)
   assert cmp.speedup < cmp.free_draft_speedup <= cmp.free_perfect_draft_speedup
   assert cmp.perfect_draft_speedup < cmp.free_perfect_draft_speedup
-  unprofiled = speedup.Comparison(ars=ars, sps=sps, costs=costs, k=3, c_hat=0.5)
+  unprofiled = comparison.Comparison(ars=ars, sps=sps, costs=costs, k=3, c_hat=0.5)
   assert all(np.isnan(x) for x in (unprofiled.perfect_draft_speedup,
                                    unprofiled.free_draft_speedup,
                                    unprofiled.free_perfect_draft_speedup))
@@ -163,7 +163,7 @@ def test_rows_and_table_on_a_tiny_docstring_task(family, tmp_path):
   assert ars.log_ratios == sps.log_ratios
   assert summary['parity']['log p']['mde'] == 0.0 and not summary['parity']['log p']['differs']
   assert 0 < summary['outside_forward_passes'] <= summary['outside_forward_ops'] < 1
-  table = speedup.markdown([cmp])
+  table = table1.markdown([cmp])
   assert '| docstrings | greedy | 2 | ArS |' in table and '| docstrings | greedy | 2 | SpS |' in table
   ms = lambda x: f'{x * 1e3:.3f}'
   lp = loop_profile  # The third table: the loop profile's row, with its own figures.
@@ -175,7 +175,7 @@ def test_rows_and_table_on_a_tiny_docstring_task(family, tmp_path):
           f'({cmp.free_perfect_draft_speedup:.2f}x) |') in table.splitlines()
   assert table.count('| docstrings | greedy | 2 |') == 4  # ArS, SpS, the theory and the profile.
   assert '| rouge2 +0.000 (0.000), log p +0.000 (0.000), log p/q +0.000 (0.000) | no |' in table
-  assert speedup.PARITY_NOTE in table
+  assert table1.PARITY_NOTE in table
 
 
 def test_logprob_column_is_the_target_s_log_softmax_of_each_generated_token(family):
@@ -244,8 +244,8 @@ def test_parity_columns_flag_a_biased_sampler_and_pass_the_exact_one(peaked_fami
   references = tuple(f'    return b * {i}' for i in range(16))
   task = speedup.Task('code_completion', prompts, references, max_new_tokens=8)
   cfg = sampling.SamplingConfig(temperature=1.0)
-  costs = speedup.Costs(target_step=1e-3, draft_step=1e-4, score_call=1.2e-3)
-  compare = lambda rows: speedup.Comparison(ars=rows[0], sps=rows[1], costs=costs, k=3,
+  costs = decode.Costs(target_step=1e-3, draft_step=1e-4, score_call=1.2e-3)
+  compare = lambda rows: comparison.Comparison(ars=rows[0], sps=rows[1], costs=costs, k=3,
                                             c_hat=0.5)
   exact = compare(speedup.run_rows(target, draft, tok, task, 'nucleus', cfg, batch=8, k=3,
                                    seed=0))
@@ -268,8 +268,8 @@ def test_parity_columns_flag_a_biased_sampler_and_pass_the_exact_one(peaked_fami
   assert biased.parity['log p/q'].difference < -biased.parity['log p/q'].mde
   # The exact pair's log p difference is within what the strict test could have seen.
   assert abs(strict['log p'].difference) < strict['log p'].mde
-  assert '| yes |' in speedup.markdown([biased])
-  assert ('| yes |' if exact.metrics_differ else '| no |') in speedup.markdown([exact])
+  assert '| yes |' in table1.markdown([biased])
+  assert ('| yes |' if exact.metrics_differ else '| no |') in table1.markdown([exact])
 
 
 def test_sweep_point_csv_and_plot(family, tmp_path):
@@ -347,8 +347,8 @@ def test_lossy_rows_are_labelled_with_their_total_variation(family):
   ars, sps = speedup.run_rows(target, draft, tok, task, 'nucleus', cfg, batch=1, k=2, seed=0,
                               drafter=drafters.Hybrid(), lenience=0.5)
   assert ars.lenience == 1.0 and sps.lenience == 0.5 and 0 < sps.tv < 1
-  costs = speedup.Costs(target_step=1e-3, draft_step=1e-4, score_call=1.2e-3)
-  table = speedup.markdown([speedup.Comparison(ars=ars, sps=sps, costs=costs, k=2, c_hat=0.1)])
+  costs = decode.Costs(target_step=1e-3, draft_step=1e-4, score_call=1.2e-3)
+  table = table1.markdown([comparison.Comparison(ars=ars, sps=sps, costs=costs, k=2, c_hat=0.1)])
   assert f'| SpS (LOSSY: lenience 0.5, TV {sps.tv:.3f}) |' in table
   assert '| ArS |' in table
 
@@ -367,14 +367,14 @@ def test_table_theory_for_prompt_lookup_uses_the_proposals_made(family):
   assert sps.log_ratios is None and set(sps.columns) == {'rouge2', 'log p'}  # No draft model.
   t = sps.timing
   assert sum(t['loops_by_proposed']) >= 2 and len(t['loops_by_proposed']) == 4
-  costs = speedup.Costs(target_step=1e-3, draft_step=0.0, score_call=1.2e-3)
-  cmp = speedup.Comparison(ars=ars, sps=sps, costs=costs, k=3, c_hat=0.0, drafter=lookup)
+  costs = decode.Costs(target_step=1e-3, draft_step=0.0, score_call=1.2e-3)
+  cmp = comparison.Comparison(ars=ars, sps=sps, costs=costs, k=3, c_hat=0.0, drafter=lookup)
   p = cmp.prediction
   assert p.loops_by_proposed == tuple(t['loops_by_proposed']) and p.draft_steps == 0.0
   assert p.tokens_per_loop == pytest.approx(
       theory.expected_tokens_per_loop_proposed(t['alpha'], t['loops_by_proposed']))
   assert p.speedup == pytest.approx(p.tokens_per_loop / 1.2)
-  assert f'| docstrings | greedy | 1 | {p.alpha:.3f} / - | 0.000 | 1.20 |' in speedup.markdown(
+  assert f'| docstrings | greedy | 1 | {p.alpha:.3f} / - | 0.000 | 1.20 |' in table1.markdown(
       [cmp])
 
 

@@ -47,7 +47,7 @@ def test_short_table1_on_a_mesh_matches_unsharded(family, tmp_path, monkeypatch)
   with pytest.raises(ValueError, match='not divisible'):
     speedup.run_rows(target_m, draft_m, tok, task, 'greedy', greedy, batch=3, k=3, seed=0,
                      mesh=mesh)
-  costs = speedup.measure_costs(target_m, draft_m, 3, batch=2, capacity=32, repeats=2, mesh=mesh)
+  costs = decode.measure_costs(target_m, draft_m, 3, batch=2, capacity=32, repeats=2, mesh=mesh)
   assert costs.c > 0 and costs.s > 0
   profile = speedup.profile_row(target_m, draft_m, tok, task, greedy, 2, 3, 0, str(tmp_path),
                                 mesh=mesh)

@@ -18,6 +18,20 @@ GREEDY = SamplingConfig(temperature=0.0)
 P_MIN = 1e-5  # Each G-test fails a correct sampler with this probability.
 
 
+def test_every_drafter_implements_the_interface():
+  """The loop's contract is `drafters.Drafter`: each kind implements it, and a drafter missing a
+  method cannot be made."""
+  for kind in drafters.KINDS:
+    assert isinstance(drafters.build(kind), drafters.Drafter), kind
+
+  class Incomplete(drafters.Drafter):  # No init, propose, rollback or draft_steps.
+    needs_model = False
+    ragged = False
+
+  with pytest.raises(TypeError, match='abstract'):
+    Incomplete()
+
+
 def _reference_lookup(seq, k, max_ngram, min_ngram):
   """The latest earlier occurrence of the longest matching suffix n-gram, by plain search, and
   the k tokens after it, copied one at a time (a copy may read tokens it wrote)."""

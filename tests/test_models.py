@@ -27,8 +27,11 @@ def _config(num_kv_heads, **kw):
                                   num_kv_heads=num_kv_heads, d_ff=96, max_seq_len=64, **kw)
 
 
-def _decode_params(config, params, packed):
-  return models.pack(models.Model(config, params)).params if packed else params
+def _decoding(config, params, packed):
+  """(config, params) of the model as the cached path runs it: packed (kernels='native') or not."""
+  model = models.Model(config, params)
+  model = models.pack(model) if packed else model
+  return model.config, model.params
 
 
 # Every head layout one position at a time; scoring 5 positions with GQA and MQA.
@@ -41,7 +44,7 @@ def test_cached_extension_equals_reference(num_kv_heads, chunk, packed):
   total = 30
   tokens_BxL = jax.random.randint(jax.random.key(1), (3, total), 0, VOCAB)
   reference_BxLxV = np.asarray(_logits(config, params, tokens_BxL))
-  params = _decode_params(config, params, packed)
+  config, params = _decoding(config, params, packed)
   prompt_lengths = np.array([4, 9, 1])
   width = int(prompt_lengths.max())
 
@@ -67,14 +70,14 @@ def test_rollback_is_moving_lengths(packed):
   """Extending, rolling a row back and re-extending with other tokens matches the reference."""
   config = _config(2)
   reference_params = models.init_params(config, jax.random.key(0))
-  params = _decode_params(config, reference_params, packed)
+  decode_config, params = _decoding(config, reference_params, packed)
   logits = jax.jit(functools.partial(models.logits, config, reference_params))
   tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, VOCAB)
   other = jax.random.randint(jax.random.key(3), (2, 4), 0, VOCAB)
-  _, cache = _prefill(config, params, tokens[:, :8], jnp.array([8, 8]), capacity=16)
-  _, cache = _extend(config, params, cache, other)  # Both rows now at 12.
+  _, cache = _prefill(decode_config, params, tokens[:, :8], jnp.array([8, 8]), capacity=16)
+  _, cache = _extend(decode_config, params, cache, other)  # Both rows now at 12.
   cache = cache.with_lengths(jnp.array([8, 10]))  # Row 0 drops all 4, row 1 keeps 2.
-  out_Bx4xV, cache = _extend(config, params, cache, tokens[:, 8:12])
+  out_Bx4xV, cache = _extend(decode_config, params, cache, tokens[:, 8:12])
   seq0 = tokens[0]
   seq1 = jnp.concatenate([tokens[1, :8], other[1, :2], tokens[1, 8:12]])
   np.testing.assert_allclose(out_Bx4xV[0], logits(seq0[None])[0, 8:12], rtol=1e-5, atol=1e-5)
@@ -90,7 +93,7 @@ def test_logits_at_selects_positions_per_row(overrides, packed):
   params = models.init_params(config, jax.random.key(0))
   tokens_BxL = jax.random.randint(jax.random.key(4), (3, 10), 0, VOCAB)
   reference_BxLxV = np.asarray(_logits(config, params, tokens_BxL))
-  params = _decode_params(config, params, packed)
+  config, params = _decoding(config, params, packed)
   lengths = np.array([3, 7, 1])
   last_Bx1xV, cache = _prefill(config, params, tokens_BxL[:, :7], jnp.asarray(lengths),
                                capacity=12, last_only=True)
@@ -117,6 +120,25 @@ def test_config_validation():
     _config(2, dtype='float16')
   with pytest.raises(ValueError, match='mlp'):
     _config(2, mlp='relu')
+  with pytest.raises(ValueError, match='kernels'):
+    _config(2, kernels='pallas')
+  with pytest.raises(ValueError, match='native kernels'):
+    _config(2, dtype='bfloat16', kernels='native')
+
+
+def test_kernels_are_the_config_setting_that_packing_sets():
+  """`pack` sets kernels='native' and `unpack` 'xla'; a setting the parameters cannot serve is
+  an error, not a silent switch of code path."""
+  config = _config(2)
+  model = models.Model(config, models.init_params(config, jax.random.key(0)))
+  packed = models.pack(model)
+  assert (config.kernels, packed.config.kernels) == ('xla', 'native')
+  assert models.unpack(packed).config == config
+  tokens_BxT = jnp.zeros((1, 4), jnp.int32)
+  with pytest.raises(ValueError, match='packed'):
+    models.logits(packed.config, model.params, tokens_BxT)
+  with pytest.raises(ValueError, match='packed'):
+    models.logits(config, packed.params, tokens_BxT)
 
 
 @pytest.mark.parametrize('overrides', [dict(mlp='gelu'), dict(tie_embeddings=False),

@@ -329,6 +329,14 @@ def test_a_checkpoint_that_predates_a_model_option_resumes():
   assert not checkpoint.same_model(meta, dataclasses.replace(config, d_ff=config.d_ff * 2))
 
 
+def test_a_checkpoint_meta_leaves_out_the_kernels():
+  """How a placed copy computes (`kernels`, which `models.pack` sets) is no part of the model a
+  checkpoint describes."""
+  config = train_helpers.CONFIG.model
+  meta = checkpoint.encode_meta(dataclasses.replace(config, kernels='native'), b'tokenizer', {})
+  assert 'kernels' not in meta['model'] and checkpoint.same_model(meta, config)
+
+
 def test_a_draft_can_start_from_the_teachers_first_layers(finished, tmp_path):
   """init_from_teacher: the first step starts from the teacher's parameters (copies: the step
   donates its state, the teacher stays usable); a model that is no truncation is refused."""

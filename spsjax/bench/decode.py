@@ -134,7 +134,7 @@ def extend_seconds(model: models.Model, blocks: Sequence[int], capacity: int, *,
 class DecodeResult:
   """One model, dtype and path at batch 1. Times in seconds; bytes per decoded token."""
   dtype: str
-  path: str  # 'native' (packed for the CPU kernels, `models.pack`) or 'xla'.
+  path: str  # The model's kernels: 'native' (packed for the CPU kernels, `models.pack`) or 'xla'.
   num_params: int
   param_bytes: int  # All parameters.
   weight_bytes: int  # Parameter bytes a step reads (`weight_bytes_per_token`).
@@ -214,7 +214,7 @@ def measure_decode(model: models.Model, *, prompt_len: int, max_new_tokens: int,
   ars_s = timing.median_seconds(ars, repeats=ars_repeats, warmup=0)
 
   return DecodeResult(
-      dtype=config.dtype, path='native' if models.is_packed(model) else 'xla',
+      dtype=config.dtype, path=model.config.kernels,
       num_params=models.num_params(params),
       param_bytes=sum(x.nbytes for x in jax.tree.leaves(params)),
       weight_bytes=weight_bytes_per_token(config, params), kv_bytes=kv_bytes, capacity=capacity,
@@ -254,9 +254,9 @@ def batch_scoring_report(model: models.Model, batch: int, block: int, capacity: 
   blocks = tuple(range(1, block + 1))
   times, _, _ = extend_seconds(model, blocks, capacity, repeats=repeats, batch=batch, mesh=mesh)
   ratios = ', '.join(f's({T}) {times[T] / times[1]:.2f}' for T in blocks[1:])
-  path = 'native' if models.is_packed(model) else 'xla'
-  return [f'[{model.config.dtype} {path}] batch {batch}: extend T=1 {times[1] * 1e3:.2f} ms, '
-          f'{ratios} (blocks alternating in each repeat, capacity {capacity})']
+  return [f'[{model.config.dtype} {model.config.kernels}] batch {batch}: extend T=1 '
+          f'{times[1] * 1e3:.2f} ms, {ratios} (blocks alternating in each repeat, capacity '
+          f'{capacity})']
 
 
 def copy_report(copy: CopyBandwidth) -> list[str]:

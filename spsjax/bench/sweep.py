@@ -4,7 +4,7 @@ as a function of a swept setting (k, the draft, the temperature).
 Each point samples `max_new_tokens` tokens (no eos, so every call makes the same number) at batch 1
 for a list of prompts, each prompt one timed call (compile apart). Recorded per point: mean and
 standard deviation of the time per sequence, mean tokens per loop divided by k + 1, time per loop
-(wall time / loops), the draft's cost per step c (`speedup.measure_costs`: a draft step over a
+(wall time / loops), the draft's cost per step c (`decode.measure_costs`: a draft step over a
 target step, measured right after the point; the draft-topology sweep compares shapes at equal
 c), and the ArS time of the same prompts with the same sampling settings, timed
 call by call in turn with SpS (`timing.time_interleaved`): a baseline measured minutes apart from a
@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spsjax import models, sampling, storage
-from spsjax.bench import speedup as speedup_lib, theory, timing
+from spsjax.bench import decode, theory, timing
 from spsjax.data import prompts as prompts_lib
 from spsjax.eval import acceptance
 from spsjax.sampling import drafters
@@ -102,8 +102,8 @@ def run_point(label: str, target: models.Model, draft: models.Model | None, draf
   draft_cost = float('nan') if ars_only else 0.0
   if draft is not None:
     capacity = prompts_NxP.shape[1] + max_new_tokens + k
-    draft_cost = speedup_lib.measure_costs(target, draft, k, batch=1, capacity=capacity,
-                                           mesh=mesh).c
+    draft_cost = decode.measure_costs(target, draft, k, batch=1, capacity=capacity,
+                                      mesh=mesh).c
   return Point(label=label, k=0 if ars_only else k, draft=draft_name if draft else '',
                temperature=sampling_config.temperature, mean_seconds=float(np.mean(seconds)),
                std_seconds=float(np.std(seconds, ddof=1)) if len(seconds) > 1 else 0.0,

@@ -1,7 +1,8 @@
 """The transformer's hyper-parameters as one frozen, validated dataclass.
 
 Invariant: a `TransformerConfig` that constructs is internally consistent (heads divide into kv
-groups, dtype is supported), so no model code needs to re-check it.
+groups, dtype is supported, the kernels it names implement its options), so no model code needs
+to re-check it.
 """
 
 import dataclasses
@@ -12,6 +13,7 @@ _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 _MLP_KINDS = ('gated_silu', 'gelu')
 _NORMS = ('rms', 'layer')
 _POSITIONS = ('rope', 'learned')
+KERNELS = ('xla', 'native')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +39,11 @@ class TransformerConfig:
   dense_bias: bool = False  # Biases on the attention output and both MLP products (GPT-2).
   norm: str = 'rms'  # 'rms' or 'layer' (LayerNorm with a bias, GPT-2).
   position: str = 'rope'  # 'rope' (rotary) or 'learned' (a table of max_seq_len rows, GPT-2).
+  # What computes the projections and the cached attention: 'xla' (XLA's ops on the parameters
+  # `init_params` makes) or 'native' (the CPU kernels of `spsjax.native` on weights packed by
+  # `models.pack`, which sets it; `models.unpack` sets 'xla' back). How a placed model computes,
+  # not what it is: checkpoints do not store it.
+  kernels: str = 'xla'
 
   def __post_init__(self):
     for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'max_seq_len'):
@@ -63,6 +70,11 @@ class TransformerConfig:
       raise ValueError(f'position must be one of {_POSITIONS}, got {self.position!r}.')
     if self.d_ff < 0:
       raise ValueError(f'd_ff must be >= 0, got {self.d_ff}.')
+    if self.kernels not in KERNELS:
+      raise ValueError(f'kernels must be one of {KERNELS}, got {self.kernels!r}.')
+    if self.kernels == 'native' and (self.dtype != 'float32' or self.gpt2_style):
+      raise ValueError(f'The native kernels compute float32 models without GPT-2 options; this '
+                       f'one has dtype {self.dtype}, GPT-2 options {self.gpt2_style}.')
 
   @property
   def kv_heads(self) -> int:

@@ -6,12 +6,15 @@ partitioner splits the Megatron way). In a packed parameter tree each layer's at
 `wqkv` (wq, wk, wv side by side: one product, output [N + 2K, H]) and `wo`; a gated MLP holds
 `w_gate_in` (gate and input: output [2, F]) and `w_out`, a GELU MLP `w_in` and `w_out`; the
 output layer is `head`, for tied embeddings a packed copy of the table (the lookup keeps reading
-rows of `embedding`). Everything else (norms, the embedding table) is unchanged.
+rows of `embedding`). Everything else (norms, the embedding table) is unchanged. A packed model's
+config says so (`kernels='native'`, `unpack` sets 'xla' back): the transformer reads the setting,
+not the type of its parameters, to choose its kernels.
 
 Invariant: `unpack(pack(model))` has exactly the parameters of `model`, and a packed model's
 forward equals the unpacked one's up to float reassociation.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -34,8 +37,11 @@ def _is_packed_weight(x) -> bool:
 
 
 def is_packed(model: Model) -> bool:
-  return any(_is_packed_weight(x)
-             for x in jax.tree.leaves(model.params, is_leaf=_is_packed_weight))
+  return model.config.kernels == 'native'
+
+
+def _with_kernels(model: Model, kernels: str, params: dict) -> Model:
+  return model.replace(config=dataclasses.replace(model.config, kernels=kernels), params=params)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -100,7 +106,7 @@ def pack(model: Model, weights: str = 'float32') -> Model:
         params['embedding'])
   else:
     params['head'] = jax.jit(lambda w: native.pack(w, dtype=weights))(params['head'])
-  return model.replace(params=params)
+  return _with_kernels(model, 'native', params)
 
 
 def unpack(model: Model) -> Model:
@@ -114,7 +120,7 @@ def unpack(model: Model) -> Model:
   head = params.pop('head')
   if not config.tie_embeddings:
     params['head'] = jax.jit(native.unpack)(head)
-  return model.replace(params=params)
+  return _with_kernels(model, 'xla', params)
 
 
 def packable(model: Model) -> str | None:

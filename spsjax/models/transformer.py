@@ -8,10 +8,14 @@ Parameters carry logical axis names (`spsjax.sharding`); the forward has no shar
 with Megatron-sharded weights, XLA's partitioner splits heads and MLP units over `model` and inserts
 one all-reduce after each attention and MLP block.
 
-A model packed for CPU decoding (`spsjax.models.packing`) holds `native.PackedWeight`s in place of
-its projection weights, q, k and v as one (`wqkv`) and the gate and input of a gated MLP as one
-(`w_gate_in`): each block then asks for its product from `native.matmul`, and a cached call rotates,
-writes the cache and attends in one `native.cached_attention`; everything else is the same code.
+`config.kernels` chooses what computes the projections and the cached attention, in one place per
+block: 'xla', XLA's ops on the parameters `init_params` makes; 'native', the CPU kernels on a model
+packed for decoding (`spsjax.models.packing`, which sets it), whose parameters hold
+`native.PackedWeight`s in place of its projection weights, q, k and v as one (`wqkv`) and the gate
+and input of a gated MLP as one (`w_gate_in`): each block then asks for its product from
+`native.matmul`, and a cached call rotates, writes the cache and attends in one
+`native.cached_attention`; everything else is the same code. A setting the parameters cannot
+serve (packed weights with 'xla', plain ones with 'native') is an error (`_check_kernels`).
 
 GPT-2's options (`norm='layer'`, `position='learned'`, `dense_bias`) run on this XLA path only;
 `models.pack` refuses a model that uses them.
@@ -40,13 +44,22 @@ def _kept_counts(keep_BxL: jax.Array, counts_B: jax.Array | None) -> jax.Array |
   return jnp.sum(keep_BxL < counts_B[:, None], axis=1).astype(jnp.int32)
 
 
-def _packed(module, name) -> native.PackedWeight | None:
-  """The packed weight `name` of a model packed for CPU decoding, else None."""
-  if module.has_variable('params', name):
-    value = module.get_variable('params', name)
-    if isinstance(value, native.PackedWeight):
-      return value
-  return None
+def _packed(module, name) -> native.PackedWeight:
+  """The packed weight `name` of a model whose kernels are 'native'."""
+  return module.get_variable('params', name)
+
+
+def _check_kernels(module, config: TransformerConfig) -> None:
+  """Raises ValueError unless the parameters are laid out for `config.kernels`: a packed model
+  always holds a packed output layer (`head`), a plain one never does."""
+  head = module.get_variable('params', 'head') if module.has_variable('params', 'head') else None
+  packed = isinstance(head, native.PackedWeight)
+  if packed != (config.kernels == 'native'):
+    raise ValueError(
+        f'config.kernels is {config.kernels!r} but the parameters are '
+        f'{"packed" if packed else "not packed"}: the native kernels run on weights packed by '
+        f'`models.pack` (which sets kernels=\'native\'; `models.unpack` sets \'xla\' back), and '
+        f'`init_params` and checkpoints give XLA\'s layout.')
 
 
 class RMSNorm(nn.Module):
@@ -98,15 +111,16 @@ class Attention(nn.Module):
                counts_B=None):
     c = self.config
     D, N, K, H, dt = c.d_model, c.num_heads, c.kv_heads, c.dims_per_head, c.jnp_dtype
-    wqkv = _packed(self, 'wqkv')
+    packed = c.kernels == 'native'
     B, T = x_BxTxD.shape[:2]
     if c.qkv_bias:  # Biases stay unpacked: [N + 2K, H], added after the product.
       bias_MxH = jnp.concatenate([
           _param(self, 'bq', (N, H), ('heads', 'head_dim'), 1, dt, zeros=True),
           _param(self, 'bk', (K, H), ('kv_heads', 'head_dim'), 1, dt, zeros=True),
           _param(self, 'bv', (K, H), ('kv_heads', 'head_dim'), 1, dt, zeros=True)])
-    if wqkv is not None:  # Packed: one product for q, k and v, the norm applied by the kernel.
-      qkv_BxTxMxH = native.matmul(x_BxTxD, wqkv, norm=norm.fused, counts=counts_B).astype(dt)
+    if packed:  # One product for q, k and v, the norm applied by the kernel.
+      qkv_BxTxMxH = native.matmul(x_BxTxD, _packed(self, 'wqkv'), norm=norm.fused,
+                                  counts=counts_B).astype(dt)
       if c.qkv_bias:
         qkv_BxTxMxH = qkv_BxTxMxH + bias_MxH[None, None]
       wo = _packed(self, 'wo')
@@ -115,15 +129,15 @@ class Attention(nn.Module):
       wk = _param(self, 'wk', (D, K, H), ('embed', 'kv_heads', 'head_dim'), D, dt)
       wv = _param(self, 'wv', (D, K, H), ('embed', 'kv_heads', 'head_dim'), D, dt)
       wo = _param(self, 'wo', (N, H, D), ('heads', 'head_dim', 'embed'), N * H, dt)
-    if wqkv is not None and layer_cache is not None:
-      # A model placed for CPU decoding: rotation, cache writes and attention in one native call
-      # that reads only the slots in use (a cached call's positions are starts + t, `api.extend`).
+    if packed and layer_cache is not None:
+      # Rotation, cache writes and attention in one native call that reads only the slots in
+      # use (a cached call's positions are starts + t, `api.extend`).
       cache_k, cache_v, starts_B = layer_cache
       out_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH = native.cached_attention(
           qkv_BxTxMxH, cache_k, cache_v, starts_B, rope_base=c.rope_base, counts_B=counts_B)
       out_BxTxKxGxH = out_BxTxKxGxH.astype(dt)
     else:
-      if wqkv is not None:
+      if packed:  # A full causal pass: XLA's attention after the packed product.
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = jnp.split(qkv_BxTxMxH, [N, N + K], axis=2)
       else:
         h_BxTxD = norm(x_BxTxD)
@@ -156,7 +170,7 @@ class Attention(nn.Module):
       out_BxTxF, x_BxTxD = (jnp.take_along_axis(a, keep_BxL[:, :, None], axis=1)
                             for a in (out_BxTxF, x_BxTxD))
       counts_B = _kept_counts(keep_BxL, counts_B)
-    if wqkv is None:
+    if not packed:
       x_BxTxD = x_BxTxD + jnp.einsum('BTF,FD->BTD', out_BxTxF, wo.reshape(N * H, D))
       if c.dense_bias:
         x_BxTxD = x_BxTxD + _param(self, 'bo', (D,), ('embed',), 1, dt, zeros=True)[None, None]
@@ -174,13 +188,14 @@ class Mlp(nn.Module):
   def __call__(self, x_BxTxD, norm: RMSNorm, counts_B=None):
     c = self.config
     D, F, dt = c.d_model, c.ff_dim, c.jnp_dtype
-    w_gate_in, w_in_packed = _packed(self, 'w_gate_in'), _packed(self, 'w_in')
-    if w_gate_in is not None:  # Packed gated MLP: one product for the gate and the input.
-      gate_in_BxTx2xF = native.matmul(x_BxTxD, w_gate_in, norm=norm.fused, counts=counts_B)
+    packed = c.kernels == 'native'
+    if packed and c.mlp == 'gated_silu':  # One product for the gate and the input.
+      gate_in_BxTx2xF = native.matmul(x_BxTxD, _packed(self, 'w_gate_in'), norm=norm.fused,
+                                      counts=counts_B)
       return native.matmul(gate_in_BxTx2xF, _packed(self, 'w_out'), gated=True,
                            residual=x_BxTxD, counts=counts_B).astype(dt)
-    if w_in_packed is not None:  # Packed GELU MLP.
-      h_BxTxF = jax.nn.gelu(native.matmul(x_BxTxD, w_in_packed, norm=norm.fused,
+    if packed:  # GELU.
+      h_BxTxF = jax.nn.gelu(native.matmul(x_BxTxD, _packed(self, 'w_in'), norm=norm.fused,
                                           counts=counts_B).astype(dt))
       return native.matmul(h_BxTxF, _packed(self, 'w_out'), residual=x_BxTxD,
                            counts=counts_B).astype(dt)
@@ -234,13 +249,14 @@ class Transformer(nn.Module):
   @nn.compact
   def __call__(self, tokens_BxT, positions_BxT, cache=None, logits_at_BxL=None, counts_B=None):
     c = self.config
+    _check_kernels(self, c)
+    packed = c.kernels == 'native'
     embedding_VxD = _param(self, 'embedding', (c.vocab_size, c.d_model), ('vocab', 'embed'),
                            c.d_model, c.jnp_dtype)
-    head = _packed(self, 'head')
-    if head is None:
-      x_BxTxD = jnp.take(embedding_VxD, tokens_BxT, axis=0)
-    else:  # Placed for CPU decoding: a copy of rows on the calling thread (`native.take_rows`).
+    if packed:  # A copy of rows on the calling thread (`native.take_rows`).
       x_BxTxD = native.take_rows(embedding_VxD, tokens_BxT)
+    else:
+      x_BxTxD = jnp.take(embedding_VxD, tokens_BxT, axis=0)
     if c.position == 'learned':  # Positions past the table (never read back) are clipped.
       table_SxD = _param(self, 'position_embedding', (c.max_seq_len, c.d_model),
                          ('length', 'embed'), c.d_model, c.jnp_dtype)
@@ -254,9 +270,10 @@ class Transformer(nn.Module):
       new_k.append(k)
       new_v.append(v)
     final_norm = RMSNorm(c, name='final_norm')
-    if head is not None:  # Packed: an untied head, or a copy of a tied table.
+    if packed:  # An untied head, or a packed copy of a tied table.
       head_counts_B = counts_B if logits_at_BxL is None else _kept_counts(logits_at_BxL, counts_B)
-      return (native.matmul(x_BxTxD, head, norm=final_norm.fused, counts=head_counts_B),
+      return (native.matmul(x_BxTxD, _packed(self, 'head'), norm=final_norm.fused,
+                            counts=head_counts_B),
               (tuple(new_k), tuple(new_v)))
     x_BxTxD = final_norm(x_BxTxD)
     if c.tie_embeddings:

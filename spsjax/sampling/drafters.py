@@ -1,4 +1,4 @@
-"""What proposes the draft tokens of the SpS loop: the drafter interface and the drafters.
+"""What proposes the draft tokens of the SpS loop: the interface (`Drafter`) and the drafters.
 
 A drafter proposes, per row, up to k tokens and the law q each one was drawn from (`Proposal`),
 inside the jitted loop, with fixed shapes: `tokens_BxK`, `q_BxKxV` and the ragged count `num_B` in
@@ -10,18 +10,6 @@ Exactness needs only that each proposal is a function of the committed tokens an
 independent of the accept step's; the number proposed may depend on the drafts drawn so far
 (dynamic k): the output law stays the target's for every drafter here.
 
-Drafters are frozen dataclasses (static settings: one compiled program per drafter) with
-- `init(loop, draft, prompts_BxP, lengths_B, capacity) -> state`, after the target's prefill;
-- `propose(loop, draft, state, committed, keys_BxK) -> (Proposal, state)`;
-- `rollback(loop, state, base_B, target_lengths_B) -> state`, after the accept step (base_B: the
-  committed tokens before the loop, less one; target_lengths_B: the target cache's new lengths);
-- `needs_model` and `ragged` (whether rows may propose fewer than k: the loop can then score only
-  as many positions as the longest proposal needs, `speculative.Loop.trim_score`);
-- `draft_steps(k, proposed_per_loop)`: the draft model steps a loop runs (for the theory's cost
-  per loop, `bench.theory.Prediction`).
-`draft` is the draft model (a jit argument) or None for drafters that need none; `loop` is the
-`speculative.Loop` (k, draft sampling, mesh and rules, native kernel).
-
 - `ModelDrafter`: a small transformer sampling one token after another (the paper's draft), with
   an optional confidence threshold that stops a row's drafting early (dynamic k, DSL/SpecDec++);
 - `PromptLookup`: the tokens that followed the latest earlier occurrence of the row's last n
@@ -32,7 +20,10 @@ Drafters are frozen dataclasses (static settings: one compiled program per draft
   (per row); the model reads every proposed token, so its cache stays as `ModelDrafter`'s.
 """
 
+import abc
 import dataclasses
+import functools
+from typing import Any
 
 import flax.struct
 import jax
@@ -45,9 +36,23 @@ from spsjax.sampling.processors import probabilities_and_sample_with, uniforms
 
 @flax.struct.dataclass
 class Proposal:
+  """A drafter's proposal for one loop (module docstring): per row a chain, slot i following slot
+  i - 1 and slot 0 the last committed token. (A tree of drafts would add each slot's parent
+  here; the loop's score and accept steps are the only readers that assume a chain.)"""
   tokens_BxK: jax.Array  # int32; slots >= num_B hold valid ids, never accepted.
   q_BxKxV: jax.Array  # float32: the law each token was drawn from (a point mass if deterministic).
   num_B: jax.Array  # int32 in [0, k]: tokens proposed for each row.
+
+
+@flax.struct.dataclass
+class Verdict:
+  """What a loop's accept step tells the drafter (`Drafter.rollback`). A drafter that reads the
+  target's hidden states (EAGLE-style) would find those of the scored positions here, as a field
+  added beside these; no other drafter would change."""
+  base_B: jax.Array  # int32: each row's committed tokens before the loop, less one.
+  # int32: the target cache's new lengths: base_B plus the tokens the row emitted (accepted
+  # drafts and the token after them, up to an eos or max_new_tokens); base_B for an idle row.
+  target_lengths_B: jax.Array
 
 
 @flax.struct.dataclass
@@ -88,12 +93,60 @@ class Committed:
     return jnp.where(pos_S[None] < self.lengths_B[:, None], seq_BxS, common.PAD_ID)
 
 
+class Drafter(abc.ABC):
+  """What the SpS loop (`speculative.Loop`) asks of a drafter, and all it knows of one.
+
+  A drafter is a frozen dataclass of static settings: part of the loop's compiled program, so
+  equal settings share one. What it carries from loop to loop (the draft model's cache, or
+  nothing) is its state, a pytree in the loop state. In every method `loop` is the running
+  `speculative.Loop` (k, draft_sampling, native_kernel, mesh and rules), and `draft` the
+  drafter's parameters, a jit argument: the draft model, or None for a drafter without one
+  (`needs_model` False). Each loop calls `propose`, then, after the accept step, `rollback`.
+
+  What the loop hands over travels in named dataclasses (`Committed`, `Proposal`, `Verdict`), so
+  that a drafter needing more (a tree of drafts; the target's hidden states for an EAGLE-style
+  head, at `init` and in `Verdict`) adds fields there rather than arguments to every drafter.
+  """
+
+  @property
+  @abc.abstractmethod
+  def needs_model(self) -> bool:
+    """Whether it drafts with a draft model."""
+
+  @property
+  @abc.abstractmethod
+  def ragged(self) -> bool:
+    """Whether rows may propose fewer than k: the loop can then score only as many positions as
+    the longest proposal needs (`speculative.Loop.trim_score`)."""
+
+  @abc.abstractmethod
+  def init(self, loop, draft, prompts_BxP, prompt_lengths_B, capacity: int) -> Any:
+    """The state for the prompts, after the target's prefill (`capacity`: the caches' size)."""
+
+  @abc.abstractmethod
+  def propose(self, loop, draft, state, committed: Committed, keys_BxK) -> tuple[Proposal, Any]:
+    """Up to k tokens per row with the laws they were drawn from, and the state after drafting
+    them: a function of the committed tokens and of `keys_BxK` (a key per slot, independent of
+    the accept step's) only, which keeps the output law the target's. An idle row's proposal
+    (`committed.active_B`) is never read."""
+
+  @abc.abstractmethod
+  def rollback(self, loop, state, verdict: Verdict) -> Any:
+    """The state after the accept step, ready for the next `propose` (whatever was drafted past
+    what the row kept is forgotten)."""
+
+  @abc.abstractmethod
+  def draft_steps(self, k: int, proposed_per_loop: float) -> float:
+    """The draft model steps a loop runs, for the theory's cost per loop
+    (`bench.theory.Prediction`), given the drafts proposed per loop measured."""
+
+
 def _point_masses(tokens_BxK, vocab_size):
   return jax.nn.one_hot(tokens_BxK, vocab_size, dtype=jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptLookup:
+class PromptLookup(Drafter):
   """Drafts copied from earlier in the row (see the module docstring); c ~ 0, no draft model."""
   max_ngram: int = 3
   min_ngram: int = 1
@@ -148,13 +201,32 @@ class PromptLookup:
     tokens_BxK, num_B = self.lookup(committed, loop.k)
     return Proposal(tokens_BxK, _point_masses(tokens_BxK, committed.vocab_size), num_B), state
 
-  def rollback(self, loop, state, base_B, target_lengths_B):
-    del loop, base_B, target_lengths_B
+  def rollback(self, loop, state, verdict: Verdict):
+    del loop, verdict
     return state
 
 
+@flax.struct.dataclass
+class _Drafts:
+  """The carry of a draft model's loop over slots: the drafts of slots < i, their laws, and the
+  draft cache after them."""
+  i: jax.Array  # int32: the slot the next step fills.
+  tokens_BxK: jax.Array
+  q_BxKxV: jax.Array
+  num_B: jax.Array  # int32: drafts proposed; a row still drafting has num_B == i.
+  cache: KVCache
+
+  @classmethod
+  def first(cls, k: int, d_B, q_BxV, cache: KVCache) -> '_Drafts':
+    """After slot 0, which every row proposes."""
+    B, V = q_BxV.shape
+    return cls(i=jnp.int32(1), tokens_BxK=jnp.zeros((B, k), jnp.int32).at[:, 0].set(d_B),
+               q_BxKxV=jnp.zeros((B, k, V), jnp.float32).at[:, 0].set(q_BxV),
+               num_B=jnp.ones((B,), jnp.int32), cache=cache)
+
+
 @dataclasses.dataclass(frozen=True)
-class ModelDrafter:
+class ModelDrafter(Drafter):
   """A draft model sampling k tokens one after another (the paper's draft).
 
   `stop_below` > 0 makes k dynamic: a row stops proposing at the first draft whose law at
@@ -196,70 +268,66 @@ class ModelDrafter:
     return self.draft(loop, draft, cache, committed, keys_BxK)
 
   def draft(self, loop, draft: Model, cache: KVCache, committed: Committed, keys_BxK,
-            forced_BxK=None, num_forced_B=None):
+            forced_BxK=None, num_forced_B=None) -> tuple[Proposal, KVCache]:
     """k draft steps; slots i < num_forced_B[b] take forced_BxK[b, i] (a point mass) instead of
     the model's draw, and the model reads them as it would its own."""
-    k, sampling, native = loop.k, loop.draft_sampling, loop.native_kernel
-    B = keys_BxK.shape[0]
-    V = draft.config.vocab_size
-    uniforms_BxK = uniforms(keys_BxK)  # At once: per step, threefry is a handful of small ops.
-
-    def choose(i, logits_BxV):
-      """(q, draft, whether the row drafts on); the plain model draft (no forced tokens, fixed
-      k) pays for nothing else per step."""
-      q_BxV, d_B = probabilities_and_sample_with(uniforms_BxK[:, i], logits_BxV, sampling,
-                                                 native_kernel=native)
-      forced_B = jnp.zeros((B,), bool)
-      if forced_BxK is not None:
-        forced_B = i < num_forced_B
-        q_BxV = jnp.where(forced_B[:, None], jax.nn.one_hot(forced_BxK[:, i], V), q_BxV)
-        d_B = jnp.where(forced_B, forced_BxK[:, i], d_B)
-      if not self.ragged:
-        return q_BxV, d_B, jnp.ones((B,), bool)
-      confidence_B = jnp.max(jax.nn.softmax(logits_BxV.astype(jnp.float32), -1), -1)
-      return q_BxV, d_B, forced_B | (confidence_B >= self.stop_below)
-
+    k, B = loop.k, keys_BxK.shape[0]
+    # Uniforms at once: per step, threefry is a handful of small ops.
+    choose = functools.partial(self._choose, loop, uniforms(keys_BxK), forced_BxK, num_forced_B)
+    # Slot 0, always proposed, from the last two committed tokens (the cache invariant).
     cache = cache.with_lengths(committed.lengths_B - 2)
     last2_Bx2 = jnp.stack([committed.last(2), committed.last(1)], axis=1)
     logits_Bx1xV, cache = extend(draft.config, draft.params, cache, last2_Bx2,
                                  logits_at_BxL=jnp.ones((B, 1), jnp.int32),  # The second's.
                                  counts_B=committed.counts(2))
-    q_BxV, d_B, _ = choose(0, logits_Bx1xV[:, 0])  # The first draft is always proposed.
-    drafts_BxK = jnp.zeros((B, k), jnp.int32).at[:, 0].set(d_B)
-    q_BxKxV = jnp.zeros((B, k, V), jnp.float32).at[:, 0].set(q_BxV)
-    num_B = jnp.ones((B,), jnp.int32)
+    q_BxV, d_B, _ = choose(0, logits_Bx1xV[:, 0])
+    drafts = _Drafts.first(k, d_B, q_BxV, cache)
+    step = functools.partial(self._step, draft, committed, choose)
+    if self.ragged:  # Stops when no row drafts on.
+      drafts = jax.lax.while_loop(lambda d: (d.i < k) & jnp.any(d.num_B == d.i), step, drafts)
+    else:
+      drafts = jax.lax.fori_loop(1, k, lambda _, d: step(d), drafts)
+    return Proposal(drafts.tokens_BxK, drafts.q_BxKxV, drafts.num_B), drafts.cache
 
-    def step(i, carry):
-      drafts_BxK, q_BxKxV, num_B, cache = carry
-      # A row that stopped proposing (num_B < i) needs nothing more of this loop's drafting: its
-      # cache keeps at most num_B + 1 of the positions written (`rollback`), all written by now.
-      counts_B = committed.counts(1)
-      if self.ragged:  # Fixed k: every active row drafts on (num_B == i).
-        drafting_B = num_B == i
-        if committed.active_B is not None:
-          drafting_B &= committed.active_B
-        counts_B = drafting_B.astype(jnp.int32)
-      logits_Bx1xV, cache = extend(draft.config, draft.params, cache, drafts_BxK[:, i - 1, None],
-                                   counts_B=counts_B)
-      q_BxV, d_B, confident_B = choose(i, logits_Bx1xV[:, 0])
-      num_B = jnp.where((num_B == i) & confident_B, i + 1, num_B)
-      return drafts_BxK.at[:, i].set(d_B), q_BxKxV.at[:, i].set(q_BxV), num_B, cache
+  def _choose(self, loop, uniforms_BxK, forced_BxK, num_forced_B, i, logits_BxV):
+    """Slot i of every row: (q, draft, whether the row drafts on). The plain model draft (no
+    forced tokens, fixed k) pays for nothing else per step."""
+    B, V = logits_BxV.shape
+    q_BxV, d_B = probabilities_and_sample_with(uniforms_BxK[:, i], logits_BxV,
+                                               loop.draft_sampling,
+                                               native_kernel=loop.native_kernel)
+    forced_B = jnp.zeros((B,), bool)
+    if forced_BxK is not None:
+      forced_B = i < num_forced_B
+      q_BxV = jnp.where(forced_B[:, None], jax.nn.one_hot(forced_BxK[:, i], V), q_BxV)
+      d_B = jnp.where(forced_B, forced_BxK[:, i], d_B)
+    if not self.ragged:
+      return q_BxV, d_B, jnp.ones((B,), bool)
+    confidence_B = jnp.max(jax.nn.softmax(logits_BxV.astype(jnp.float32), -1), -1)
+    return q_BxV, d_B, forced_B | (confidence_B >= self.stop_below)
 
-    carry = (drafts_BxK, q_BxKxV, num_B, cache)
-    if self.stop_below == 0.0:
-      carry = jax.lax.fori_loop(1, k, step, carry)
-    else:  # Stops when no row drafts on (a row still drafting has num_B == i).
-      carry = jax.lax.while_loop(
-          lambda ic: (ic[0] < k) & jnp.any(ic[1][2] == ic[0]),
-          lambda ic: (ic[0] + 1, step(ic[0], ic[1])), (jnp.int32(1), carry))[1]
-    drafts_BxK, q_BxKxV, num_B, cache = carry
-    return Proposal(drafts_BxK, q_BxKxV, num_B), cache
+  def _step(self, draft: Model, committed: Committed, choose, d: '_Drafts') -> '_Drafts':
+    """Slot d.i: the model reads slot d.i - 1's draft and draws the next."""
+    # A row that stopped proposing (num_B < i) needs nothing more of this loop's drafting: its
+    # cache keeps at most num_B + 1 of the positions written (`rollback`), all written by now.
+    counts_B = committed.counts(1)  # Fixed k: every active row drafts on (num_B == i).
+    if self.ragged:
+      drafting_B = d.num_B == d.i
+      if committed.active_B is not None:
+        drafting_B &= committed.active_B
+      counts_B = drafting_B.astype(jnp.int32)
+    logits_Bx1xV, cache = extend(draft.config, draft.params, d.cache,
+                                 d.tokens_BxK[:, d.i - 1, None], counts_B=counts_B)
+    q_BxV, d_B, confident_B = choose(d.i, logits_Bx1xV[:, 0])
+    return _Drafts(i=d.i + 1, tokens_BxK=d.tokens_BxK.at[:, d.i].set(d_B),
+                   q_BxKxV=d.q_BxKxV.at[:, d.i].set(q_BxV),
+                   num_B=jnp.where((d.num_B == d.i) & confident_B, d.i + 1, d.num_B),
+                   cache=cache)
 
-  def rollback(self, loop, cache: KVCache, base_B, target_lengths_B) -> KVCache:
+  def rollback(self, loop, cache: KVCache, verdict: Verdict) -> KVCache:
     # The draft keeps at most what it wrote this loop (its cache length after drafting) and no
     # more than the target kept; idle rows keep theirs.
-    del base_B
-    lengths_B = jnp.minimum(target_lengths_B, cache.lengths)
+    lengths_B = jnp.minimum(verdict.target_lengths_B, cache.lengths)
     return kv_cache.constrain(cache.with_lengths(lengths_B), loop.mesh, loop.rules)
 
 
@@ -279,7 +347,6 @@ class Hybrid(ModelDrafter):
     return self.draft(loop, draft, cache, committed, keys_BxK, forced_BxK, num_forced_B)
 
 
-Drafter = ModelDrafter | PromptLookup | Hybrid
 KINDS = ('model', 'lookup', 'hybrid')
 
 

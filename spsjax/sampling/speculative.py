@@ -1,13 +1,20 @@
 """Speculative sampling (SpS, Chen et al. 2023, Algorithm 2) as one jitted program.
 
 Prefill of the target (and of the drafter's model, if it has one), then an outer `lax.while_loop`
-whose body is: `draft` (a drafter proposes up to k tokens per row with the laws q they were drawn
-from, `spsjax.sampling.drafters`), `score` (the target on k + 1 positions in one call), `accept`
-(modified rejection sampling per row, `spsjax.sampling.rejection`). Rows accept different numbers
-of drafts; each row's caches roll back by moving that row's length (nothing is recomputed or
-copied). Rows that stopped idle until every row has (a model packed for CPU decoding skips their
-work: `_score`). The loop, the accept step, the rollback and the statistics are the same for
-every drafter.
+that runs while any row generates (`Loop.cond`) and whose body (`Loop.body`) takes every row
+through the same steps, whatever the drafter:
+- draft: the drafter proposes up to k tokens per row with the laws q they were drawn from
+  (`drafters.Drafter.propose`);
+- score: the target on the last committed token and the drafts, k + 1 positions in one call
+  (`Loop._score`);
+- accept: modified rejection sampling per row (`Loop._accept`, `spsjax.sampling.rejection`);
+- commit and roll back: each row appends what it accepted and the token after it, and its caches
+  roll back by moving that row's length, nothing recomputed or copied
+  (`Loop._commit_and_roll_back`);
+- statistics: the counts of `common.SampleOutput`, for the rows active in the loop
+  (`Loop._statistics`).
+Rows accept different numbers of drafts. Rows that stopped idle until every row has (a model
+packed for CPU decoding skips their work: `_target_logits`).
 
 Cache invariant, with c_b = the number of committed tokens of row b (prompt + generated): the
 target cache holds exactly the first c_b - 1 tokens (all but the last, which is fed next), after
@@ -17,8 +24,8 @@ every loop for every number of accepted drafts; each drafter keeps its own state
 Positions written reach c_b + k - 1 < prompt length + max_new_tokens + k - 1, so a row needs k - 1
 positions of headroom past prompt + max_new_tokens within max_seq_len. With `trim_score`, a ragged
 drafter (fewer than k drafts in some rows) has the target score only as many positions as the
-longest proposal of the loop needs (`_score`); off by default: on this CPU the branch costs more
-than the positions it saves (docs/sampling.md).
+longest proposal of the loop needs (`_target_logits`); off by default: on this CPU the branch
+costs more than the positions it saves (docs/sampling.md).
 """
 
 import dataclasses
@@ -38,15 +45,17 @@ from spsjax.sampling.processors import (SamplingConfig, native_probabilities, pr
 from spsjax.sampling.drafters import Drafter
 from spsjax.sampling.rejection import accept_and_resample_rows, check_lenience
 
+
 @flax.struct.dataclass
 class _State:
+  """The outer loop's carry."""
   tokens_BxW: jax.Array  # Generated tokens, PAD_ID past each row's end; W = max_new + k + 1.
   num_generated_B: jax.Array
   done_B: jax.Array
   target_cache: KVCache
   draft_state: Any  # The drafter's (the draft model's cache for a model drafter).
   row_keys_B: jax.Array
-  num_loops_B: jax.Array
+  num_loops_B: jax.Array  # Also numbers each row's loops for its keys (`_loop_keys`).
   num_accepted_B: jax.Array
   num_drafted_B: jax.Array
   num_full_loops_B: jax.Array  # Loops that accepted every draft proposed.
@@ -59,7 +68,7 @@ def headroom(k: int) -> int:
   return k - 1
 
 
-def _score(target: Model, cache: KVCache, tokens_BxKp1, active_B, num_B, longest):
+def _target_logits(target: Model, cache: KVCache, tokens_BxKp1, active_B, num_B, longest):
   """The target's logits on the last committed token and the drafts: float32[B, k + 1, V].
 
   Row b's logits past its num_B[b] drafts, and every logit of an idle row (not `active_B`), are
@@ -96,9 +105,9 @@ def _loop_keys(row_keys_B, num_loops_B, k):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Loop(common.LoopSettings):
-  """The SpS program for one set of static settings (with `common.LoopSettings`'s); `init` and
-  `body` are also callable one at a time from Python (tests step through loops to check the cache
-  invariants)."""
+  """The SpS program for one set of static settings (with `common.LoopSettings`'s); `init`,
+  `cond` and `body` are also callable one at a time from Python (tests step through loops to check
+  the cache invariants)."""
   k: int
   draft_sampling: SamplingConfig
   drafter: Drafter = drafters.ModelDrafter()
@@ -134,55 +143,84 @@ class Loop(common.LoopSettings):
 
   def body(self, target: Model, draft: Model | None, prompts_BxP, prompt_lengths_B,
            state: _State) -> _State:
-    """One draft/score/accept loop for every row; stopped rows idle."""
-    k, mesh, rules = self.k, self.mesh, self.rules
+    """One loop for every row, step by step (the module docstring); stopped rows idle."""
     active_B = ~state.done_B
     committed = drafters.Committed(prompts_BxP, prompt_lengths_B, state.tokens_BxW,
                                    state.num_generated_B, target.config.vocab_size, active_B)
-    committed_B = committed.lengths_B
-    last_B = committed.last(1)
-    draft_keys_BxK, accept_keys_B = _loop_keys(state.row_keys_B, state.num_loops_B, k)
-
+    draft_keys_BxK, accept_keys_B = _loop_keys(state.row_keys_B, state.num_loops_B, self.k)
     with jax.named_scope('draft'):
       proposal, draft_state = self.drafter.propose(self, draft, state.draft_state, committed,
                                                    draft_keys_BxK)
-      drafts_BxK = proposal.tokens_BxK
+    with jax.named_scope('score'):
+      logits_BxKp1xV, target_cache = self._score(target, state.target_cache, committed, proposal)
+    with jax.named_scope('accept'):  # The profile's accept phase: everything after the scoring.
+      n_B, token_B = self._accept(accept_keys_B, logits_BxKp1xV, proposal)
+      state = self._commit_and_roll_back(state, committed, proposal, n_B, token_B, target_cache,
+                                         draft_state)
+      return self._statistics(state, active_B, proposal.num_B, n_B)
 
-    with jax.named_scope('score'):  # The target cache holds committed - 1 tokens.
-      logits_BxKp1xV, target_cache = _score(
-          target, state.target_cache, jnp.concatenate([last_B[:, None], drafts_BxK], axis=1),
-          active_B, proposal.num_B, jnp.max(jnp.where(active_B, proposal.num_B, 0))
-          if self.trim_score and self.drafter.ragged else None)
+  def _score(self, target: Model, cache: KVCache, committed: drafters.Committed,
+             proposal: drafters.Proposal) -> tuple[jax.Array, KVCache]:
+    """The target on each row's last committed token and its drafts (its cache holds the
+    committed tokens but the last): logits float32[B, k + 1, V] (`_target_logits`)."""
+    tokens_BxKp1 = jnp.concatenate([committed.last(1)[:, None], proposal.tokens_BxK], axis=1)
+    active_B = committed.active_B
+    longest = (jnp.max(jnp.where(active_B, proposal.num_B, 0))
+               if self.trim_score and self.drafter.ragged else None)
+    return _target_logits(target, cache, tokens_BxKp1, active_B, proposal.num_B, longest)
 
-    with jax.named_scope('accept'):
-      p_BxKp1xV = (native_probabilities(logits_BxKp1xV, self.sampling) if self.native_kernel
-                   else probabilities(logits_BxKp1xV, self.sampling))
-      n_B, token_B = accept_and_resample_rows(accept_keys_B, p_BxKp1xV, proposal.q_BxKxV,
-                                              drafts_BxK, proposal.num_B, self.lenience,
-                                              native_kernel=self.native_kernel)
-      block_BxKp1 = jnp.where(jnp.arange(k + 1)[None, :] < n_B[:, None],
-                              jnp.pad(drafts_BxK, ((0, 0), (0, 1))), token_B[:, None])
-      tokens_BxW, num_generated_B, done_B, emitted_B = common.commit(
-          state.tokens_BxW, state.num_generated_B, state.done_B, block_BxKp1, n_B + 1,
-          eos_id=self.eos_id, max_new_tokens=self.max_new_tokens)
-      # Roll back: the target keeps all committed tokens but the last; the drafter what it may.
-      # Idle rows keep their lengths.
-      base_B = committed_B - 1
-      target_lengths_B = jnp.where(active_B, base_B + emitted_B, base_B)
-      draft_state = self.drafter.rollback(self, draft_state, base_B, target_lengths_B)
-      count = lambda x_B: jnp.where(active_B, x_B, 0)
-      histogram = lambda n_B: jnp.sum(
-          jax.nn.one_hot(n_B, k + 1, dtype=jnp.int32) * active_B[:, None], axis=0)
-      return state.replace(
-          tokens_BxW=tokens_BxW, num_generated_B=num_generated_B, done_B=done_B,
-          target_cache=kv_cache.constrain(target_cache.with_lengths(target_lengths_B), mesh, rules),
-          draft_state=draft_state,
-          num_loops_B=state.num_loops_B + active_B,
-          num_accepted_B=state.num_accepted_B + count(n_B),
-          num_drafted_B=state.num_drafted_B + count(proposal.num_B),
-          num_full_loops_B=state.num_full_loops_B + count(n_B == proposal.num_B),
-          histogram_Kp1=state.histogram_Kp1 + histogram(n_B),
-          proposed_Kp1=state.proposed_Kp1 + histogram(proposal.num_B))
+  def _accept(self, keys_B, logits_BxKp1xV, proposal: drafters.Proposal):
+    """Modified rejection sampling per row: (n_B, token_B), the drafts accepted and the token
+    after them (drawn from the residual, or from p after the last draft when all were accepted;
+    `rejection.accept_and_resample_rows`)."""
+    p_BxKp1xV = (native_probabilities(logits_BxKp1xV, self.sampling) if self.native_kernel
+                 else probabilities(logits_BxKp1xV, self.sampling))
+    return accept_and_resample_rows(keys_B, p_BxKp1xV, proposal.q_BxKxV, proposal.tokens_BxK,
+                                    proposal.num_B, self.lenience,
+                                    native_kernel=self.native_kernel)
+
+  def _commit_and_roll_back(self, state: _State, committed: drafters.Committed,
+                            proposal: drafters.Proposal, n_B, token_B, target_cache: KVCache,
+                            draft_state) -> _State:
+    """Appends each active row's n_B accepted drafts and the token after them to its output (up
+    to an eos or max_new_tokens, `common.commit`), then rolls the caches back to the cache
+    invariant by moving each row's lengths: the target keeps every committed token but the last,
+    the drafter what it may (`Drafter.rollback`); idle rows keep theirs."""
+    k = self.k
+    block_BxKp1 = jnp.where(jnp.arange(k + 1)[None, :] < n_B[:, None],
+                            jnp.pad(proposal.tokens_BxK, ((0, 0), (0, 1))), token_B[:, None])
+    tokens_BxW, num_generated_B, done_B, emitted_B = common.commit(
+        state.tokens_BxW, state.num_generated_B, state.done_B, block_BxKp1, n_B + 1,
+        eos_id=self.eos_id, max_new_tokens=self.max_new_tokens)
+    base_B = committed.lengths_B - 1
+    target_lengths_B = jnp.where(committed.active_B, base_B + emitted_B, base_B)
+    draft_state = self.drafter.rollback(self, draft_state, drafters.Verdict(base_B,
+                                                                            target_lengths_B))
+    target_cache = kv_cache.constrain(target_cache.with_lengths(target_lengths_B), self.mesh,
+                                      self.rules)
+    return state.replace(tokens_BxW=tokens_BxW, num_generated_B=num_generated_B, done_B=done_B,
+                         target_cache=target_cache, draft_state=draft_state)
+
+  def _statistics(self, state: _State, active_B, num_proposed_B, n_B) -> _State:
+    """The loop's statistics (`common.SampleOutput`'s), counted for the rows active in it."""
+    count = lambda x_B: jnp.where(active_B, x_B, 0)
+    histogram = lambda x_B: jnp.sum(
+        jax.nn.one_hot(x_B, self.k + 1, dtype=jnp.int32) * active_B[:, None], axis=0)
+    return state.replace(
+        num_loops_B=state.num_loops_B + active_B,
+        num_accepted_B=state.num_accepted_B + count(n_B),
+        num_drafted_B=state.num_drafted_B + count(num_proposed_B),
+        num_full_loops_B=state.num_full_loops_B + count(n_B == num_proposed_B),
+        histogram_Kp1=state.histogram_Kp1 + histogram(n_B),
+        proposed_Kp1=state.proposed_Kp1 + histogram(num_proposed_B))
+
+  @staticmethod
+  def cond(state: _State) -> jax.Array:
+    """Whether another loop runs: while any row generates. A row stops at an eos (kept) or at
+    max_new_tokens (`common.commit` sets done_B), then idles in the loops the others still run:
+    it proposes nothing that is read, scores nothing a packed model computes, and is counted in
+    no statistic."""
+    return ~jnp.all(state.done_B)
 
   @functools.partial(jax.jit, static_argnames=('self',))
   def run(self, target: Model, draft: Model | None, prompts_BxP, prompt_lengths_B,
@@ -191,8 +229,8 @@ class Loop(common.LoopSettings):
     prompts_BxP = common.clean_padding(prompts_BxP, prompt_lengths_B)
     state = self.init(target, draft, prompts_BxP, prompt_lengths_B, rng)
     state = jax.lax.while_loop(
-        lambda state: ~jnp.all(state.done_B),
-        lambda state: self.body(target, draft, prompts_BxP, prompt_lengths_B, state), state)
+        self.cond, lambda state: self.body(target, draft, prompts_BxP, prompt_lengths_B, state),
+        state)
     return common.SampleOutput(
         tokens=state.tokens_BxW[:, :self.max_new_tokens], num_generated=state.num_generated_B,
         num_loops=state.num_loops_B, num_accepted=state.num_accepted_B,

@@ -31,7 +31,10 @@ def manager(directory: str, *, keep: int = 3, save_every: int = 1,
 
 
 def encode_meta(model_config: TransformerConfig, tokenizer_bytes: bytes, extra: dict) -> dict:
-  return dict(model=dataclasses.asdict(model_config),
+  # The model, not how a placed copy computes: `kernels` is left out (parameters are saved in
+  # XLA's layout), so a checkpoint's meta reads the same with or without that field.
+  model = {k: v for k, v in dataclasses.asdict(model_config).items() if k != 'kernels'}
+  return dict(model=model,
               tokenizer=base64.b64encode(tokenizer_bytes).decode('ascii'), **extra)
 
 
