@@ -97,6 +97,30 @@ def logits(config: TransformerConfig, params, tokens_BxT: jax.Array) -> jax.Arra
   return out
 
 
+def features(config: TransformerConfig, params, tokens_BxT: jax.Array) -> jax.Array:
+  """Full causal forward with no cache: the last layer's output before the final norm, [B, T, D]
+  in the model's dtype (the reference for `extend_with_features`)."""
+  T = tokens_BxT.shape[1]
+  positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens_BxT.shape)
+  return Transformer(config).apply({'params': params}, tokens_BxT, positions_BxT,
+                                   features=True)[2]
+
+
+def extend_with_features(config: TransformerConfig, params, cache: kv_cache.KVCache,
+                         tokens_BxT: jax.Array, logits_at_BxL: jax.Array | None = None,
+                         counts_B: jax.Array | None = None
+                         ) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
+  """`extend`, also returning the positions' hidden states from the same forward: (float32[B, T,
+  V] logits, [B, T, D] features: the last layer's output before the final norm, cache). At
+  `logits_at` both are [B, L, ...]; where `counts_B` marks padding both are unspecified."""
+  T = tokens_BxT.shape[1]
+  positions_BxT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+  out, (k, v), features_BxTxD = Transformer(config).apply(
+      {'params': params}, tokens_BxT, positions_BxT, cache, logits_at_BxL, counts_B,
+      features=True)
+  return out, features_BxTxD, kv_cache.KVCache(k=k, v=v, lengths=cache.lengths + T)
+
+
 def extend(config: TransformerConfig, params, cache: kv_cache.KVCache, tokens_BxT: jax.Array,
            logits_at_BxL: jax.Array | None = None, counts_B: jax.Array | None = None
            ) -> tuple[jax.Array, kv_cache.KVCache]:

@@ -243,11 +243,15 @@ class Transformer(nn.Module):
   rows, stopped at eos or at their length, have count 0) positions t >= counts[b] are padding:
   their logits are unspecified and the packed kernels skip them (`Attention`); `logits_at`
   positions must then be increasing along L.
+  With `features` a third output: the last layer's output before the final norm (what the LM
+  head reads), [B, T, D] or [B, L, D] at `logits_at`, in the model's dtype: the target's hidden
+  states for a feature-level drafter, from the same forward (without it the program is as before).
   """
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, tokens_BxT, positions_BxT, cache=None, logits_at_BxL=None, counts_B=None):
+  def __call__(self, tokens_BxT, positions_BxT, cache=None, logits_at_BxL=None, counts_B=None,
+               features=False):
     c = self.config
     _check_kernels(self, c)
     packed = c.kernels == 'native'
@@ -269,12 +273,13 @@ class Transformer(nn.Module):
                                                    keep_BxL, counts_B)
       new_k.append(k)
       new_v.append(v)
+    kv = (tuple(new_k), tuple(new_v))
+    extra = (x_BxTxD,) if features else ()
     final_norm = RMSNorm(c, name='final_norm')
     if packed:  # An untied head, or a packed copy of a tied table.
       head_counts_B = counts_B if logits_at_BxL is None else _kept_counts(logits_at_BxL, counts_B)
       return (native.matmul(x_BxTxD, _packed(self, 'head'), norm=final_norm.fused,
-                            counts=head_counts_B),
-              (tuple(new_k), tuple(new_v)))
+                            counts=head_counts_B), kv) + extra
     x_BxTxD = final_norm(x_BxTxD)
     if c.tie_embeddings:
       logits_BxTxV = jnp.einsum('BTD,VD->BTV', x_BxTxD, embedding_VxD,
@@ -284,4 +289,4 @@ class Transformer(nn.Module):
                         c.jnp_dtype)
       logits_BxTxV = jnp.einsum('BTD,DV->BTV', x_BxTxD, head_DxV,
                                 preferred_element_type=jnp.float32)
-    return logits_BxTxV, (tuple(new_k), tuple(new_v))
+    return (logits_BxTxV, kv) + extra

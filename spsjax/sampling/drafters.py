@@ -53,6 +53,10 @@ class Verdict:
   # int32: the target cache's new lengths: base_B plus the tokens the row emitted (accepted
   # drafts and the token after them, up to an eos or max_new_tokens); base_B for an idle row.
   target_lengths_B: jax.Array
+  # For a drafter that `reads_features` (else None): the target's hidden states at the scored
+  # positions base_B .. base_B + k (the last committed token, then the drafts), from the scoring
+  # forward (`models.extend_with_features`); valid up to target_lengths_B (the accepted ones).
+  features_BxKp1xD: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -112,6 +116,12 @@ class Drafter(abc.ABC):
   @abc.abstractmethod
   def needs_model(self) -> bool:
     """Whether it drafts with a draft model."""
+
+  @property
+  def reads_features(self) -> bool:
+    """Whether `rollback` reads the target's hidden states (`Verdict.features_BxKp1xD`); the
+    scoring forward then returns them too. False: the loop's program is as without them."""
+    return False
 
   @property
   @abc.abstractmethod

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from spsjax import sharding
-from spsjax.models import KVCache, Model, extend, kv_cache, prefill
+from spsjax.models import KVCache, Model, extend, extend_with_features, kv_cache, prefill
 from spsjax.sampling import common, drafters
 from spsjax.sampling.processors import (SamplingConfig, native_probabilities, probabilities,
                                         probabilities_and_sample)
@@ -68,8 +68,10 @@ def headroom(k: int) -> int:
   return k - 1
 
 
-def _target_logits(target: Model, cache: KVCache, tokens_BxKp1, active_B, num_B, longest):
-  """The target's logits on the last committed token and the drafts: float32[B, k + 1, V].
+def _target_logits(target: Model, cache: KVCache, tokens_BxKp1, active_B, num_B, longest,
+                   features: bool = False):
+  """The target's logits on the last committed token and the drafts: (float32[B, k + 1, V],
+  cache, and with `features` their hidden states [B, k + 1, D] from the same forward, else None).
 
   Row b's logits past its num_B[b] drafts, and every logit of an idle row (not `active_B`), are
   unspecified and never read (a row accepts at most what it proposed), and a model packed for CPU
@@ -82,14 +84,25 @@ def _target_logits(target: Model, cache: KVCache, tokens_BxKp1, active_B, num_B,
   """
   Kp1 = tokens_BxKp1.shape[1]
   counts_B = jnp.where(active_B, num_B + 1, 0).astype(jnp.int32)
+
+  def forward(cache, tokens_BxN, counts_B):
+    if features:
+      logits_BxNxV, features_BxNxD, cache = extend_with_features(
+          target.config, target.params, cache, tokens_BxN, counts_B=counts_B)
+      return logits_BxNxV, cache, features_BxNxD
+    logits_BxNxV, cache = extend(target.config, target.params, cache, tokens_BxN,
+                                 counts_B=counts_B)
+    return logits_BxNxV, cache, None
+
   if longest is None:
-    return extend(target.config, target.params, cache, tokens_BxKp1, counts_B=counts_B)
+    return forward(cache, tokens_BxKp1, counts_B)
 
   def positions(n):
     def score(cache):
-      logits_BxNxV, cache = extend(target.config, target.params, cache, tokens_BxKp1[:, :n],
-                                   counts_B=jnp.minimum(counts_B, n))
-      return jnp.pad(logits_BxNxV.astype(jnp.float32), ((0, 0), (0, Kp1 - n), (0, 0))), cache
+      logits_BxNxV, cache, features_BxNxD = forward(cache, tokens_BxKp1[:, :n],
+                                                    jnp.minimum(counts_B, n))
+      pad = lambda x: None if x is None else jnp.pad(x, ((0, 0), (0, Kp1 - n), (0, 0)))
+      return pad(logits_BxNxV.astype(jnp.float32)), cache, pad(features_BxNxD)
     return score
 
   return jax.lax.switch(longest, [positions(n) for n in range(1, Kp1 + 1)], cache)
@@ -152,22 +165,25 @@ class Loop(common.LoopSettings):
       proposal, draft_state = self.drafter.propose(self, draft, state.draft_state, committed,
                                                    draft_keys_BxK)
     with jax.named_scope('score'):
-      logits_BxKp1xV, target_cache = self._score(target, state.target_cache, committed, proposal)
+      logits_BxKp1xV, target_cache, features_BxKp1xD = self._score(
+          target, state.target_cache, committed, proposal)
     with jax.named_scope('accept'):  # The profile's accept phase: everything after the scoring.
       n_B, token_B = self._accept(accept_keys_B, logits_BxKp1xV, proposal)
       state = self._commit_and_roll_back(state, committed, proposal, n_B, token_B, target_cache,
-                                         draft_state)
+                                         draft_state, features_BxKp1xD)
       return self._statistics(state, active_B, proposal.num_B, n_B)
 
   def _score(self, target: Model, cache: KVCache, committed: drafters.Committed,
-             proposal: drafters.Proposal) -> tuple[jax.Array, KVCache]:
+             proposal: drafters.Proposal) -> tuple[jax.Array, KVCache, jax.Array | None]:
     """The target on each row's last committed token and its drafts (its cache holds the
-    committed tokens but the last): logits float32[B, k + 1, V] (`_target_logits`)."""
+    committed tokens but the last): logits float32[B, k + 1, V], the cache, and the hidden
+    states if the drafter reads them (`_target_logits`)."""
     tokens_BxKp1 = jnp.concatenate([committed.last(1)[:, None], proposal.tokens_BxK], axis=1)
     active_B = committed.active_B
     longest = (jnp.max(jnp.where(active_B, proposal.num_B, 0))
                if self.trim_score and self.drafter.ragged else None)
-    return _target_logits(target, cache, tokens_BxKp1, active_B, proposal.num_B, longest)
+    return _target_logits(target, cache, tokens_BxKp1, active_B, proposal.num_B, longest,
+                          features=self.drafter.reads_features)
 
   def _accept(self, keys_B, logits_BxKp1xV, proposal: drafters.Proposal):
     """Modified rejection sampling per row: (n_B, token_B), the drafts accepted and the token
@@ -181,7 +197,7 @@ class Loop(common.LoopSettings):
 
   def _commit_and_roll_back(self, state: _State, committed: drafters.Committed,
                             proposal: drafters.Proposal, n_B, token_B, target_cache: KVCache,
-                            draft_state) -> _State:
+                            draft_state, features_BxKp1xD=None) -> _State:
     """Appends each active row's n_B accepted drafts and the token after them to its output (up
     to an eos or max_new_tokens, `common.commit`), then rolls the caches back to the cache
     invariant by moving each row's lengths: the target keeps every committed token but the last,
@@ -194,8 +210,8 @@ class Loop(common.LoopSettings):
         eos_id=self.eos_id, max_new_tokens=self.max_new_tokens)
     base_B = committed.lengths_B - 1
     target_lengths_B = jnp.where(committed.active_B, base_B + emitted_B, base_B)
-    draft_state = self.drafter.rollback(self, draft_state, drafters.Verdict(base_B,
-                                                                            target_lengths_B))
+    draft_state = self.drafter.rollback(
+        self, draft_state, drafters.Verdict(base_B, target_lengths_B, features_BxKp1xD))
     target_cache = kv_cache.constrain(target_cache.with_lengths(target_lengths_B), self.mesh,
                                       self.rules)
     return state.replace(tokens_BxW=tokens_BxW, num_generated_B=num_generated_B, done_B=done_B,

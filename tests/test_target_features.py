@@ -1,0 +1,119 @@
+"""The target's hidden states (the input of its final norm) handed to a drafter that reads them
+(issue 43, item 1): from the scoring forward itself, equal to a full forward's, packed or not,
+and absent from the program of every drafter that does not read them."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spsjax import models
+from spsjax.sampling import SamplingConfig, drafters, speculative
+
+_CONFIG = models.TransformerConfig(vocab_size=48, d_model=32, num_layers=2, num_heads=4,
+                                   num_kv_heads=2, d_ff=64, max_seq_len=64)
+_DRAFT = models.TransformerConfig(vocab_size=48, d_model=24, num_layers=1, num_heads=2, d_ff=48,
+                                  max_seq_len=64)
+
+
+@pytest.fixture(scope='module')
+def pair():
+  return (models.Model(_CONFIG, models.init_params(_CONFIG, jax.random.key(0))),
+          models.Model(_DRAFT, models.init_params(_DRAFT, jax.random.key(1))))
+
+
+def _ragged(seed, batch=5, width=7):
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(1, width + 1, size=batch).astype(np.int32)
+  prompts = rng.integers(0, 48, size=(batch, width)).astype(np.int32)
+  return prompts, lengths
+
+
+@pytest.mark.parametrize('packed', [False, True])
+def test_extend_with_features_is_extend_plus_the_full_forwards_hidden_states(pair, packed):
+  target = models.for_decoding(pair[0]) if packed else pair[0]
+  c, p = target.config, target.params
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 48, size=(3, 9)), jnp.int32)
+  want = np.asarray(models.features(pair[0].config, pair[0].params, tokens))
+  assert want.shape == (3, 9, 32)
+  _, cache = models.prefill(c, p, tokens[:, :4], jnp.full((3,), 4, jnp.int32), 16)
+  logits, features, cache_f = models.extend_with_features(c, p, cache, tokens[:, 4:])
+  plain_logits, plain_cache = models.extend(c, p, cache, tokens[:, 4:])
+  np.testing.assert_array_equal(np.asarray(logits), np.asarray(plain_logits))
+  np.testing.assert_array_equal(np.asarray(cache_f.k), np.asarray(plain_cache.k))
+  np.testing.assert_allclose(np.asarray(features), want[:, 4:], rtol=2e-4, atol=2e-4)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spy(drafters.ModelDrafter):
+  """The default drafter, keeping the last Verdict's features beside its cache."""
+  width: int = 32
+
+  @property
+  def reads_features(self) -> bool:
+    return True
+
+  def init(self, loop, draft, prompts_BxP, prompt_lengths_B, capacity):
+    cache = super().init(loop, draft, prompts_BxP, prompt_lengths_B, capacity)
+    return cache, jnp.zeros((prompts_BxP.shape[0], loop.k + 1, self.width), jnp.float32)
+
+  def propose(self, loop, draft, state, committed, keys_BxK):
+    proposal, cache = super().propose(loop, draft, state[0], committed, keys_BxK)
+    return proposal, (cache, state[1])
+
+  def rollback(self, loop, state, verdict):
+    return (super().rollback(loop, state[0], verdict),
+            verdict.features_BxKp1xD.astype(jnp.float32))
+
+
+@pytest.mark.parametrize('packed,trim_score', [(False, False), (True, False), (False, True)])
+def test_the_loop_hands_the_scored_positions_features_to_the_drafter(pair, packed, trim_score):
+  """After a loop, row b's features at the scored positions base .. base + n (its last committed
+  token and its n accepted drafts) are the full forward's over its committed tokens."""
+  target, draft = (models.for_decoding(m) for m in pair) if packed else pair
+  prompts, lengths = _ragged(3)
+  loop, args = speculative.prepare(target, draft, prompts, lengths, k=4, max_new_tokens=30,
+                                   sampling=SamplingConfig(temperature=0.7), drafter=_Spy(),
+                                   trim_score=trim_score)
+  state = loop.init(*args, jax.random.key(0))
+  accepted = []
+  for _ in range(3):
+    before = np.asarray(state.num_generated_B)
+    state = jax.jit(loop.body)(*args, state)
+    n_B = np.asarray(state.num_generated_B) - before - 1  # Accepted drafts (no eos, no limit).
+    got = np.asarray(state.draft_state[1])
+    for b in range(len(lengths)):
+      seq = np.concatenate([prompts[b, :lengths[b]],
+                            np.asarray(state.tokens_BxW)[b, :state.num_generated_B[b]]])
+      want = np.asarray(models.features(pair[0].config, pair[0].params,
+                                        jnp.asarray(seq[None], jnp.int32)))[0]
+      base = lengths[b] + before[b] - 1
+      np.testing.assert_allclose(got[b, :n_B[b] + 1], want[base:base + n_B[b] + 1],
+                                 rtol=2e-4, atol=2e-4)
+    accepted.append(n_B)
+  assert np.sum(accepted) > 0  # Some drafts were accepted: positions past the first compared.
+
+
+@pytest.mark.parametrize('trim_score', [False, True])
+def test_a_drafter_that_does_not_read_features_never_traces_them(pair, monkeypatch, trim_score):
+  """Reading features is opt-in: with `extend_with_features` broken, the default drafter's loop
+  still compiles (its program is the one it was before features existed), the spy's does not."""
+  target, draft = pair
+  prompts, lengths = _ragged(4)
+
+  def broken(*args, **kwargs):
+    raise AssertionError('features traced')
+
+  monkeypatch.setattr(speculative, 'extend_with_features', broken)
+  for drafter, reads in ((drafters.ModelDrafter(), False), (drafters.Hybrid(), False),
+                         (_Spy(), True)):
+    loop, args = speculative.prepare(target, draft, prompts, lengths, k=3, max_new_tokens=8,
+                                     drafter=drafter, trim_score=trim_score)
+    lower = lambda: type(loop).run.lower(loop, *args, jax.random.key(0))
+    if reads:
+      with pytest.raises(AssertionError, match='features traced'):
+        lower()
+    else:
+      lower()
