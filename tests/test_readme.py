@@ -13,12 +13,10 @@ import re
 import shutil
 import string
 
-import jax
 import pytest
 
-from spsjax import models, sharding
+from spsjax import models
 from spsjax.data import tokenizer
-from spsjax.train import checkpoint, trainer
 from tests import train_helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,19 +31,6 @@ def quickstart() -> str:
     blocks = re.findall(r'^```python\n(.*?)^```', f.read(), re.S | re.M)
   assert len(blocks) == 1, 'The README should hold exactly one Python block (the quickstart).'
   return blocks[0]
-
-
-def _save(workdir: str, model_config: models.TransformerConfig, seed: int,
-          tokenizer_bytes: bytes) -> None:
-  """A checkpoint as `trainer.train` leaves it (state, data position, meta), without training."""
-  config = dataclasses.replace(train_helpers.CONFIG, model=model_config, seed=seed)
-  state = trainer.init_state(config, sharding.make_mesh(1, 1, jax.devices()[:1]))
-  meta = checkpoint.encode_meta(model_config, tokenizer_bytes,
-                                dict(optimizer=dataclasses.asdict(config.optimizer)))
-  mngr = checkpoint.manager(workdir)
-  checkpoint.save(mngr, 1, state, {'position': 1}, meta, force=True)
-  mngr.wait_until_finished()
-  mngr.close()
 
 
 def _run(code: str) -> str:
@@ -70,8 +55,8 @@ def test_quickstart_on_our_checkpoints(tmp_path, monkeypatch):
   target = models.TransformerConfig(vocab_size=tok.vocab_size, d_model=32, num_layers=2,
                                     num_heads=2, num_kv_heads=1, d_ff=64, max_seq_len=128)
   draft = dataclasses.replace(target, num_layers=1)
-  _save(str(tmp_path / TARGET), target, 0, tok.to_bytes())
-  _save(str(tmp_path / DRAFT), draft, 1, tok.to_bytes())
+  train_helpers.save_untrained(str(tmp_path / TARGET), target, 0, tok.to_bytes(), 1)
+  train_helpers.save_untrained(str(tmp_path / DRAFT), draft, 1, tok.to_bytes(), 1)
   monkeypatch.chdir(tmp_path)
   _check_printed(_run(quickstart()))
 

@@ -12,23 +12,13 @@ import pytest
 from spsjax import models, sharding
 from spsjax.data import tokenizer
 from spsjax.sampling import SamplingConfig, autoregressive_sample
-from spsjax.train import checkpoint, load, trainer
+from spsjax.train import load, trainer
 from tests import data_helpers, train_helpers
 
 
 def _save_run(workdir: str, model_config: models.TransformerConfig, seed: int,
               tokenizer_bytes: bytes) -> trainer.TrainState:
-  """What `trainer.train` leaves in `workdir` after step 3 (state, data position, meta), without
-  the training: a fresh state from the trainer's own `init_state`."""
-  config = dataclasses.replace(train_helpers.CONFIG, model=model_config, seed=seed)
-  state = trainer.init_state(config, sharding.make_mesh(1, 1, jax.devices()[:1]))
-  meta = checkpoint.encode_meta(model_config, tokenizer_bytes,
-                                dict(optimizer=dataclasses.asdict(config.optimizer)))
-  mngr = checkpoint.manager(workdir)
-  checkpoint.save(mngr, 3, state, {'position': 3}, meta, force=True)
-  mngr.wait_until_finished()
-  mngr.close()
-  return state
+  return train_helpers.save_untrained(workdir, model_config, seed, tokenizer_bytes, 3)
 
 
 @pytest.fixture(scope='module', name='family')

@@ -7,6 +7,7 @@ handed to the trainer is appended (as a hash) to `<workdir>.batches` (by process
 so a test can list what each run saw.
 """
 
+import dataclasses
 import hashlib
 import os
 import signal
@@ -16,7 +17,7 @@ import jax
 
 from spsjax import models, sharding
 from spsjax.data import pipeline, tokenizer
-from spsjax.train import optimizer, trainer
+from spsjax.train import checkpoint, optimizer, trainer
 from tests import data_helpers
 
 BATCH, SEQ_LEN, STEPS, SAVE_EVERY = 4, 32, 20, 5
@@ -93,3 +94,18 @@ def run(workdir: str, kill_at: int | None = None, config: trainer.TrainConfig = 
 def seen(workdir: str) -> list[str]:
   with open(workdir + '.batches', encoding='utf-8') as f:
     return f.read().split()
+
+
+def save_untrained(workdir: str, model_config: models.TransformerConfig, seed: int,
+                   tokenizer_bytes: bytes, step: int) -> trainer.TrainState:
+  """What `trainer.train` leaves in `workdir` after `step` (state, data position, meta), without
+  the training: a fresh state from the trainer's own `init_state`."""
+  config = dataclasses.replace(CONFIG, model=model_config, seed=seed)
+  state = trainer.init_state(config, sharding.make_mesh(1, 1, jax.devices()[:1]))
+  meta = checkpoint.encode_meta(model_config, tokenizer_bytes,
+                                dict(optimizer=dataclasses.asdict(config.optimizer)))
+  mngr = checkpoint.manager(workdir)
+  checkpoint.save(mngr, step, state, {'position': step}, meta, force=True)
+  mngr.wait_until_finished()
+  mngr.close()
+  return state
