@@ -18,7 +18,7 @@ from ml_collections import config_flags
 
 from spsjax import cli, distributed, models, sampling, sharding
 from spsjax.data import humaneval, prompts as prompts_lib
-from spsjax.sampling import drafters, speculative
+from spsjax.sampling import drafter_config, speculative
 from spsjax.train import load
 
 print0 = distributed.print0
@@ -80,7 +80,7 @@ def main(argv):
   mesh = sharding.mesh_from_axes(c.mesh.data, c.mesh.model)
   sampling_config = sampling.SamplingConfig(**c.sampling)
   draft_sampling = sampling.SamplingConfig(**c.draft_sampling) if c.draft_sampling else None
-  drafter = drafters.build(**c.drafter)
+  drafter = drafter_config.build(**c.drafter)
   needs_draft = c.method == 'sps' and drafter.needs_model
   rng_init, rng_prompt, rng_sample = jax.random.split(jax.random.key(c.seed), 3)
   tok = None

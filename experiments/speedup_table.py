@@ -17,7 +17,7 @@ from ml_collections import config_flags
 from spsjax import cli, distributed, models, sharding, storage
 from spsjax.bench import comparison, decode, speedup, table1
 from spsjax.eval import tasks
-from spsjax.sampling import SamplingConfig, drafters
+from spsjax.sampling import SamplingConfig, drafter_config
 from spsjax.train import load
 
 print0 = distributed.print0
@@ -32,7 +32,7 @@ def main(argv):
   if c.note:
     print0(c.note)
   mesh = sharding.mesh_from_axes(c.mesh.data, c.mesh.model)
-  drafter = drafters.build(**c.drafter)
+  drafter = drafter_config.build(**c.drafter)
   names = [c.draft] if drafter.needs_model else []
   target, drafts, tok, _ = load.load_family(c.root, c.target, names, mesh=mesh,
                                             draft_weights=c.draft_weights)

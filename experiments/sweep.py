@@ -13,7 +13,7 @@ from ml_collections import config_flags
 from spsjax import cli, distributed, sharding, storage
 from spsjax.bench import sweep
 from spsjax.data import humaneval, prompts as prompts_lib
-from spsjax.sampling import SamplingConfig, drafters, speculative
+from spsjax.sampling import SamplingConfig, drafter_config, speculative
 from spsjax.train import load
 
 print0 = distributed.print0
@@ -27,7 +27,7 @@ def main(argv):
   if c.note:
     print0(c.note)
   mesh = sharding.mesh_from_axes(c.mesh.data, c.mesh.model)
-  point_drafters = [drafters.build(**p['drafter']) for p in c.points]
+  point_drafters = [drafter_config.build(**p['drafter']) for p in c.points]
   names = sorted({p['draft'] for p, d in zip(c.points, point_drafters) if d.needs_model})
   family = c.target if load.is_hf(c.target) else c.root  # What the output names the models by.
   target, drafts, tok, _ = load.load_family(c.root, c.target, names, mesh=mesh,

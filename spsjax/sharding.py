@@ -35,6 +35,7 @@ DEFAULT_RULES: Rules = (
     ('cache_sequence', None),
     ('cache_heads', 'model'),
     ('cache_head_dim', None),
+    ('fuse', None),  # A feature head's two inputs (`models.feature_head`).
 )
 
 MESH_AXES = ('data', 'model')

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from spsjax import models
-from spsjax.sampling import (SamplingConfig, autoregressive_sample, drafters, rejection,
-                             speculative)
+from spsjax.sampling import (SamplingConfig, autoregressive_sample, drafter_config, drafters,
+                             rejection, speculative)
 from spsjax.sampling import speculative_sample
 from tests.stats import exact_sequence_law, g_test_pvalue, scaled_model, sequence_counts
 from tests.test_speculative import _ragged, _run_checking_caches
@@ -21,8 +21,8 @@ P_MIN = 1e-5  # Each G-test fails a correct sampler with this probability.
 def test_every_drafter_implements_the_interface():
   """The loop's contract is `drafters.Drafter`: each kind implements it, and a drafter missing a
   method cannot be made."""
-  for kind in drafters.KINDS:
-    assert isinstance(drafters.build(kind), drafters.Drafter), kind
+  for kind in drafter_config.KINDS:
+    assert isinstance(drafter_config.build(kind), drafters.Drafter), kind
 
   class Incomplete(drafters.Drafter):  # No init, propose, rollback or draft_steps.
     needs_model = False

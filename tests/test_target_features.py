@@ -55,7 +55,7 @@ class _Spy(drafters.ModelDrafter):
   def reads_features(self) -> bool:
     return True
 
-  def init(self, loop, draft, prompts_BxP, prompt_lengths_B, capacity):
+  def init(self, loop, draft, prompts_BxP, prompt_lengths_B, capacity, features_BxPxD=None):
     cache = super().init(loop, draft, prompts_BxP, prompt_lengths_B, capacity)
     return cache, jnp.zeros((prompts_BxP.shape[0], loop.k + 1, self.width), jnp.float32)
 

@@ -3,6 +3,7 @@
 from spsjax.models.api import (Model, extend, extend_with_features, features, init_params, logits,
                                num_params, param_shardings, prefill, truncated_params,
                                unsharded_dims)
+from spsjax.models import feature_head
 from spsjax.models.config import TransformerConfig
 from spsjax.models.kv_cache import KVCache, init_cache
 from spsjax.models.packing import (WEIGHT_DTYPES, for_decoding, is_packed, pack, packable,
@@ -10,7 +11,7 @@ from spsjax.models.packing import (WEIGHT_DTYPES, for_decoding, is_packed, pack,
 
 __all__ = [
     'KVCache', 'Model', 'TransformerConfig', 'WEIGHT_DTYPES', 'extend', 'extend_with_features',
-    'features', 'for_decoding',
+    'feature_head', 'features', 'for_decoding',
     'init_cache', 'init_params', 'is_packed', 'logits', 'num_params', 'pack', 'packable',
     'packed_dtype', 'param_shardings', 'prefill', 'truncated_params', 'unpack',
     'unsharded_dims',

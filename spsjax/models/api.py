@@ -111,8 +111,9 @@ def extend_with_features(config: TransformerConfig, params, cache: kv_cache.KVCa
                          counts_B: jax.Array | None = None
                          ) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
   """`extend`, also returning the positions' hidden states from the same forward: (float32[B, T,
-  V] logits, [B, T, D] features: the last layer's output before the final norm, cache). At
-  `logits_at` both are [B, L, ...]; where `counts_B` marks padding both are unspecified."""
+  V] logits, [B, T, D] features: the last layer's output before the final norm, cache). With
+  `logits_at` the logits are [B, L, V], the features still every position's; where `counts_B`
+  marks padding both are unspecified."""
   T = tokens_BxT.shape[1]
   positions_BxT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   out, (k, v), features_BxTxD = Transformer(config).apply(
@@ -141,16 +142,22 @@ def extend(config: TransformerConfig, params, cache: kv_cache.KVCache, tokens_Bx
 
 
 def prefill(config: TransformerConfig, params, prompts_BxP: jax.Array, prompt_lengths_B: jax.Array,
-            capacity: int, *, last_only: bool = False) -> tuple[jax.Array, kv_cache.KVCache]:
+            capacity: int, *, last_only: bool = False, with_features: bool = False):
   """Fills a fresh cache with right-padded prompts: (float32[B, P, V], cache at prompt lengths).
 
   `last_only`: logits of each row's last prompt token only, float32[B, 1, V].
+  `with_features`: (logits, features [B, P, D] at every prompt position, cache), from the same
+  forward (`extend_with_features`).
   Padding positions sit at or past each row's length, so nothing reads their cache slots; their
-  logits are unspecified. A model packed for CPU decoding skips them (half of a batch-8 prefill's
-  work on Table 1's tasks).
+  logits (and features) are unspecified. A model packed for CPU decoding skips them (half of a
+  batch-8 prefill's work on Table 1's tasks).
   """
   cache = kv_cache.init_cache(config, prompts_BxP.shape[0], capacity)
   at_Bx1 = (prompt_lengths_B - 1)[:, None].astype(jnp.int32) if last_only else None
-  out, cache = extend(config, params, cache, prompts_BxP, at_Bx1,
-                      prompt_lengths_B.astype(jnp.int32))
+  counts_B = prompt_lengths_B.astype(jnp.int32)
+  if with_features:
+    out, features_BxPxD, cache = extend_with_features(config, params, cache, prompts_BxP, at_Bx1,
+                                                      counts_B)
+    return out, features_BxPxD, cache.with_lengths(prompt_lengths_B)
+  out, cache = extend(config, params, cache, prompts_BxP, at_Bx1, counts_B)
   return out, cache.with_lengths(prompt_lengths_B)

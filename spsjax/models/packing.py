@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from spsjax import native
+from spsjax.models import feature_head
 from spsjax.models.api import Model
 from spsjax.models.config import TransformerConfig
 
@@ -44,34 +45,63 @@ def _with_kernels(model: Model, kernels: str, params: dict) -> Model:
   return model.replace(config=dataclasses.replace(model.config, kernels=kernels), params=params)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _pack_layer(config: TransformerConfig, dtype: str, layer: dict) -> dict:
-  attn, mlp = dict(layer['attn']), dict(layer['mlp'])
-  pack = functools.partial(native.pack, dtype=dtype)
-  wqkv_DxMxH = jnp.concatenate([attn.pop('wq'), attn.pop('wk'), attn.pop('wv')], axis=1)
-  attn.update(wqkv=pack(wqkv_DxMxH), wo=pack(attn['wo'], in_dims=2))
+def _pack_mlp(config: TransformerConfig, pack, mlp: dict) -> dict:
+  mlp = dict(mlp)
   if config.mlp == 'gated_silu':
     w_gate_in_Dx2xF = jnp.stack([mlp.pop('w_gate'), mlp.pop('w_in')], axis=1)
     mlp['w_gate_in'] = pack(w_gate_in_Dx2xF)
   else:
     mlp['w_in'] = pack(mlp['w_in'])
   mlp['w_out'] = pack(mlp['w_out'])
-  return dict(layer, attn=attn, mlp=mlp)
+  return mlp
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _unpack_layer(config: TransformerConfig, layer: dict) -> dict:
-  attn, mlp = dict(layer['attn']), dict(layer['mlp'])
-  N, K = config.num_heads, config.kv_heads
-  wq, wk, wv = jnp.split(native.unpack(attn.pop('wqkv')), [N, N + K], axis=1)
-  attn.update(wq=wq, wk=wk, wv=wv, wo=native.unpack(attn['wo']))
+def _unpack_mlp(config: TransformerConfig, mlp: dict) -> dict:
+  mlp = dict(mlp)
   if config.mlp == 'gated_silu':
     w_gate_in_Dx2xF = native.unpack(mlp.pop('w_gate_in'))
     mlp.update(w_gate=w_gate_in_Dx2xF[:, 0], w_in=w_gate_in_Dx2xF[:, 1])
   else:
     mlp['w_in'] = native.unpack(mlp['w_in'])
   mlp['w_out'] = native.unpack(mlp['w_out'])
-  return dict(layer, attn=attn, mlp=mlp)
+  return mlp
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _pack_layer(config: TransformerConfig, dtype: str, layer: dict) -> dict:
+  attn = dict(layer['attn'])
+  pack = functools.partial(native.pack, dtype=dtype)
+  wqkv_DxMxH = jnp.concatenate([attn.pop('wq'), attn.pop('wk'), attn.pop('wv')], axis=1)
+  attn.update(wqkv=pack(wqkv_DxMxH), wo=pack(attn['wo'], in_dims=2))
+  return dict(layer, attn=attn, mlp=_pack_mlp(config, pack, layer['mlp']))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _unpack_layer(config: TransformerConfig, layer: dict) -> dict:
+  attn = dict(layer['attn'])
+  N, K = config.num_heads, config.kv_heads
+  wq, wk, wv = jnp.split(native.unpack(attn.pop('wqkv')), [N, N + K], axis=1)
+  attn.update(wq=wq, wk=wk, wv=wv, wo=native.unpack(attn['wo']))
+  return dict(layer, attn=attn, mlp=_unpack_mlp(config, layer['mlp']))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _pack_head(config: TransformerConfig, dtype: str, params: dict) -> dict:
+  """A feature head's own products (`feature_head`): its fuse and its parallel heads' MLPs (its
+  decoder blocks are layers, packed as a transformer's)."""
+  pack = functools.partial(native.pack, dtype=dtype)
+  params = dict(params, fuse=dict(params['fuse'], fuse=pack(params['fuse']['fuse'], in_dims=2)))
+  for name in [n for n in params if n.startswith('head_') and not n.endswith('_norm')]:
+    params[name] = _pack_mlp(config, pack, params[name])
+  return params
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _unpack_head(config: TransformerConfig, params: dict) -> dict:
+  params = dict(params, fuse=dict(params['fuse'], fuse=native.unpack(params['fuse']['fuse'])))
+  for name in [n for n in params if n.startswith('head_') and not n.endswith('_norm')]:
+    params[name] = _unpack_mlp(config, params[name])
+  return params
 
 
 def _layer_names(config: TransformerConfig) -> list[str]:
@@ -99,8 +129,10 @@ def pack(model: Model, weights: str = 'float32') -> Model:
   if is_packed(model):
     return model
   params = dict(model.params)
-  for name in _layer_names(config):
+  for name in _layer_names(config) if 'layer_0' in params else ():
     params[name] = _pack_layer(config, weights, params[name])
+  if feature_head.is_head(model):  # No embedding, no output layer: the target's serve it.
+    return _with_kernels(model, 'native', _pack_head(config, weights, params))
   if config.tie_embeddings:
     params['head'] = jax.jit(lambda e: native.pack(e.T, tied_to='embedding', dtype=weights))(
         params['embedding'])
@@ -115,8 +147,10 @@ def unpack(model: Model) -> Model:
   if not is_packed(model):
     return model
   config, params = model.config, dict(model.params)
-  for name in _layer_names(config):
+  for name in _layer_names(config) if 'layer_0' in params else ():
     params[name] = _unpack_layer(config, params[name])
+  if feature_head.is_head(model):
+    return _with_kernels(model, 'xla', _unpack_head(config, params))
   head = params.pop('head')
   if not config.tie_embeddings:
     params['head'] = jax.jit(native.unpack)(head)

@@ -244,7 +244,8 @@ class Transformer(nn.Module):
   their logits are unspecified and the packed kernels skip them (`Attention`); `logits_at`
   positions must then be increasing along L.
   With `features` a third output: the last layer's output before the final norm (what the LM
-  head reads), [B, T, D] or [B, L, D] at `logits_at`, in the model's dtype: the target's hidden
+  head reads) at every position, [B, T, D] in the model's dtype, also with `logits_at` (whose
+  positions alone get logits; the last layer then runs on every position): the target's hidden
   states for a feature-level drafter, from the same forward (without it the program is as before).
   """
   config: TransformerConfig
@@ -257,10 +258,7 @@ class Transformer(nn.Module):
     packed = c.kernels == 'native'
     embedding_VxD = _param(self, 'embedding', (c.vocab_size, c.d_model), ('vocab', 'embed'),
                            c.d_model, c.jnp_dtype)
-    if packed:  # A copy of rows on the calling thread (`native.take_rows`).
-      x_BxTxD = native.take_rows(embedding_VxD, tokens_BxT)
-    else:
-      x_BxTxD = jnp.take(embedding_VxD, tokens_BxT, axis=0)
+    x_BxTxD = embed(c, embedding_VxD, tokens_BxT)
     if c.position == 'learned':  # Positions past the table (never read back) are clipped.
       table_SxD = _param(self, 'position_embedding', (c.max_seq_len, c.d_model),
                          ('length', 'embed'), c.d_model, c.jnp_dtype)
@@ -268,25 +266,54 @@ class Transformer(nn.Module):
     new_k, new_v = [], []
     for i in range(c.num_layers):
       layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.lengths)
-      keep_BxL = logits_at_BxL if i == c.num_layers - 1 else None  # x is then [B, L, D].
+      # x is then [B, L, D]; features are wanted at every position.
+      keep_BxL = logits_at_BxL if i == c.num_layers - 1 and not features else None
       x_BxTxD, (k, v) = Block(c, name=f'layer_{i}')(x_BxTxD, positions_BxT, layer_cache,
                                                    keep_BxL, counts_B)
       new_k.append(k)
       new_v.append(v)
     kv = (tuple(new_k), tuple(new_v))
     extra = (x_BxTxD,) if features else ()
+    if features and logits_at_BxL is not None:
+      x_BxTxD = jnp.take_along_axis(x_BxTxD, logits_at_BxL[:, :, None], axis=1)
     final_norm = RMSNorm(c, name='final_norm')
     if packed:  # An untied head, or a packed copy of a tied table.
-      head_counts_B = counts_B if logits_at_BxL is None else _kept_counts(logits_at_BxL, counts_B)
-      return (native.matmul(x_BxTxD, _packed(self, 'head'), norm=final_norm.fused,
-                            counts=head_counts_B), kv) + extra
-    x_BxTxD = final_norm(x_BxTxD)
-    if c.tie_embeddings:
-      logits_BxTxV = jnp.einsum('BTD,VD->BTV', x_BxTxD, embedding_VxD,
-                                preferred_element_type=jnp.float32)
+      head = _packed(self, 'head')
+      counts_B = counts_B if logits_at_BxL is None else _kept_counts(logits_at_BxL, counts_B)
+    elif not c.tie_embeddings:
+      head = _param(self, 'head', (c.d_model, c.vocab_size), ('embed', 'vocab'), c.d_model,
+                    c.jnp_dtype)
     else:
-      head_DxV = _param(self, 'head', (c.d_model, c.vocab_size), ('embed', 'vocab'), c.d_model,
-                        c.jnp_dtype)
-      logits_BxTxV = jnp.einsum('BTD,DV->BTV', x_BxTxD, head_DxV,
-                                preferred_element_type=jnp.float32)
-    return (logits_BxTxV, kv) + extra
+      head = None
+    return (_output(c, final_norm, embedding_VxD, head, x_BxTxD, counts_B), kv) + extra
+
+
+def embed(config: TransformerConfig, embedding_VxD: jax.Array, tokens_BxT: jax.Array) -> jax.Array:
+  """The rows of the embedding table for `tokens` (a packed model copies them on the calling
+  thread: `native.take_rows`)."""
+  if config.kernels == 'native':
+    return native.take_rows(embedding_VxD, tokens_BxT)
+  return jnp.take(embedding_VxD, tokens_BxT, axis=0)
+
+
+def _output(config: TransformerConfig, final_norm: RMSNorm, embedding_VxD, head, x_BxTxD,
+            counts_B=None) -> jax.Array:
+  """The output layer: float32 logits of the final norm of x through the head (`head`: packed,
+  [D, V], or None for the tied table); a packed head skips rows past `counts_B`."""
+  if config.kernels == 'native':
+    return native.matmul(x_BxTxD, head, norm=final_norm.fused, counts=counts_B)
+  x_BxTxD = final_norm(x_BxTxD)
+  if head is None:
+    return jnp.einsum('BTD,VD->BTV', x_BxTxD, embedding_VxD, preferred_element_type=jnp.float32)
+  return jnp.einsum('BTD,DV->BTV', x_BxTxD, head, preferred_element_type=jnp.float32)
+
+
+def output_logits(config: TransformerConfig, params, x_BxTxD: jax.Array,
+                  counts_B: jax.Array | None = None) -> jax.Array:
+  """The output layer of a model (`config`, `params`) on hidden states x [B, T, D] (its last
+  layer's output, as `Transformer(features=True)` returns them): float32[B, T, V], the logits the
+  model would give. A drafter predicting the target's features reads them through the target's
+  own output layer: the target's weights, not a copy."""
+  final_norm = RMSNorm(config).bind({'params': params['final_norm']})
+  head = params['head'] if config.kernels == 'native' or not config.tie_embeddings else None
+  return _output(config, final_norm, params['embedding'], head, x_BxTxD, counts_B)

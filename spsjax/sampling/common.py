@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spsjax import sharding
-from spsjax.models import Model, param_shardings, unpack
+from spsjax.models import Model, feature_head, param_shardings, unpack
 from spsjax.sampling.processors import SamplingConfig, typed_keys
 
 PAD_ID = -1  # Fills `SampleOutput.tokens` after each row's last generated token.
@@ -168,7 +168,10 @@ def place_params(model: Model, mesh: Mesh | None,
   if mesh is None:
     return model
   model = unpack(model)
-  shardings = param_shardings(model.config, mesh, rules)
+  if feature_head.is_head(model):
+    shardings = feature_head.param_shardings(feature_head.kind(model), model.config, mesh, rules)
+  else:
+    shardings = param_shardings(model.config, mesh, rules)
   if all(isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim)
          for x, s in zip(jax.tree.leaves(model.params), jax.tree.leaves(shardings))):
     return model  # Placed already (the binaries place once, at load): nothing to move per call.

@@ -46,9 +46,7 @@ class Proposal:
 
 @flax.struct.dataclass
 class Verdict:
-  """What a loop's accept step tells the drafter (`Drafter.rollback`). A drafter that reads the
-  target's hidden states (EAGLE-style) would find those of the scored positions here, as a field
-  added beside these; no other drafter would change."""
+  """What a loop's accept step tells the drafter (`Drafter.rollback`)."""
   base_B: jax.Array  # int32: each row's committed tokens before the loop, less one.
   # int32: the target cache's new lengths: base_B plus the tokens the row emitted (accepted
   # drafts and the token after them, up to an eos or max_new_tokens); base_B for an idle row.
@@ -108,8 +106,9 @@ class Drafter(abc.ABC):
   (`needs_model` False). Each loop calls `propose`, then, after the accept step, `rollback`.
 
   What the loop hands over travels in named dataclasses (`Committed`, `Proposal`, `Verdict`), so
-  that a drafter needing more (a tree of drafts; the target's hidden states for an EAGLE-style
-  head, at `init` and in `Verdict`) adds fields there rather than arguments to every drafter.
+  that a drafter needing more (a tree of drafts) adds fields there rather than arguments to every
+  drafter; one that `reads_features` gets the target's hidden states at `init` and in `Verdict`,
+  and the target itself through `bind`.
   """
 
   @property
@@ -119,8 +118,9 @@ class Drafter(abc.ABC):
 
   @property
   def reads_features(self) -> bool:
-    """Whether `rollback` reads the target's hidden states (`Verdict.features_BxKp1xD`); the
-    scoring forward then returns them too. False: the loop's program is as without them."""
+    """Whether `init` and `rollback` read the target's hidden states (of the prompt, and
+    `Verdict.features_BxKp1xD`); the prefill and the scoring forward then return them too.
+    False: the loop's program is as without them."""
     return False
 
   @property
@@ -129,9 +129,24 @@ class Drafter(abc.ABC):
     """Whether rows may propose fewer than k: the loop can then score only as many positions as
     the longest proposal needs (`speculative.Loop.trim_score`)."""
 
+  def check(self, target: Model, draft) -> None:
+    """Raises ValueError if `draft` cannot draft for `target` with this drafter (beyond the
+    checks every drafter gets: `speculative.check_pair`)."""
+    del target, draft
+
+  def bind(self, target: Model, draft) -> Any:
+    """What the other methods receive as `draft`, inside the program: the draft model as given,
+    or for a drafter that reads the target's own weights (a feature head shares its embedding
+    and output layer) the two together, the target's arrays not copied."""
+    del target
+    return draft
+
   @abc.abstractmethod
-  def init(self, loop, draft, prompts_BxP, prompt_lengths_B, capacity: int) -> Any:
-    """The state for the prompts, after the target's prefill (`capacity`: the caches' size)."""
+  def init(self, loop, draft, prompts_BxP, prompt_lengths_B, capacity: int,
+           features_BxPxD=None) -> Any:
+    """The state for the prompts, after the target's prefill (`capacity`: the caches' size;
+    `features_BxPxD`: the target's hidden states at every prompt position if `reads_features`,
+    else None)."""
 
   @abc.abstractmethod
   def propose(self, loop, draft, state, committed: Committed, keys_BxK) -> tuple[Proposal, Any]:
@@ -202,8 +217,8 @@ class PromptLookup(Drafter):
     del k, proposed_per_loop
     return 0.0
 
-  def init(self, loop, draft, prompts_BxP, prompt_lengths_B, capacity):
-    del loop, draft, prompts_BxP, prompt_lengths_B, capacity
+  def init(self, loop, draft, prompts_BxP, prompt_lengths_B, capacity, features_BxPxD=None):
+    del loop, draft, prompts_BxP, prompt_lengths_B, capacity, features_BxPxD
     return ()
 
   def propose(self, loop, draft, state, committed: Committed, keys_BxK):
@@ -269,7 +284,9 @@ class ModelDrafter(Drafter):
     last row stops, so more there)."""
     return proposed_per_loop if self.ragged else float(k)
 
-  def init(self, loop, draft: Model, prompts_BxP, prompt_lengths_B, capacity) -> KVCache:
+  def init(self, loop, draft: Model, prompts_BxP, prompt_lengths_B, capacity,
+           features_BxPxD=None) -> KVCache:
+    del features_BxPxD
     _, cache = prefill(draft.config, draft.params, prompts_BxP, prompt_lengths_B, capacity,
                        last_only=True)
     return kv_cache.constrain(cache, loop.mesh, loop.rules)
@@ -355,22 +372,3 @@ class Hybrid(ModelDrafter):
     forced_BxK, num_forced_B = PromptLookup(self.max_ngram, self.min_ngram).lookup(committed,
                                                                                    loop.k)
     return self.draft(loop, draft, cache, committed, keys_BxK, forced_BxK, num_forced_B)
-
-
-KINDS = ('model', 'lookup', 'hybrid')
-
-
-def build(kind: str = 'model', *, max_ngram: int = 3, min_ngram: int = 1,
-          stop_below: float = 0.0) -> Drafter:
-  """The drafter a config names: `model` (with `stop_below` > 0: dynamic k), `lookup` (n-grams
-  from `max_ngram` down to `min_ngram`) or `hybrid` (both)."""
-  if kind == 'model':
-    return ModelDrafter(stop_below=stop_below)
-  if kind == 'hybrid':
-    return Hybrid(stop_below=stop_below, max_ngram=max_ngram, min_ngram=min_ngram)
-  if kind == 'lookup':
-    if stop_below:
-      raise ValueError(f'stop_below={stop_below}: prompt lookup has no draft model whose '
-                       f'confidence could stop it; use drafter hybrid or model.')
-    return PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram)
-  raise ValueError(f'Unknown drafter {kind!r}; known: {list(KINDS)}.')

@@ -134,9 +134,16 @@ class Loop(common.LoopSettings):
     B, P = prompts_BxP.shape
     capacity = P + self.max_new_tokens + k
     row_keys_B = common.row_keys(rng, B)
-    first_logits_Bx1xV, target_cache = prefill(target.config, target.params, prompts_BxP,
-                                               prompt_lengths_B, capacity, last_only=True)
-    draft_state = self.drafter.init(self, draft, prompts_BxP, prompt_lengths_B, capacity)
+    if self.drafter.reads_features:
+      first_logits_Bx1xV, features_BxPxD, target_cache = prefill(
+          target.config, target.params, prompts_BxP, prompt_lengths_B, capacity, last_only=True,
+          with_features=True)
+    else:
+      features_BxPxD = None
+      first_logits_Bx1xV, target_cache = prefill(target.config, target.params, prompts_BxP,
+                                                 prompt_lengths_B, capacity, last_only=True)
+    draft_state = self.drafter.init(self, self.drafter.bind(target, draft), prompts_BxP,
+                                    prompt_lengths_B, capacity, features_BxPxD)
     first_logits_BxV = first_logits_Bx1xV[:, 0]
     _, first_B = probabilities_and_sample(
         jax.vmap(jax.random.fold_in)(row_keys_B, jnp.zeros((B,), jnp.uint32)), first_logits_BxV,
@@ -158,6 +165,7 @@ class Loop(common.LoopSettings):
            state: _State) -> _State:
     """One loop for every row, step by step (the module docstring); stopped rows idle."""
     active_B = ~state.done_B
+    draft = self.drafter.bind(target, draft)
     committed = drafters.Committed(prompts_BxP, prompt_lengths_B, state.tokens_BxW,
                                    state.num_generated_B, target.config.vocab_size, active_B)
     draft_keys_BxK, accept_keys_B = _loop_keys(state.row_keys_B, state.num_loops_B, self.k)
@@ -265,6 +273,7 @@ def check_pair(target: Model, draft: Model | None, k: int,
   if draft is not None and draft.config.vocab_size != target.config.vocab_size:
     raise ValueError(f'Draft vocab_size ({draft.config.vocab_size}) differs from the target\'s '
                      f'({target.config.vocab_size}); they must share a tokenizer.')
+  drafter.check(target, draft)
 
 
 def prepare(target: Model, draft: Model | None, prompts, prompt_lengths, *, k: int,

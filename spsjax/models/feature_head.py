@@ -1,0 +1,203 @@
+"""Draft heads that read the target's hidden states (EAGLE; Medusa and multi-token prediction).
+
+A head predicts the target's next features from its current ones: the features of position t are
+the target's last layer output there, before the final norm (`Transformer(features=True)`); the
+target's output layer turns features at t into the law of token t + 1. A head embeds tokens and
+turns its predicted features into logits through the target's own embedding table and output
+layer (`transformer.embed`, `transformer.output_logits` on the target's parameters, passed in
+at each call): its parameters hold neither, so it costs the target's vocabulary nothing to store.
+
+Both kinds read a pair (f_t, x_{t+1}) (the features at t and the token after t, which the
+target's law at t drew): each RMS-normed, side by side, projected back to D (`fuse`).
+- `FeatureHead` (EAGLE-1, Li et al. 2024): then `num_layers` decoder blocks with their own KV cache
+  over the pairs (pair t at position t); its output at t is f^_{t+1}, whose logits are the law of
+  x_{t+2}. Drafting feeds it its own prediction with the token drawn from it, (f^_{t+1}, x_{t+2}).
+- `ParallelHeads` (Medusa, Cai et al. 2024; the MTP heads of Gloeckle et al. 2024): from one fused
+  pair, head i (a residual gated MLP block) predicts the features f^_{t+1+i}: `num_layers` drafts
+  x_{t+2}, .., x_{t+1+num_layers} in one pass, no cache and no draft fed back.
+
+A head's parameters are a `Model` whose config is a `TransformerConfig` at the target's width,
+heads and vocabulary (`head_config`), `num_layers` counting its blocks (FeatureHead) or heads
+(ParallelHeads); its kind is which of the two trees its parameters hold (`kind`).
+"""
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from spsjax import native, sharding
+
+from spsjax.models import kv_cache
+from spsjax.models.api import Model
+from spsjax.models.config import TransformerConfig
+from spsjax.models.transformer import (Block, Mlp, RMSNorm, _kept_counts, _param, embed,
+                                        output_logits)
+
+KINDS = ('feature', 'heads')
+
+
+def head_config(target: TransformerConfig, num_layers: int = 1) -> TransformerConfig:
+  """A head's config for `target`: its width, heads, MLP and vocabulary, `num_layers` blocks
+  (or heads), XLA's kernels."""
+  return dataclasses.replace(target, num_layers=num_layers, kernels='xla')
+
+
+class _Fuse(nn.Module):
+  """The pair (features, token embedding) -> one stream [B, T, D]: both RMS-normed, then one
+  product over their 2D entries."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, features_BxTxD, embedded_BxTxD, counts_B=None):
+    c = self.config
+    x_BxTx2xD = jnp.stack([RMSNorm(c, name='feature_norm')(features_BxTxD.astype(c.jnp_dtype)),
+                           RMSNorm(c, name='token_norm')(embedded_BxTxD.astype(c.jnp_dtype))],
+                          axis=2)
+    if c.kernels == 'native':  # Packed (`models.pack`): one product over the 2D entries.
+      B, T = x_BxTx2xD.shape[:2]
+      return native.matmul(x_BxTx2xD.reshape(B, T, 2 * c.d_model),
+                           self.get_variable('params', 'fuse'), counts=counts_B).astype(c.jnp_dtype)
+    w_2xDxE = _param(self, 'fuse', (2, c.d_model, c.d_model), ('fuse', 'embed', 'embed'),
+                     2 * c.d_model, c.jnp_dtype)
+    return jnp.einsum('BTID,IDE->BTE', x_BxTx2xD, w_2xDxE)
+
+
+class FeatureHead(nn.Module):
+  """EAGLE's head (module docstring): pairs at `positions` -> predicted features [B, T, D] and
+  its blocks' (k, v), cached like the transformer's (`cache`: (k, v, lengths) per block)."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, features_BxTxD, embedded_BxTxD, positions_BxT, cache=None, counts_B=None):
+    c = self.config
+    x_BxTxD = _Fuse(c, name='fuse')(features_BxTxD, embedded_BxTxD, counts_B)
+    new_k, new_v = [], []
+    for i in range(c.num_layers):
+      layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.lengths)
+      x_BxTxD, (k, v) = Block(c, name=f'layer_{i}')(x_BxTxD, positions_BxT, layer_cache, None,
+                                                   counts_B)
+      new_k.append(k)
+      new_v.append(v)
+    return x_BxTxD, (tuple(new_k), tuple(new_v))
+
+
+class ParallelHeads(nn.Module):
+  """Medusa / MTP heads (module docstring): one pair per row -> [B, num_layers, D], head i's
+  predicted features (the law of the token i + 1 after the pair's)."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, features_BxD, embedded_BxD):
+    c = self.config
+    u_Bx1xD = _Fuse(c, name='fuse')(features_BxD[:, None], embedded_BxD[:, None])
+    return jnp.concatenate(
+        [Mlp(c, name=f'head_{i}')(u_Bx1xD, RMSNorm(c, name=f'head_{i}_norm'))
+         for i in range(c.num_layers)], axis=1)
+
+
+def is_head(model: Model) -> bool:
+  """Whether `model` is a head of this module (rather than a transformer)."""
+  return 'fuse' in model.params
+
+
+def kind(head: Model) -> str:
+  """'feature' (an EAGLE head: decoder blocks) or 'heads' (parallel heads)."""
+  if not is_head(head):
+    raise ValueError('Not a feature head (`models.feature_head`): a transformer\'s parameters.')
+  return 'heads' if 'head_0' in head.params else 'feature'
+
+
+def _module(kind_: str, config: TransformerConfig) -> nn.Module:
+  if kind_ not in KINDS:
+    raise ValueError(f'Unknown head kind {kind_!r}; known: {list(KINDS)}.')
+  return FeatureHead(config) if kind_ == 'feature' else ParallelHeads(config)
+
+
+def _boxed_init(kind_: str, config: TransformerConfig, rng: jax.Array):
+  D = config.d_model
+  if kind_ == 'feature':
+    args = (jnp.zeros((1, 1, D)), jnp.zeros((1, 1, D)), jnp.zeros((1, 1), jnp.int32))
+  else:
+    args = (jnp.zeros((1, D)), jnp.zeros((1, D)))
+  return _module(kind_, config).init(rng, *args)['params']
+
+
+def init_head(kind_: str, config: TransformerConfig, rng: jax.Array) -> dict:
+  """Random parameters of a head of `kind_` ('feature' or 'heads')."""
+  return jax.jit(lambda key: nn.unbox(_boxed_init(kind_, config, key)))(rng)
+
+
+@functools.lru_cache(maxsize=16)
+def param_shardings(kind_: str, config: TransformerConfig, mesh: Mesh,
+                    rules: sharding.Rules = sharding.DEFAULT_RULES):
+  """NamedShardings for a head's parameters, from their logical axis names."""
+  abstract = jax.eval_shape(functools.partial(_boxed_init, kind_, config), jax.random.key(0))
+  return sharding.tree_shardings(abstract, mesh, rules)
+
+
+def check_pair(target: Model, head: Model) -> None:
+  """Raises ValueError unless `head` reads `target`'s features: the same width and vocabulary."""
+  t, h = target.config, head.config
+  if (t.d_model, t.vocab_size) != (h.d_model, h.vocab_size):
+    raise ValueError(f'The head (d_model {h.d_model}, vocab {h.vocab_size}) does not fit the '
+                     f'target (d_model {t.d_model}, vocab {t.vocab_size}): a head reads the '
+                     f'target\'s features and shares its embedding and output layer.')
+
+
+def _logits_at(target: Model, features_BxTxD, logits_at_BxL, counts_B):
+  if logits_at_BxL is not None:
+    features_BxTxD = jnp.take_along_axis(features_BxTxD, logits_at_BxL[:, :, None], axis=1)
+    counts_B = _kept_counts(logits_at_BxL, counts_B)
+  return output_logits(target.config, target.params,
+                       features_BxTxD.astype(target.config.jnp_dtype), counts_B)
+
+
+def extend_head(head: Model, target: Model, cache: kv_cache.KVCache, features_BxTxD: jax.Array,
+                tokens_BxT: jax.Array, *, logits_at_BxL: jax.Array | None = None,
+                counts_B: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
+  """An EAGLE head on T pairs (features, token) per row at the row's offset `cache.lengths`:
+  (float32 logits [B, T, V] (or [B, L, V] at `logits_at`), predicted features [B, T, D], cache
+  with lengths + T). As `models.extend`: row b's pairs past counts[b] are padding, their
+  outputs unspecified."""
+  T = tokens_BxT.shape[1]
+  positions_BxT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+  embedded_BxTxD = embed(target.config, target.params['embedding'], tokens_BxT)
+  predicted_BxTxD, (k, v) = FeatureHead(head.config).apply(
+      {'params': head.params}, features_BxTxD, embedded_BxTxD, positions_BxT, cache, counts_B)
+  logits = _logits_at(target, predicted_BxTxD, logits_at_BxL, counts_B)
+  return logits, predicted_BxTxD, kv_cache.KVCache(k=k, v=v, lengths=cache.lengths + T)
+
+
+def feature_head_forward(head: Model, target: Model, features_BxTxD: jax.Array,
+                         tokens_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """An EAGLE head over whole sequences, no cache (training, and the reference of
+  `extend_head`): pair t = (features[:, t], tokens[:, t]) -> (float32 logits [B, T, V],
+  predicted features [B, T, D])."""
+  T = tokens_BxT.shape[1]
+  positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens_BxT.shape)
+  embedded_BxTxD = embed(target.config, target.params['embedding'], tokens_BxT)
+  predicted_BxTxD, _ = FeatureHead(head.config).apply(
+      {'params': head.params}, features_BxTxD, embedded_BxTxD, positions_BxT)
+  return _logits_at(target, predicted_BxTxD, None, None), predicted_BxTxD
+
+
+def parallel_heads(head: Model, target: Model, features_BxD: jax.Array, tokens_B: jax.Array,
+                   num: int | None = None) -> tuple[jax.Array, jax.Array]:
+  """Parallel heads on one pair per row: (float32 logits [B, n, V], predicted features [B, n,
+  D]) of the first `num` heads (default all), head i's for the token i + 1 after `tokens_B`."""
+  n = head.config.num_layers if num is None else num
+  if not 1 <= n <= head.config.num_layers:
+    raise ValueError(f'{n} drafts need {n} heads; this model has {head.config.num_layers}.')
+  params = dict(head.params)
+  for i in range(n, head.config.num_layers):  # Heads past n are neither run nor passed.
+    params.pop(f'head_{i}')
+    params.pop(f'head_{i}_norm')
+  embedded_BxD = embed(target.config, target.params['embedding'], tokens_B)
+  predicted_BxNxD = ParallelHeads(dataclasses.replace(head.config, num_layers=n)).apply(
+      {'params': params}, features_BxD, embedded_BxD)
+  return _logits_at(target, predicted_BxNxD, None, None), predicted_BxNxD

@@ -1,0 +1,30 @@
+"""The drafter a config names (`drafter=` in the binaries' configs): `build`."""
+
+from spsjax.sampling.drafters import Drafter, Hybrid, ModelDrafter, PromptLookup
+from spsjax.sampling.feature_drafters import FeatureDrafter, HeadsDrafter
+
+KINDS = ('model', 'lookup', 'hybrid', 'feature', 'heads')
+# The kinds whose draft is a head over the target's features (`models.feature_head`), not a
+# transformer: the binaries load their checkpoint as one.
+HEAD_KINDS = ('feature', 'heads')
+
+
+def build(kind: str = 'model', *, max_ngram: int = 3, min_ngram: int = 1,
+          stop_below: float = 0.0) -> Drafter:
+  """`model` (with `stop_below` > 0: dynamic k), `lookup` (n-grams from `max_ngram` down to
+  `min_ngram`), `hybrid` (both), `feature` (an EAGLE head) or `heads` (parallel heads)."""
+  if kind not in KINDS:
+    raise ValueError(f'Unknown drafter {kind!r}; known: {list(KINDS)}.')
+  if stop_below and kind == 'lookup':
+    raise ValueError(f'stop_below={stop_below}: prompt lookup has no draft model whose '
+                     f'confidence could stop it; use drafter hybrid or model.')
+  if stop_below and kind in HEAD_KINDS:
+    raise ValueError(f'stop_below={stop_below}: dynamic k is implemented for draft models '
+                     f'(drafter model or hybrid), not for the {kind} drafter.')
+  if kind == 'model':
+    return ModelDrafter(stop_below=stop_below)
+  if kind == 'hybrid':
+    return Hybrid(stop_below=stop_below, max_ngram=max_ngram, min_ngram=min_ngram)
+  if kind == 'lookup':
+    return PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram)
+  return FeatureDrafter() if kind == 'feature' else HeadsDrafter()

@@ -1,0 +1,206 @@
+"""Drafters that read the target's hidden states: an EAGLE head and parallel (Medusa/MTP) heads.
+
+Both draft from `models.feature_head` heads, which share the target's embedding and output layer
+(`Drafter.bind` hands them the target inside the program). The target's features reach them from
+its own forwards, no second pass: the prompt's from the prefill (`Drafter.init`), and each loop's
+scored positions from the scoring forward (`drafters.Verdict.features_BxKp1xD`).
+
+Exactness holds as for any drafter: a proposal is a function of the committed tokens (the
+target's features are a function of them) and of the loop's draft keys, and q is the law each
+draft was drawn from after the draft's sampling processors.
+
+With c_b committed tokens in row b, the target has features for positions 0 .. c_b - 2 (the last
+committed token is scored next loop). Each drafter's state keeps the features of the newest m_b
+of them that it has not yet read, m_b >= 1: the prompt's last at the start, the emitted block's
+(accepted drafts' positions and the one before) after each loop.
+"""
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from spsjax.models import KVCache, Model, feature_head, init_cache, kv_cache
+from spsjax.sampling.drafters import Committed, Drafter, Proposal, Verdict
+from spsjax.sampling.processors import probabilities_and_sample_with, uniforms
+
+
+@flax.struct.dataclass
+class HeadAndTarget:
+  """What a feature drafter's methods receive as `draft` (`Drafter.bind`)."""
+  head: Model
+  target: Model
+
+
+@flax.struct.dataclass
+class Pending:
+  """The target's features a drafter has not read yet: those of positions c_b - 1 - m_b ..
+  c_b - 2 (module docstring), left-aligned, the rest unspecified."""
+  features_BxMxD: jax.Array
+  num_B: jax.Array  # int32 m_b in [1, M].
+
+  @classmethod
+  def of_prompts(cls, features_BxPxD, prompt_lengths_B, width: int) -> 'Pending':
+    """The prompt's last position's, in a buffer of `width`."""
+    B, _, D = features_BxPxD.shape
+    last_BxD = jnp.take_along_axis(features_BxPxD, (prompt_lengths_B - 1)[:, None, None],
+                                   axis=1)[:, 0]
+    buffer_BxMxD = jnp.zeros((B, width, D), features_BxPxD.dtype).at[:, 0].set(last_BxD)
+    return cls(buffer_BxMxD, jnp.ones((B,), jnp.int32))
+
+  def after(self, verdict: Verdict) -> 'Pending':
+    """After a loop: the emitted block's features, base .. target_lengths - 1; rows that emitted
+    nothing (idle) keep theirs."""
+    emitted_B = verdict.target_lengths_B - verdict.base_B
+    fresh_B = emitted_B > 0
+    return Pending(jnp.where(fresh_B[:, None, None], verdict.features_BxKp1xD,
+                             self.features_BxMxD),
+                   jnp.where(fresh_B, emitted_B, self.num_B).astype(jnp.int32))
+
+  def newest(self) -> jax.Array:
+    """[B, D]: the features of position c_b - 2."""
+    return jnp.take_along_axis(self.features_BxMxD, (self.num_B - 1)[:, None, None],
+                               axis=1)[:, 0]
+
+
+def _sampler(loop, keys_BxK):
+  """(slot i, logits [B, V]) -> (q [B, V], draft [B]) with slot i's key, as a draft model."""
+  uniforms_BxK = uniforms(keys_BxK)
+  return lambda i, logits_BxV: probabilities_and_sample_with(
+      uniforms_BxK[:, i], logits_BxV, loop.draft_sampling, native_kernel=loop.native_kernel)
+
+
+class _FeatureDrafterBase(Drafter):
+  """What both feature drafters share: the target bound in, the head checked against it."""
+  kind = ''  # The `feature_head` kind the drafter needs.
+  needs_model = True
+  ragged = False
+
+  @property
+  def reads_features(self) -> bool:
+    return True
+
+  def check(self, target: Model, draft) -> None:
+    if not isinstance(draft, Model):
+      got = type(draft).__name__
+    elif not feature_head.is_head(draft):
+      got = 'a transformer'
+    else:
+      got = f'a {feature_head.kind(draft)!r} head'
+    if got != f'a {self.kind!r} head':
+      raise ValueError(f'{type(self).__name__} drafts with a {self.kind!r} head '
+                       f'(`models.feature_head`); got {got}.')
+    feature_head.check_pair(target, draft)
+
+  def bind(self, target: Model, draft: Model) -> HeadAndTarget:
+    return HeadAndTarget(head=draft, target=target)
+
+
+@flax.struct.dataclass
+class _HeadState:
+  cache: KVCache  # The head's, valid through position c_b - 2 - m_b (pairs with true features).
+  pending: Pending
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureDrafter(_FeatureDrafterBase):
+  """EAGLE: a head that drafts on its own predicted features (`feature_head.FeatureHead`).
+
+  Each loop's first head call reads the m_b pairs of true features the last loop's scoring gave
+  (positions c_b - 1 - m_b .. c_b - 2, each with the committed token after it), over the pairs it
+  had fed its own predictions at those positions, and draws the first draft from its prediction
+  at the last; each of the k - 1 further calls reads one pair (its last prediction, the draft
+  drawn from it). Head cache invariant: before drafting it holds the pairs of positions
+  0 .. c_b - 2 - m_b, all with the target's features.
+  """
+  kind = 'feature'
+
+  def draft_steps(self, k: int, proposed_per_loop: float) -> float:
+    del proposed_per_loop
+    return float(k)
+
+  def init(self, loop, draft: HeadAndTarget, prompts_BxP, prompt_lengths_B, capacity,
+           features_BxPxD=None) -> _HeadState:
+    B, P = prompts_BxP.shape
+    cache = init_cache(draft.head.config, B, capacity)
+    if P > 1:  # Pairs 0 .. L - 2: the prompt's features, each with the prompt token after it.
+      _, _, cache = feature_head.extend_head(
+          draft.head, draft.target, cache, features_BxPxD[:, :-1], prompts_BxP[:, 1:],
+          logits_at_BxL=jnp.zeros((B, 1), jnp.int32), counts_B=prompt_lengths_B - 1)
+    cache = kv_cache.constrain(cache.with_lengths(prompt_lengths_B - 1), loop.mesh, loop.rules)
+    return _HeadState(cache, Pending.of_prompts(features_BxPxD, prompt_lengths_B, loop.k + 1))
+
+  def propose(self, loop, draft: HeadAndTarget, state: _HeadState, committed: Committed,
+              keys_BxK):
+    k, B = loop.k, keys_BxK.shape[0]
+    choose = _sampler(loop, keys_BxK)
+    pending = state.pending
+    m_B, M = pending.num_B, pending.features_BxMxD.shape[1]
+    # The committed tokens after the pending features' positions: c - m .. c - 1.
+    tokens_BxM = jnp.stack([committed.last(jnp.maximum(m_B - j, 1)) for j in range(M)], axis=1)
+    cache = state.cache.with_lengths(committed.lengths_B - 1 - m_B)
+    counts_B = m_B if committed.active_B is None else jnp.where(committed.active_B, m_B, 0)
+    logits_Bx1xV, predicted_BxMxD, cache = feature_head.extend_head(
+        draft.head, draft.target, cache, pending.features_BxMxD, tokens_BxM,
+        logits_at_BxL=(m_B - 1)[:, None], counts_B=counts_B)
+    cache = cache.with_lengths(committed.lengths_B - 1)
+    features_BxD = jnp.take_along_axis(predicted_BxMxD, (m_B - 1)[:, None, None], axis=1)[:, 0]
+    q_BxV, d_B = choose(0, logits_Bx1xV[:, 0])
+    tokens_BxK = jnp.zeros((B, k), jnp.int32).at[:, 0].set(d_B)
+    q_BxKxV = jnp.zeros((B, k) + q_BxV.shape[1:], jnp.float32).at[:, 0].set(q_BxV)
+    step_counts_B = committed.counts(1)
+
+    def step(i, carry):
+      tokens_BxK, q_BxKxV, features_BxD, cache = carry
+      logits_Bx1xV, predicted_Bx1xD, cache = feature_head.extend_head(
+          draft.head, draft.target, cache, features_BxD[:, None], tokens_BxK[:, i - 1, None],
+          counts_B=step_counts_B)
+      q_BxV, d_B = choose(i, logits_Bx1xV[:, 0])
+      return (tokens_BxK.at[:, i].set(d_B), q_BxKxV.at[:, i].set(q_BxV), predicted_Bx1xD[:, 0],
+              cache)
+
+    tokens_BxK, q_BxKxV, _, cache = jax.lax.fori_loop(
+        1, k, step, (tokens_BxK, q_BxKxV, features_BxD, cache))
+    cache = kv_cache.constrain(cache, loop.mesh, loop.rules)
+    return (Proposal(tokens_BxK, q_BxKxV, jnp.full((B,), k, jnp.int32)),
+            state.replace(cache=cache))
+
+  def rollback(self, loop, state: _HeadState, verdict: Verdict) -> _HeadState:
+    del loop  # The next `propose` sets the cache's lengths from the committed tokens.
+    return state.replace(pending=state.pending.after(verdict))
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsDrafter(_FeatureDrafterBase):
+  """Medusa / MTP: k parallel heads over the newest features and the last committed token
+  (`feature_head.ParallelHeads`), all k drafts from one pass; draft i is drawn from head i's law
+  with slot i's key. Needs a head model with at least k heads."""
+  kind = 'heads'
+
+  def draft_steps(self, k: int, proposed_per_loop: float) -> float:
+    del k, proposed_per_loop
+    return 1.0
+
+  def init(self, loop, draft: HeadAndTarget, prompts_BxP, prompt_lengths_B, capacity,
+           features_BxPxD=None) -> Pending:
+    del prompts_BxP, capacity
+    if loop.k > draft.head.config.num_layers:
+      raise ValueError(f'k = {loop.k} drafts need k heads; the head model has '
+                       f'{draft.head.config.num_layers}.')
+    return Pending.of_prompts(features_BxPxD, prompt_lengths_B, loop.k + 1)
+
+  def propose(self, loop, draft: HeadAndTarget, pending: Pending, committed: Committed,
+              keys_BxK):
+    k = loop.k
+    choose = _sampler(loop, keys_BxK)
+    logits_BxKxV, _ = feature_head.parallel_heads(draft.head, draft.target, pending.newest(),
+                                                  committed.last(1), num=k)
+    drawn = [choose(i, logits_BxKxV[:, i]) for i in range(k)]
+    q_BxKxV = jnp.stack([q for q, _ in drawn], axis=1)
+    tokens_BxK = jnp.stack([d for _, d in drawn], axis=1)
+    return Proposal(tokens_BxK, q_BxKxV, jnp.full(tokens_BxK.shape[:1], k, jnp.int32)), pending
+
+  def rollback(self, loop, pending: Pending, verdict: Verdict) -> Pending:
+    del loop
+    return pending.after(verdict)
