@@ -4,7 +4,9 @@ Arguments: root (a trained family: its `target` and `draft_name` checkpoints and
 are the first `batch` HumanEval prompts), or without root: model, draft (preset names, randomly
 initialised, random prompts of prompt_len tokens); method (ars|sps), k, batch, draft_name,
 max_new_tokens, temperature, top_k, top_p, seed, data/model_axis (mesh axes), runlocal (fewer
-tokens); drafter (model | lookup | hybrid: `spsjax.sampling.drafters`), max_ngram, min_ngram
+tokens); drafter (model | lookup | hybrid | feature | heads: `spsjax.sampling.drafter_config`;
+feature and heads draft with `draft_name`, a head trained by configs/train.py model=feature or
+heads, e.g. draft_name=feature), max_ngram, min_ngram
 (prompt lookup's n-grams), stop_below (dynamic k: a model draft stops below this confidence),
 lenience (in (0, 1]; below 1 is LOSSY: SpS no longer samples the target's law); hf_target,
 hf_draft (Hugging Face checkpoint directories with config.json, safetensors and tokenizer.json, in

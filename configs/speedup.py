@@ -10,7 +10,8 @@ directory; default results/speedup_<family>), runlocal (a few examples, for a sm
 (the README's main job: 8 examples per task, batch 1), draft_weights (how the native CPU path stores
 the draft's packed weights: int8 by default, a quarter of the bytes per draft step; bfloat16
 half; SpS stays exact, the target is float32 either way; float32 for the draft as trained); drafter (model | lookup |
-hybrid: `spsjax.sampling.drafters`), max_ngram, min_ngram, stop_below (dynamic k), lenience (in
+hybrid | feature | heads: `spsjax.sampling.drafter_config`; feature and heads take a head trained by
+configs/train.py model=feature or heads as `draft`), max_ngram, min_ngram, stop_below (dynamic k), lenience (in
 (0, 1]; below 1 is LOSSY, labelled in the title and the SpS rows with its total variation);
 hf_target, hf_draft (Hugging Face checkpoint directories in place of root's target and draft).
 The table (printed and in `table.md`) opens with `title`, a template of config fields (`{root}`),

@@ -5,13 +5,18 @@ Arguments:
     tests); `demo` is the README's main job (`make demo`: a 5M target of ~6 minutes, whose decode
     step outweighs the fixed costs of a step, and a one-layer draft distilled from it in ~2);
     `reference` is the pair the README's tables are measured on.
-  model: target | draft_wide | draft_mid | draft_deep | draft_trunc (presets `<size>_target`,
+  model: target | draft_wide | draft_mid | draft_deep | draft_trunc | feature | heads (presets `<size>_target`,
     `<size>_draft`, `<size>_draft_mid`, `<size>_draft_deep`, `<size>_draft_trunc`): the
     wide-shallow draft is ~0.75 of the target's width (0.5 for demo) and 1/4 (tiny), 1/6 (demo)
     or 1/8 (reference) of its depth; the deep draft (4 narrow layers) and the mid one (2 layers)
     have about the wide one's parameter count: the draft-topology sweep's three shapes. The
     truncated draft is the target's first layer at its full width and starts from the trained
     target's embedding, layer 0 and final norm (so the target must be trained first).
+    `feature` (an EAGLE head: `head_layers` decoder blocks, default 1) and `heads` (parallel
+    Medusa/MTP heads, `head_layers` of them, default 6) read the trained target's features and
+    share its embedding and output layer; they train on the KL to the target's next-token law
+    plus `feature_weight` (default 0.1) times a regression to its features (`train.head_losses`);
+    `hass=N` adds N runs on the head's own predicted features (HASS-style; feature only).
   distill: 0 trains on the language-model loss; a value in (0, 1] is the weight of distillation
     from the family's trained target (DistillSpec), the rest the LM loss.
   divergence: forward_kl (KL(p_target || q_draft), the default) | reverse_kl | tv (total
@@ -44,6 +49,9 @@ from spsjax.models import presets
 
 _PRESET = {'target': 'target', 'draft_wide': 'draft', 'draft_mid': 'draft_mid',
            'draft_deep': 'draft_deep', 'draft_trunc': 'draft_trunc'}
+# Heads over the trained target's features (`models.feature_head`), and their default number of
+# blocks (feature: EAGLE's one decoder layer) or heads (heads: one per draft position, k <= 6).
+_HEADS = {'feature': 1, 'heads': 6}
 _FROM_TARGET = ('draft_trunc',)  # Models that start from the trained target's parameters.
 
 # Per size: batch (sequences), sequence length, steps, warm-up, peak learning rate.
@@ -65,16 +73,27 @@ _SIZES = {
 def get_config(arg=None):
   a = parse_arg(arg, size='tiny', model='target', distill=0.0, root='', steps=0, seed=0,
                 data=1, model_axis=1, runlocal=False, divergence='forward_kl',
-                distill_data='corpus', prompt_len=32, distill_rows=0, name='')
+                distill_data='corpus', prompt_len=32, distill_rows=0, name='', head_layers=0,
+                hass=0, feature_weight=0.1)
   if a.size not in _SIZES:
     raise ValueError(f'size must be one of {sorted(_SIZES)}, got {a.size!r}.')
-  if a.model not in _PRESET:
-    raise ValueError(f'model must be one of {sorted(_PRESET)}, got {a.model!r}.')
+  if a.model not in _PRESET and a.model not in _HEADS:
+    raise ValueError(f'model must be one of {sorted(_PRESET) + sorted(_HEADS)}, got {a.model!r}.')
+  head = a.model in _HEADS
+  if head and a.distill:
+    raise ValueError(f'model={a.model} trains on the target\'s features and laws; distill is for '
+                     f'transformer drafts.')
   size = _SIZES[a.size]
   c = ml_collections.ConfigDict()
-  c.model = presets.get(f'{a.size}_{_PRESET[a.model]}')
+  if head:  # The target's shape, its number of layers the head's blocks (or heads).
+    c.model = dict(presets.get(f'{a.size}_target'), num_layers=a.head_layers or _HEADS[a.model])
+  else:
+    c.model = presets.get(f'{a.size}_{_PRESET[a.model]}')
   c.root = a.root or f'checkpoints/{a.size}' + ('_runlocal' if a.runlocal else '')
   c.name = a.model
+  if head:  # e.g. feature_hass1, heads_4.
+    c.name += (f'_{c.model["num_layers"]}' if a.head_layers else '') + (
+        f'_hass{a.hass}' if a.hass else '')
   if a.distill > 0:
     c.name += '_distill' + ''.join(
         f'_{v}' for v, default in ((a.divergence, 'forward_kl'), (a.distill_data, 'corpus'))
@@ -83,7 +102,7 @@ def get_config(arg=None):
     if a.name == 'target' and a.model != 'target' or '/' in a.name or a.name.startswith('.'):
       raise ValueError(f'name must be a directory name other than the target\'s, got {a.name!r}.')
     c.name = a.name
-  c.teacher = 'target' if a.distill > 0 or a.model in _FROM_TARGET else ''
+  c.teacher = 'target' if a.distill > 0 or a.model in _FROM_TARGET or head else ''
   # runlocal trains on a small part of the stdlib (python_code.SMALL); '' means default.
   c.data = dict(name='python_code', text_field='', train_split='train', eval_split='validation',
                 data_dir='', config=python_code.SMALL.name if a.runlocal else '')
@@ -98,7 +117,8 @@ def get_config(arg=None):
       save_every=4 if a.runlocal else 100, keep=3, distill_weight=a.distill,
       distill_temperature=1.0, distill_divergence=a.divergence, distill_data=a.distill_data,
       distill_prompt_len=a.prompt_len, distill_rows=a.distill_rows,
-      init_from_teacher=a.model in _FROM_TARGET)
+      init_from_teacher=a.model in _FROM_TARGET, head=a.model if head else '',
+      head_feature_weight=a.feature_weight, head_own_steps=a.hass)
   c.optimizer = dict(learning_rate=size['learning_rate'],
                      warmup_steps=min(own('warmup_steps'), steps // 2), total_steps=steps,
                      final_fraction=0.1, weight_decay=0.1, clip_norm=1.0, b1=0.9, b2=0.95)

@@ -19,7 +19,7 @@ from ml_collections import config_flags
 from spsjax import cli, distributed, models, sharding, storage
 from spsjax.eval import acceptance, tasks
 from spsjax.sampling import SamplingConfig, speculative
-from spsjax.train import evaluation, experiment, load
+from spsjax.train import evaluation, experiment, load, losses
 
 print0 = distributed.print0
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.', lock_config=True)
@@ -56,12 +56,15 @@ def held_out(c, target, drafts, tok, meta, mesh):
   tokens = len(batches) * c.batch_size * c.seq_len
   print0(f'held-out: {data.name}/{c.split}, {len(batches)} batches of {c.batch_size} x '
          f'{c.seq_len} = {tokens:,} positions')
-  for name, model in [(c.target, target)] + list(drafts.items()):
-    result = evaluation.evaluate_model(model, batches, mesh=mesh)
-    print0(f'{name}: {models.num_params(model.params):,} parameters, '
-           f'loss {result["loss"]:.4f}, perplexity {result["perplexity"]:.2f}')
-  for name, draft in drafts.items():
-    result = evaluation.evaluate_pair(target, draft, batches, settings, mesh=mesh)
+  loss = lambda name, model, value: print0(
+      f'{name}: {models.num_params(model.params):,} parameters, loss {value:.4f}, perplexity '
+      f'{losses.perplexity(value):.2f}')
+  loss(c.target, target, evaluation.evaluate_model(target, batches, mesh=mesh)['loss'])
+  pairs = {name: evaluation.evaluate_pair(target, draft, batches, settings, mesh=mesh)
+           for name, draft in drafts.items()}
+  for name, draft in drafts.items():  # A head's loss is its first draft's (from position 1).
+    loss(name, draft, pairs[name]['draft_loss'])
+  for name, result in pairs.items():
     alphas = ', '.join(f'{s} {result["alpha_" + s]:.3f}' for s in settings)
     print0(f'alpha({c.target}, {name}) on held-out text: {alphas}')
 

@@ -18,7 +18,7 @@ from ml_collections import config_flags
 
 from spsjax import cli, distributed, models, sampling, sharding
 from spsjax.data import humaneval, prompts as prompts_lib
-from spsjax.sampling import drafter_config, speculative
+from spsjax.sampling import common, drafter_config, speculative
 from spsjax.train import load
 
 print0 = distributed.print0
@@ -29,9 +29,14 @@ _RUNTIME = distributed.define_flags()
 def _random_models(c, mesh, rng):
   config = models.TransformerConfig(**c.model)
   target = models.Model(config, models.init_params(config, rng, mesh=mesh))
-  draft_config = models.TransformerConfig(**c.draft)
-  draft = models.Model(draft_config, models.init_params(draft_config, jax.random.fold_in(rng, 1),
-                                                        mesh=mesh))
+  key = jax.random.fold_in(rng, 1)
+  if c.drafter.kind in drafter_config.HEAD_KINDS:  # A head over the target's features.
+    head = models.feature_head.head_config(config, 1 if c.drafter.kind == 'feature' else c.k)
+    draft = common.place_params(models.Model(
+        head, models.feature_head.init_head(c.drafter.kind, head, key)), mesh)
+  else:
+    draft_config = models.TransformerConfig(**c.draft)
+    draft = models.Model(draft_config, models.init_params(draft_config, key, mesh=mesh))
   if mesh is None:  # Placed for decoding here: packed for the native CPU kernels where they run.
     target, draft = models.for_decoding(target), models.for_decoding(draft, c.draft_weights)
   print0(f'NOTE: randomly initialised target ({models.num_params(target.params):,} parameters) and '

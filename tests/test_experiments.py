@@ -101,7 +101,7 @@ def _one_line_error(run, *parts):
       'stop_below=0.5'],
      ['stop_below=0.5: prompt lookup has no draft model']),
     (['experiments/sample.py', '--config=configs/sample.py:method=sps,drafter=ngram'],
-     ["Unknown drafter 'ngram'; known: ['model', 'lookup', 'hybrid']."]),
+     ["Unknown drafter 'ngram'; known: ['model', 'lookup', 'hybrid', 'feature', 'heads']."]),
     (['experiments/sweep.py', '--config=configs/sweep.py:sweep=drafter,ks=2+x'],
      ["ks must be '+'-separated integers >= 1, got '2+x'."]),
     (['experiments/peer_benchmark.py', '--config=configs/peer.py:hf_target=/nope'],

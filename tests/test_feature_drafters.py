@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spsjax import models
+from spsjax import models, sharding
 from spsjax.models import feature_head
 from spsjax.sampling import (SamplingConfig, autoregressive_sample, drafters, probabilities,
                              speculative, speculative_sample)
@@ -205,3 +205,17 @@ def test_heads_that_do_not_fit_are_refused(pair48):
     run(FeatureDrafter(), _head(models.Model(narrow, {}), 'feature', 1, 0))
   with pytest.raises(ValueError, match='k = 3 drafts need k heads'):
     run(HeadsDrafter(), _head(pair48, 'heads', 2, 0), k=3)
+
+
+def test_a_head_drafts_the_same_tokens_on_a_mesh(pair48):
+  """Target and EAGLE head sharded on a 2 x 2 mesh (heads and MLP over `model`, rows over
+  `data`): greedy SpS gives the tokens it gives on one device."""
+  head = _head(pair48, 'feature', 1, 3, scale=3.0)
+  prompts, lengths = _ragged(8, batch=4)
+  run = lambda mesh: speculative_sample(pair48, head, prompts, lengths, jax.random.key(0), k=3,
+                                        max_new_tokens=10, sampling=GREEDY, mesh=mesh,
+                                        drafter=FeatureDrafter())
+  one = run(None)
+  sharded = run(sharding.make_mesh(2, 2, jax.devices()[:4]))
+  np.testing.assert_array_equal(np.asarray(sharded.tokens), np.asarray(one.tokens))
+  np.testing.assert_array_equal(np.asarray(sharded.num_loops), np.asarray(one.num_loops))

@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spsjax import models, sharding
+from spsjax import models, sampling, sharding
 from spsjax.data import python_code
-from spsjax.train import checkpoint, experiment, load, losses, trainer
+from spsjax.sampling import drafter_config
+from spsjax.train import checkpoint, experiment, head_losses, load, losses, trainer
 from tests import data_helpers, train_helpers, xla_env
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -365,3 +366,41 @@ def test_a_draft_can_start_from_the_teachers_first_layers(finished, tmp_path):
   wider = dataclasses.replace(config, model=dataclasses.replace(config.model, d_model=48))
   with pytest.raises(ValueError, match='truncated copy'):
     run(wider, workdir=str(tmp_path / 'wider'), teacher=teacher)
+
+
+@pytest.mark.parametrize('head,own_steps', [('feature', 1), ('heads', 0)])
+def test_a_head_learns_the_targets_law_and_loads_for_drafting(finished, tmp_path, head,
+                                                              own_steps):
+  """A head over the finished run's features (`head_losses`; the EAGLE head with one HASS-style
+  run on its own predictions): 10 steps lower its KL to the target's law on held-out text; its
+  checkpoint says it is a head and loads as one, and drafts for the target in SpS."""
+  finished_dir, _, _ = finished
+  teacher, tok, _ = load.load_model(finished_dir)
+  layers = 1 if head == 'feature' else 3
+  config = dataclasses.replace(
+      train_helpers.CONFIG, head=head, head_own_steps=own_steps, seed=2,
+      model=models.feature_head.head_config(teacher.config, layers),
+      optimizer=dataclasses.replace(train_helpers.CONFIG.optimizer, total_steps=10))
+  batch = jnp.asarray(next(train_helpers.held_out(tok)()))
+  kl = lambda params: float(head_losses.head_loss(
+      head, models.Model(config.model, params), teacher, batch, feature_weight=0.1)[1]['distill'])
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ('data', 'model'))
+  before = kl(trainer.init_state(config, mesh).params)
+  workdir = str(tmp_path / head)
+  state, metrics = trainer.train(
+      config, workdir=workdir, train_batches=experiment.pipeline.PackedBatches(
+          data_helpers.texts('train'), tok, train_helpers.BATCH, train_helpers.SEQ_LEN),
+      eval_batches=train_helpers.held_out(tok), tokenizer_bytes=tok.to_bytes(), mesh=mesh,
+      teacher=teacher)
+  assert {'distill', 'feature', 'lm_loss', 'eval_loss'} <= set(metrics)
+  assert kl(state.params) < before - 0.1, (before, kl(state.params))
+  loaded, _, meta = load.load_model(workdir)
+  assert meta['head'] == head and models.feature_head.kind(loaded) == head
+  assert _leaves_equal(loaded.params, state.params)
+  prompts = np.asarray(batch[:2, :6])
+  out = sampling.speculative_sample(teacher, loaded, prompts, np.full((2,), 6, np.int32),
+                                    jax.random.key(0), k=2, max_new_tokens=6,
+                                    drafter=drafter_config.build(head))
+  assert (np.asarray(out.num_generated) == 6).all()
+  with pytest.raises(ValueError, match='A head trains on the teacher'):
+    dataclasses.replace(config, distill_weight=0.5)

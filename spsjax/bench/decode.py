@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from spsjax import models, sampling, sharding
 from spsjax.bench import timing
-from spsjax.models import kv_cache
+from spsjax.models import feature_head, kv_cache
 from spsjax.sampling import common
 
 
@@ -289,8 +289,49 @@ def measure_costs(target: models.Model, draft: models.Model | None, k: int, batc
   t, _, _ = extend_seconds(target, (1, k + 1), capacity, repeats=repeats, batch=batch,
                                   mesh=mesh)
   draft_step = 0.0
-  if draft is not None:
+  if draft is not None and feature_head.is_head(draft):
+    draft_step = head_step_seconds(draft, target, k, capacity, repeats=repeats, batch=batch,
+                                   mesh=mesh)
+  elif draft is not None:
     d, _, _ = extend_seconds(draft, (1,), capacity, repeats=repeats, batch=batch,
                                     mesh=mesh)
     draft_step = d[1]
   return Costs(target_step=t[1], draft_step=draft_step, score_call=t[k + 1])
+
+
+def _head_steps(steps, k, head, target, cache, features_BxD, tokens_B, lengths_B):
+  """`steps` draft steps of a head in one program: an EAGLE head reading one pair (at the same
+  row lengths), or parallel heads' one pass of k drafts."""
+
+  def one(_, carry):
+    cache, checksum_B = carry
+    if feature_head.kind(head) == 'heads':
+      logits_BxKxV, _ = feature_head.parallel_heads(head, target, features_BxD, tokens_B, num=k)
+    else:
+      logits_BxKxV, _, cache = feature_head.extend_head(
+          head, target, cache.with_lengths(lengths_B), features_BxD[:, None], tokens_B[:, None])
+    return cache, checksum_B + logits_BxKxV[:, -1, 0]
+
+  return jax.lax.fori_loop(0, steps, one, (cache, jnp.zeros(tokens_B.shape, jnp.float32)))
+
+
+def head_step_seconds(head: models.Model, target: models.Model, k: int, capacity: int, *,
+                      repeats: int, batch: int = 1, steps: int = 8,
+                      mesh: Mesh | None = None) -> float:
+  """Median seconds of one draft step of a head over `target`'s features (`draft_steps` of its
+  drafter count them): one pair through an EAGLE head and the target's output layer at a
+  nearly full cache, or parallel heads' pass of k drafts; timed as `extend_seconds` times."""
+  head, target = (common.place_params(m, mesh) for m in (head, target))
+  run = jax.jit(functools.partial(_head_steps, steps, k), donate_argnums=2)
+  cache = models.init_cache(head.config, batch, capacity)
+  lengths_B = jnp.full((batch,), capacity - 1, jnp.int32)
+  features_BxD = jnp.ones((batch, head.config.d_model), head.config.jnp_dtype)
+  tokens_B = jnp.ones((batch,), jnp.int32)
+  state = {'cache': cache}
+
+  def call():
+    state['cache'], checksum_B = run(head, target, state['cache'], features_BxD, tokens_B,
+                                     lengths_B)
+    return checksum_B
+
+  return timing.medians({0: call}, repeats=repeats, warmup=2)[0] / steps

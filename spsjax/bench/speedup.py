@@ -186,7 +186,8 @@ class _Pair:
                   tv=stats.tv if self.lenience < 1 else 0.0)
     else:
       target_logp = likelihood.mean_logprobs(self.target, prompts_BxP, lengths_B, out, self.mesh)
-      draft_logp = (likelihood.mean_logprobs(self.draft, prompts_BxP, lengths_B, out, self.mesh)
+      draft_logp = (likelihood.mean_logprobs(self.draft, prompts_BxP, lengths_B, out, self.mesh,
+                                             self.target)
                     if self.draft is not None else target_logp)
     return _CallScores(rows=tuple(rows), completions=completions,
                        logprobs=tuple(target_logp),

@@ -22,21 +22,24 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spsjax import distributed, models, sampling, sharding
+from spsjax.models import feature_head
 from spsjax.data import prompts as prompts_lib
 from spsjax.data.tokenizer import Tokenizer
 from spsjax.eval import likelihood, tasks
 from spsjax.sampling import rejection
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _sums(target_config, draft_config, sampling_config, lenience, target_params, draft_params,
-          tokens_BxL, mask_BxL):
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _sums(sampling_config, lenience, target: models.Model, draft: models.Model, tokens_BxL,
+          mask_BxL):
   """From one forward pass of each model, over masked positions (next-token laws): sum of beta =
   sum_x min(q(x), p(x) / lenience) (the probability a draft is accepted; sum min(p, q) when
   exact), count, sum of the total variation between a draft slot's law under `lenience` and p,
-  and per row the raw models' log-probability sums of the next tokens (`likelihood.row_sums`)."""
-  target_BxLxV = models.logits(target_config, target_params, tokens_BxL)
-  draft_BxLxV = models.logits(draft_config, draft_params, tokens_BxL)
+  and per row the raw models' log-probability sums of the next tokens (`likelihood.row_sums`).
+  A head over the target's features counts with its first draft's law
+  (`feature_head.next_token_logits`)."""
+  target_BxLxV = models.logits(target.config, target.params, tokens_BxL)
+  draft_BxLxV = feature_head.next_token_logits(draft, target, tokens_BxL)
   p = sampling.probabilities(target_BxLxV, sampling_config)
   q = sampling.probabilities(draft_BxLxV, sampling_config)
   beta_BxL = rejection.acceptance_probability(p / lenience, q)
@@ -76,9 +79,8 @@ def pair_statistics(target: models.Model, draft: models.Model, sampling_config, 
   and total variation under `sampling_config` and `lenience`, and both log-probability columns.
   `out` is gathered here if it is a global array; on `mesh` the sequences are replicated."""
   seq, mask = likelihood.generated_positions(prompts_BxP, lengths_B, out, mesh)
-  beta, count, tv, logp_B, logq_B, counts_B = _sums(
-      target.config, draft.config, sampling_config, float(lenience), target.params, draft.params,
-      seq, mask)
+  beta, count, tv, logp_B, logq_B, counts_B = _sums(sampling_config, float(lenience), target,
+                                                    draft, seq, mask)
   return PairStatistics(beta=float(beta), count=int(count), tv=float(tv),
                         logp_sums=np.asarray(logp_B), logq_sums=np.asarray(logq_B),
                         counts=np.asarray(counts_B))

@@ -17,7 +17,6 @@ Invariant: a row's value averages over exactly the positions that produced its g
 draft's column with beta from the same forward passes.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spsjax import distributed, models, sampling, sharding
+from spsjax.models import feature_head
 
 
 def generated_positions(prompts_BxP, lengths_B, out: sampling.SampleOutput,
@@ -68,13 +68,14 @@ def row_means(sums_B, counts_B) -> list[float]:
   return [float(x) for x in sums_B / counts_B]
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _model_row_sums(config, params, tokens_BxL, mask_BxL):
-  return row_sums(models.logits(config, params, tokens_BxL), tokens_BxL, mask_BxL)
+@jax.jit
+def _model_row_sums(model, target, tokens_BxL, mask_BxL):
+  return row_sums(feature_head.next_token_logits(model, target, tokens_BxL), tokens_BxL, mask_BxL)
 
 
 def mean_logprobs(model: models.Model, prompts_BxP, lengths_B, out: sampling.SampleOutput,
-                  mesh: Mesh | None = None) -> list[float]:
-  """The model's mean log-probability per generated token of each row of `out` (nats)."""
+                  mesh: Mesh | None = None, target: models.Model | None = None) -> list[float]:
+  """The model's mean log-probability per generated token of each row of `out` (nats); a head
+  over `target`'s features scores with its first draft's law (`feature_head.next_token_logits`)."""
   tokens, mask = generated_positions(prompts_BxP, lengths_B, out, mesh)
-  return row_means(*_model_row_sums(model.config, model.params, tokens, mask))
+  return row_means(*_model_row_sums(model, target, tokens, mask))

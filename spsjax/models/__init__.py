@@ -6,13 +6,15 @@ from spsjax.models.api import (Model, extend, extend_with_features, features, in
 from spsjax.models import feature_head
 from spsjax.models.config import TransformerConfig
 from spsjax.models.kv_cache import KVCache, init_cache
+from spsjax.models.transformer import output_logits
 from spsjax.models.packing import (WEIGHT_DTYPES, for_decoding, is_packed, pack, packable,
                                    packed_dtype, unpack)
 
 __all__ = [
     'KVCache', 'Model', 'TransformerConfig', 'WEIGHT_DTYPES', 'extend', 'extend_with_features',
     'feature_head', 'features', 'for_decoding',
-    'init_cache', 'init_params', 'is_packed', 'logits', 'num_params', 'pack', 'packable',
+    'init_cache', 'init_params', 'is_packed', 'logits', 'num_params', 'output_logits', 'pack',
+    'packable',
     'packed_dtype', 'param_shardings', 'prefill', 'truncated_params', 'unpack',
     'unsharded_dims',
 ]

@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 from spsjax import native, sharding
 
 from spsjax.models import kv_cache
-from spsjax.models.api import Model
+from spsjax.models.api import Model, features, logits
 from spsjax.models.config import TransformerConfig
 from spsjax.models.transformer import (Block, Mlp, RMSNorm, _kept_counts, _param, embed,
                                         output_logits)
@@ -201,3 +201,21 @@ def parallel_heads(head: Model, target: Model, features_BxD: jax.Array, tokens_B
   predicted_BxNxD = ParallelHeads(dataclasses.replace(head.config, num_layers=n)).apply(
       {'params': params}, features_BxD, embedded_BxD)
   return _logits_at(target, predicted_BxNxD, None, None), predicted_BxNxD
+
+
+def next_token_logits(draft: Model, target: Model, tokens_BxL: jax.Array) -> jax.Array:
+  """float32[B, L, V]: at each position t the law of token t + 1 a drafter proposes from the
+  tokens up to t, as `models.logits` gives a transformer's: for a head, its first draft's law
+  from the target's true features (pair t - 1 = (f_{t-1}, x_t)); position 0, with no pair
+  before it, uniform (zeros). For a transformer `draft`, its logits (`target` unused)."""
+  if not is_head(draft):
+    return logits(draft.config, draft.params, tokens_BxL)
+  f_BxLxD = features(target.config, target.params, tokens_BxL)
+  B, L = tokens_BxL.shape
+  if kind(draft) == 'feature':
+    q_BxTxV, _ = feature_head_forward(draft, target, f_BxLxD[:, :-1], tokens_BxL[:, 1:])
+  else:
+    q_BTx1xV, _ = parallel_heads(draft, target, f_BxLxD[:, :-1].reshape(B * (L - 1), -1),
+                                 tokens_BxL[:, 1:].reshape(B * (L - 1)), num=1)
+    q_BxTxV = q_BTx1xV.reshape(B, L - 1, -1)
+  return jnp.pad(q_BxTxV, ((0, 0), (1, 0), (0, 0)))

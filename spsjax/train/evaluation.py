@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spsjax import models, sharding
+from spsjax.models import feature_head
 from spsjax.sampling import SamplingConfig, probabilities
 from spsjax.sampling.rejection import acceptance_probability
 from spsjax.train import losses
@@ -28,12 +29,18 @@ def _model_step(config, params, batch_BxL1):
   return _loss(config, params, batch_BxL1)[1]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _pair_step(target_config, draft_config, settings, target_params, draft_params, batch_BxL1):
-  """(target loss, draft loss, mean beta per sampling setting) on one batch."""
-  p_logits, target_loss = _loss(target_config, target_params, batch_BxL1)
-  q_logits, draft_loss = _loss(draft_config, draft_params, batch_BxL1)
-  betas = [jnp.mean(acceptance_probability(probabilities(p_logits, s), probabilities(q_logits, s)))
+@functools.partial(jax.jit, static_argnums=0)
+def _pair_step(settings, target: models.Model, draft: models.Model, batch_BxL1):
+  """(target loss, draft loss, mean beta per sampling setting) on one batch. A head over the
+  target's features (`feature_head.next_token_logits`) has no law at position 0: it counts
+  from position 1."""
+  p_logits, target_loss = _loss(target.config, target.params, batch_BxL1)
+  first = 1 if feature_head.is_head(draft) else 0
+  q_logits = feature_head.next_token_logits(draft, target, batch_BxL1[:, :-1])[:, first:]
+  targets_BxL = batch_BxL1[:, 1 + first:]
+  draft_loss = losses.cross_entropy(q_logits, targets_BxL, jnp.ones(targets_BxL.shape, bool))
+  betas = [jnp.mean(acceptance_probability(probabilities(p_logits[:, first:], s),
+                                           probabilities(q_logits, s)))
            for s in settings]
   return target_loss, draft_loss, jnp.stack(betas)
 
@@ -65,8 +72,8 @@ def evaluate_pair(target: models.Model, draft: models.Model, batches,
     raise ValueError(f'Target vocab_size ({target.config.vocab_size}) differs from the draft\'s '
                      f'({draft.config.vocab_size}).')
   names, settings = zip(*sampling_settings.items())
-  values = jax.device_get([_pair_step(target.config, draft.config, settings, target.params,
-                                      draft.params, _placed(b, mesh)) for b in batches])
+  values = jax.device_get([_pair_step(settings, target, draft, _placed(b, mesh))
+                           for b in batches])
   if not values:
     raise ValueError('No batches to evaluate on.')
   result = dict(target_loss=float(np.mean([v[0] for v in values])),

@@ -15,6 +15,7 @@ first step with a message that names it.
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 from absl import logging
@@ -137,10 +138,11 @@ def run(exp: Experiment) -> dict:
     return eval_pipeline
 
   logging.info('Training %s (%s parameters) in %s on a %s mesh%s.', exp.name,
-               f'{num_params(c.model):,}', exp.workdir, dict(mesh.shape),
+               f'{num_params(c):,}', exp.workdir, dict(mesh.shape),
                ''.join(f', {what} {exp.teacher}' for what, on in (
                    ('starting from', exp.train.init_from_teacher),
-                   ('distilling from', exp.train.distill_weight > 0)) if on))
+                   ('distilling from', exp.train.distill_weight > 0),
+                   (f'a {exp.train.head} head over the features of', exp.train.head)) if on))
   _, metrics = trainer.train(
       c, workdir=exp.workdir, train_batches=train_batches, eval_batches=eval_batches,
       tokenizer_bytes=tok.to_bytes(), mesh=mesh, teacher=teacher,
@@ -148,10 +150,10 @@ def run(exp: Experiment) -> dict:
   return metrics
 
 
-def num_params(config: models.TransformerConfig) -> int:
-  """Parameters of a model of `config`, counted as `models.num_params` counts them, without
+def num_params(config: trainer.TrainConfig) -> int:
+  """Parameters of what `config` trains, counted as `models.num_params` counts them, without
   allocating them."""
-  return models.num_params(jax.eval_shape(lambda key: models.init_params(config, key),
+  return models.num_params(jax.eval_shape(functools.partial(trainer.init_params, config),
                                           jax.random.key(0)))
 
 

@@ -44,7 +44,8 @@ def load_model(workdir: str, *, step: int | None = None, mesh: Mesh | None = Non
                ) -> tuple[models.Model, Tokenizer, dict]:
   """The model, tokenizer and meta of checkpoint `step` (default: latest) in `workdir`.
 
-  Parameters come back sharded on `mesh` by their logical names, or on the default device.
+  Parameters come back sharded on `mesh` by their logical names, or on the default device. A
+  head trained over a target's features (meta `head`) loads as a `models.feature_head` model.
   Raises FileNotFoundError for a missing directory or an empty one.
   """
   if is_hf(workdir):
@@ -54,11 +55,19 @@ def load_model(workdir: str, *, step: int | None = None, mesh: Mesh | None = Non
             {'hf': hf.read_config(workdir)})
   mngr = checkpoint.manager(workdir, create=False)
   try:
-    config, tokenizer_bytes = checkpoint.decode_meta(checkpoint.read_meta(mngr, step))
+    saved_meta = checkpoint.read_meta(mngr, step)
+    config, tokenizer_bytes = checkpoint.decode_meta(saved_meta)
     mesh = mesh or sharding.make_mesh(1, 1, jax.devices()[:1])
-    shapes = jax.eval_shape(lambda key: models.init_params(config, key), jax.random.key(0))
+    head = saved_meta.get('head')  # A head over a target's features (`models.feature_head`).
+    if head:
+      shapes = jax.eval_shape(lambda key: models.feature_head.init_head(head, config, key),
+                              jax.random.key(0))
+      shardings = models.feature_head.param_shardings(head, config, mesh, rules)
+    else:
+      shapes = jax.eval_shape(lambda key: models.init_params(config, key), jax.random.key(0))
+      shardings = models.param_shardings(config, mesh, rules)
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            shapes, models.param_shardings(config, mesh, rules))
+                            shapes, shardings)
     params, meta = checkpoint.restore_params(mngr, abstract, step)
   finally:
     mngr.close()

@@ -25,9 +25,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spsjax import models, sharding
+from spsjax.models import feature_head
 from spsjax.sampling import autoregressive
 from spsjax.sampling.processors import SamplingConfig
-from spsjax.train import checkpoint, losses, optimizer as optimizer_lib, throughput
+from spsjax.train import (checkpoint, head_losses, losses, optimizer as optimizer_lib,
+                          throughput)
 
 
 DISTILL_DATA = ('corpus', 'student', 'teacher')
@@ -60,8 +62,22 @@ class TrainConfig:
   # Start from the teacher's embedding, first `model.num_layers` layers and final norm
   # (`models.truncated_params`) rather than at random: the model must be the teacher's, shorter.
   init_from_teacher: bool = False
+  # A draft head over the frozen teacher's features (`models.feature_head`: 'feature', an EAGLE
+  # head; 'heads', parallel heads), trained on `head_losses` instead of the LM loss: `model` is
+  # then the head's config (`feature_head.head_config`). '' trains a transformer.
+  head: str = ''
+  head_feature_weight: float = 0.1  # The feature regression's weight beside the KL.
+  head_own_steps: int = 0  # HASS-style runs on the head's own predicted features.
 
   def __post_init__(self):
+    if self.head and self.head not in feature_head.KINDS:
+      raise ValueError(f'head must be one of {feature_head.KINDS} (or empty), got {self.head!r}.')
+    if self.head and (self.distill_weight or self.init_from_teacher):
+      raise ValueError('A head trains on the teacher\'s features and laws (head_losses); '
+                       'distill_weight and init_from_teacher apply to transformers only.')
+    if self.head_own_steps < 0 or self.head_own_steps and self.head != 'feature':
+      raise ValueError(f'head_own_steps (HASS-style runs) must be >= 0 and needs head=feature; '
+                       f'got {self.head_own_steps} with head={self.head!r}.')
     if not 0.0 <= self.distill_weight <= 1.0:
       raise ValueError(f'distill_weight must be in [0, 1], got {self.distill_weight}.')
     if self.distill_divergence not in losses.DIVERGENCES:
@@ -100,15 +116,28 @@ def state_shardings(config: TrainConfig, mesh: Mesh) -> TrainState:
   The state is created, stepped and restored with these, so no leaf is ever committed to a single
   device: a jitted step refuses arguments on different sets of devices.
   """
-  params = models.param_shardings(config.model, mesh)
+  params = _param_shardings(config, mesh)
   tx = optimizer_lib.make(config.optimizer)
   abstract_opt = jax.eval_shape(tx.init, jax.eval_shape(
-      functools.partial(models.init_params, config.model), jax.random.key(0)))
+      functools.partial(init_params, config), jax.random.key(0)))
   replicated = NamedSharding(mesh, PartitionSpec())
   opt_state = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, params,
                                     transform_non_params=lambda _: replicated,
                                     is_leaf=lambda x: isinstance(x, NamedSharding))
   return TrainState(step=replicated, params=params, opt_state=opt_state)
+
+
+def init_params(config: TrainConfig, key: jax.Array, mesh: Mesh | None = None) -> dict:
+  """Random parameters of what `config` trains (a transformer or a head)."""
+  if config.head:
+    return feature_head.init_head(config.head, config.model, key)
+  return models.init_params(config.model, key, mesh=mesh)
+
+
+def _param_shardings(config: TrainConfig, mesh: Mesh):
+  if config.head:
+    return feature_head.param_shardings(config.head, config.model, mesh)
+  return models.param_shardings(config.model, mesh)
 
 
 def _start(config: TrainConfig, params, mesh: Mesh) -> TrainState:
@@ -120,8 +149,7 @@ def _start(config: TrainConfig, params, mesh: Mesh) -> TrainState:
 
 def init_state(config: TrainConfig, mesh: Mesh) -> TrainState:
   """Fresh state, created sharded (`state_shardings`)."""
-  return _start(config, models.init_params(config.model, jax.random.key(config.seed), mesh=mesh),
-                mesh)
+  return _start(config, init_params(config, jax.random.key(config.seed), mesh), mesh)
 
 
 def _from_teacher(config: TrainConfig, teacher: models.Model, mesh: Mesh) -> TrainState:
@@ -148,6 +176,10 @@ def _loss(config: TrainConfig, params, teacher: models.Model | None, batch_BxL1,
   """(loss, metrics): the LM loss on `batch`, mixed with the divergence from the teacher on
   `distill` (the batch itself for corpus distillation; on-policy sequences otherwise, where only
   the sampled positions count)."""
+  if config.head:
+    return head_losses.head_loss(config.head, models.Model(config.model, params), teacher,
+                                 batch_BxL1, feature_weight=config.head_feature_weight,
+                                 own_steps=config.head_own_steps)
   distilling = teacher is not None and config.distill_weight > 0
   on_policy = distilling and config.distill_data != 'corpus'
   logits_BxLxV, lm = losses.next_token(functools.partial(models.logits, config.model, params),
@@ -201,8 +233,11 @@ def make_train_step(config: TrainConfig, mesh: Mesh | None = None):
   return jax.jit(train_step, donate_argnums=(0,), **placed)
 
 
-def make_eval_step(config: TrainConfig):
-  return jax.jit(lambda params, batch: _loss(config, params, None, batch)[1]['lm_loss'])
+def make_eval_step(config: TrainConfig, teacher: models.Model | None = None):
+  """(params, batch) -> the held-out `lm_loss` (a head's: its first draft's cross-entropy, read
+  on `teacher`'s features)."""
+  step = jax.jit(lambda params, teacher, batch: _loss(config, params, teacher, batch)[1]['lm_loss'])
+  return lambda params, batch: step(params, teacher if config.head else None, batch)
 
 
 def global_batch(batch_BxL1: np.ndarray, mesh: Mesh) -> jax.Array:
@@ -262,16 +297,19 @@ def train(config: TrainConfig, *, workdir: str, train_batches, eval_batches: Cal
   process, and has `get_state()` / `set_state(dict)`; `eval_batches()` returns a fresh iterator
   over held-out global batches.
   """
-  if (config.distill_weight > 0 or config.init_from_teacher) and teacher is None:
-    raise ValueError('distill_weight > 0 and init_from_teacher need a teacher (the trained '
-                     'target).')
+  if (config.distill_weight > 0 or config.init_from_teacher or config.head) and teacher is None:
+    raise ValueError('distill_weight > 0, init_from_teacher and a head need a teacher (the '
+                     'trained target).')
+  if config.head:
+    feature_head.check_pair(teacher, models.Model(config.model, {}))
   if teacher is not None and teacher.config.vocab_size != config.model.vocab_size:
     raise ValueError(f'Teacher vocab_size ({teacher.config.vocab_size}) differs from the '
                      f'student\'s ({config.model.vocab_size}); they must share a tokenizer.')
   sharding.check_batch(config.batch_size, mesh)
   mngr = checkpoint.manager(workdir, keep=config.keep, save_every=config.save_every)
   meta = checkpoint.encode_meta(config.model, tokenizer_bytes, dict(
-      meta or {}, optimizer=dataclasses.asdict(config.optimizer)))
+      meta or {}, optimizer=dataclasses.asdict(config.optimizer),
+      **({'head': config.head} if config.head else {})))
   state = init_state(config, mesh)
   if mngr.latest_step() is not None:
     state, data_state, saved_meta = checkpoint.restore(mngr, checkpoint.abstract_like(state))
@@ -293,7 +331,7 @@ def train(config: TrainConfig, *, workdir: str, train_batches, eval_batches: Cal
       logging.info('Starting from the teacher\'s first %d layers, embedding and final norm.',
                    config.model.num_layers)
 
-  train_step, eval_step = make_train_step(config, mesh), make_eval_step(config)
+  train_step, eval_step = make_train_step(config, mesh), make_eval_step(config, teacher)
   start_step = int(state.step)
   if start_step >= config.steps:
     logging.info('%s holds step %d of %d: training is complete.', workdir, start_step,

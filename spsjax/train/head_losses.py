@@ -1,0 +1,83 @@
+"""What a draft head over a frozen target's features (`models.feature_head`) is trained on.
+
+The target's forward on the batch gives, at every position t, its features f_t and its law p_t
+of token t + 1 (no gradient: the target is frozen). A head reads pairs (f_t, x_{t+1}):
+- the EAGLE head's prediction at pair t is f^_{t+1}: its loss is KL(p_{t+1} || q_t), q_t its law
+  of x_{t+2} through the target's output layer, plus `feature_weight` times the smooth-L1
+  distance of f^_{t+1} to f_{t+1} per dimension, in units of f_{t+1}'s root mean square (EAGLE's
+  feature regression);
+- with `own_steps` > 0 (HASS-style, simplified), the head is run again `own_steps` times, each
+  time reading at every position t >= 1 the features it predicted for t in the run before (as
+  drafting feeds it its own predictions), with the same targets; the losses are averaged;
+- parallel head i at pair t predicts the law of x_{t+2+i}: KL(p_{t+1+i} || q_{t,i}) and the
+  regression to f_{t+1+i}, over the pairs where t + 1 + i is in the batch, averaged over heads.
+Metrics: `lm_loss` is the cross-entropy of the first draft's law on the corpus token it drafts
+(x_{t+2}), `distill` the KL, `feature` the regression.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from spsjax import models
+from spsjax.models import feature_head, output_logits
+from spsjax.train import losses
+
+
+def _smooth_l1(x, y):
+  """Smooth L1 per dimension between predicted features x and the target's y, both divided by
+  y's root mean square at that position: the output layer's norm makes the features' scale
+  irrelevant to the laws, and deep features are large."""
+  y = y.astype(jnp.float32)
+  scale = jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6)
+  d = jnp.abs(x.astype(jnp.float32) - y) * scale
+  return jnp.mean(jnp.where(d < 1.0, 0.5 * d * d, d - 0.5))
+
+
+def _kl(q_BxTxV, p_BxTxV):
+  return jnp.mean(losses.divergence_per_position(q_BxTxV, p_BxTxV, 'forward_kl'))
+
+
+def _first_draft_ce(q_BxTxV, tokens_BxT):
+  return losses.cross_entropy(q_BxTxV, tokens_BxT, jnp.ones(tokens_BxT.shape, bool))
+
+
+def head_loss(kind: str, head: models.Model, target: models.Model, batch_BxL1: jax.Array, *,
+              feature_weight: float, own_steps: int = 0) -> tuple[jax.Array, dict]:
+  """(loss, metrics) of a head of `kind` on a batch of int32[B, L + 1] (module docstring)."""
+  inputs_BxL = batch_BxL1[:, :-1]
+  f_BxLxD = jax.lax.stop_gradient(models.features(target.config, target.params, inputs_BxL))
+  p_BxLxV = jax.lax.stop_gradient(output_logits(target.config, target.params, f_BxLxD))
+  pairs_f, pairs_x = f_BxLxD[:, :-1], inputs_BxL[:, 1:]  # Pair t = (f_t, x_{t+1}), t < L - 1.
+  if kind == 'feature':
+    kls, regressions = [], []
+    features_in = pairs_f
+    for step in range(1 + own_steps):
+      q_BxTxV, predicted_BxTxD = feature_head.feature_head_forward(head, target, features_in,
+                                                                   pairs_x)
+      kls.append(_kl(q_BxTxV, p_BxLxV[:, 1:]))
+      regressions.append(_smooth_l1(predicted_BxTxD, f_BxLxD[:, 1:]))
+      if step == 0:
+        ce = _first_draft_ce(q_BxTxV, batch_BxL1[:, 2:])
+      # Next run: the prediction for t (made at pair t - 1) in place of f_t, for t >= 1.
+      features_in = jnp.concatenate(
+          [pairs_f[:, :1], jax.lax.stop_gradient(predicted_BxTxD[:, :-1])], axis=1)
+    kl, regression = sum(kls) / len(kls), sum(regressions) / len(regressions)
+  elif kind == 'heads':
+    B, T = pairs_x.shape
+    D = f_BxLxD.shape[-1]
+    q_BTxNxV, predicted_BTxNxD = feature_head.parallel_heads(
+        head, target, pairs_f.reshape(B * T, D), pairs_x.reshape(B * T))
+    n = head.config.num_layers
+    q_BxTxNxV = q_BTxNxV.reshape(B, T, n, -1)
+    predicted_BxTxNxD = predicted_BTxNxD.reshape(B, T, n, D)
+    kls, regressions = [], []
+    for i in range(n):
+      valid = T - i  # Pairs t with t + 1 + i <= L - 1.
+      kls.append(_kl(q_BxTxNxV[:, :valid, i], p_BxLxV[:, 1 + i:]))
+      regressions.append(_smooth_l1(predicted_BxTxNxD[:, :valid, i], f_BxLxD[:, 1 + i:]))
+    kl, regression = sum(kls) / n, sum(regressions) / n
+    ce = _first_draft_ce(q_BxTxNxV[:, :, 0], batch_BxL1[:, 2:])
+  else:
+    raise ValueError(f'Unknown head kind {kind!r}; known: {list(feature_head.KINDS)}.')
+  loss = kl + feature_weight * regression
+  return loss, dict(loss=loss, lm_loss=ce, distill=kl, feature=regression)
