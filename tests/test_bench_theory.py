@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from spsjax.bench import theory
+from spsjax.bench import theory, timing
 
 
 @pytest.mark.parametrize('alpha,k,expected', [(0.6, 3, 2.18), (0.6, 4, 2.31), (0.8, 3, 2.95),
@@ -87,3 +87,19 @@ def test_ragged_proposals_predict_from_the_loops_that_proposed_each_count():
   assert fixed.speedup == pytest.approx(theory.expected_speedup(alpha, 3, 0.2, 1.25))
   with pytest.raises(ValueError, match='loop counts'):
     theory.expected_tokens_per_loop_proposed(alpha, (0, 0, 0))
+
+
+def test_alpha_per_position_from_the_loops_accepted_counts():
+  """Loops that accepted 0, 1, 2 of k = 2 drafts: 4, 2, 6. Position 1 was tried by all 12 loops
+  and accepted by 8; position 2 by those 8, accepted by 6. A ragged drafter's counts give none."""
+  assert theory.alpha_per_position([4, 2, 6]) == pytest.approx([8 / 12, 6 / 8])
+  assert np.isnan(theory.alpha_per_position([3, 0, 0])[1])  # Nobody reached position 2.
+  call = lambda accepted, proposed: timing.Call(
+      seconds=1.0, rows=1, tokens=1 + sum(accepted), loops=sum(accepted),
+      accepted=int(np.dot(accepted, range(3))), proposed=proposed, accepted_counts=accepted)
+  fixed = timing.Timing(calls=(call((4, 2, 6), (0, 0, 12)), call((0, 0, 2), (0, 0, 2))),
+                        compile_seconds=(), k=2)
+  assert fixed.alpha_per_position == pytest.approx((10 / 14, 8 / 10))
+  assert fixed.summary()['alpha_per_position'] == pytest.approx([10 / 14, 8 / 10])
+  ragged = timing.Timing(calls=(call((4, 2, 6), (3, 0, 9)),), compile_seconds=(), k=2)
+  assert ragged.alpha_per_position == ()

@@ -9,6 +9,8 @@ as the formulas assume; the measured tokens per loop checks that assumption.
 
 import dataclasses
 
+import numpy as np
+
 
 def _check(alpha: float, k: int) -> None:
   if not 0.0 <= alpha <= 1.0:
@@ -51,6 +53,17 @@ def alpha_from_counts(accepted: int, loops: int, full_loops: int) -> float:
                      f'accepted={accepted}, loops={loops}, full_loops={full_loops}.')
   trials = accepted + loops - full_loops
   return accepted / trials if trials else float('nan')
+
+
+def alpha_per_position(loops_by_accepted) -> list[float]:
+  """The acceptance rate of draft position i = 1 .. k, from the loops that accepted n = 0 .. k
+  drafts (each proposing k): of the loops that tried draft i (accepted the i - 1 before it),
+  the fraction that accepted it. NaN where no loop tried it. The formulas' alpha assumes these
+  equal; a draft that drifts from the target over its own drafts shows falling values."""
+  counts = np.asarray(loops_by_accepted, np.int64)
+  reached = counts[::-1].cumsum()[::-1]  # reached[n]: loops that accepted at least n.
+  return [float(reached[i] / reached[i - 1]) if reached[i - 1] else float('nan')
+          for i in range(1, len(counts))]
 
 
 def expected_speedup(alpha: float, k: int, c: float, s: float = 1.0) -> float:

@@ -33,6 +33,7 @@ class Call:
   full_loops: int = 0  # Loops that accepted every draft proposed, summed over rows.
   drafted: int = 0  # Draft tokens proposed (k per loop, or fewer for ragged drafters).
   proposed: tuple[int, ...] = ()  # Loops that proposed n = 0 .. k drafts (empty if not reported).
+  accepted_counts: tuple[int, ...] = ()  # Loops that accepted n = 0 .. k drafts (likewise).
 
   @property
   def token_time(self) -> float:
@@ -103,6 +104,18 @@ class Timing:
     return tuple(int(x) for x in np.sum([c.proposed for c in self.calls], axis=0))
 
   @property
+  def alpha_per_position(self) -> tuple[float, ...]:
+    """Acceptance of draft position 1 .. k (`theory.alpha_per_position`), for drafters that
+    propose k in every loop; empty otherwise (the loops' counts do not pair proposals with
+    acceptances) or if a call did not report its counts."""
+    loops = sum(c.loops for c in self.calls)
+    if (not loops or not all(c.accepted_counts for c in self.calls)
+        or (self.loops_by_proposed and self.loops_by_proposed[-1] != loops)):
+      return ()
+    return tuple(theory.alpha_per_position(
+        np.sum([c.accepted_counts for c in self.calls], axis=0)))
+
+  @property
   def proposed_per_loop(self) -> float:
     """Drafts proposed per loop (k unless the drafter is ragged)."""
     loops = sum(c.loops for c in self.calls)
@@ -135,7 +148,8 @@ class Timing:
         p99_ms=self.token_time_percentile(99) * ms, tokens_per_loop=self.tokens_per_loop,
         uncut_tokens_per_loop=self.uncut_tokens_per_loop,
         acceptance_rate=self.acceptance_rate, alpha=self.alpha,
-        loops_by_proposed=list(self.loops_by_proposed), proposed_per_loop=self.proposed_per_loop)
+        loops_by_proposed=list(self.loops_by_proposed), proposed_per_loop=self.proposed_per_loop,
+        alpha_per_position=list(self.alpha_per_position))
 
 
 def medians(fns: Mapping[Hashable, Callable[[], object]], *, repeats: int,
@@ -174,7 +188,9 @@ def call_record(seconds: float, out: SampleOutput) -> Call:
               loops=loops, accepted=accepted, full_loops=full_loops,
               drafted=total(out.num_drafted),
               proposed=() if out.proposed_histogram is None
-              else tuple(int(x) for x in np.asarray(out.proposed_histogram)))
+              else tuple(int(x) for x in np.asarray(out.proposed_histogram)),
+              accepted_counts=() if out.accepted_histogram is None
+              else tuple(int(x) for x in np.asarray(out.accepted_histogram)))
 
 
 def time_calls(run: Callable[[int], SampleOutput], num_calls: int,
