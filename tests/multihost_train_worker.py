@@ -3,13 +3,13 @@
   python tests/multihost_train_worker.py COORDINATOR_ADDRESS PROCESS_ID OUT_DIR first|resume
 
 The mesh is 2 x 2 with each `data` row holding one device of each process (`layout`), so every
-process holds every row of a batch and half of the model. `first` trains `CONFIG` uninterrupted
-in OUT_DIR/finished, evaluates as `experiments/evaluate.py` does (held-out loss, and alpha of a
-target/draft pair), runs a short Table 1 (`bench.speedup.run_rows`), then (process 0) writes
-OUT_DIR/first.json and OUT_DIR/first.npz, and starts the same run in OUT_DIR/run, where both
-processes SIGKILL themselves after its step-4 save. `resume` runs the same command again in
-OUT_DIR/run and (process 0) writes OUT_DIR/resume.json and OUT_DIR/resume.npz. The tokenizer is
-OUT_DIR/tokenizer.model.
+process holds every row of a batch and half of the model. `first` runs `multihost_worker.check`
+(generation on other meshes of the same processes, and a checkpoint; OUT_DIR/result.json), then
+evaluates as `experiments/evaluate.py` does (held-out loss, and alpha of a target/draft pair),
+runs a short Table 1 (`bench.speedup.run_rows`), (process 0) writes OUT_DIR/first.json, and
+trains `CONFIG` in OUT_DIR/run, where both processes SIGKILL themselves after its step-4 save.
+`resume` runs the same command again in OUT_DIR/run and (process 0) writes OUT_DIR/resume.json
+and OUT_DIR/resume.npz. The tokenizer is OUT_DIR/tokenizer.model.
 """
 
 import dataclasses
@@ -58,12 +58,14 @@ def evaluate(tok: Tokenizer, mesh) -> dict:
               pair=evaluation.evaluate_pair(target, draft, batches, SETTINGS, mesh=mesh))
 
 
-def _write(out_dir: str, name: str, result: dict, params) -> None:
-  params = distributed.gather(params)  # Every process takes part; process 0 writes.
+def _write(out_dir: str, name: str, result: dict, params=None) -> None:
+  if params is not None:
+    params = distributed.gather(params)  # Every process takes part; process 0 writes.
   if distributed.is_main():
     with open(os.path.join(out_dir, f'{name}.json'), 'w', encoding='utf-8') as f:
       json.dump(result, f)
-    np.savez(os.path.join(out_dir, f'{name}.npz'), *jax.tree.leaves(params))
+    if params is not None:
+      np.savez(os.path.join(out_dir, f'{name}.npz'), *jax.tree.leaves(params))
 
 
 def main(address: str, process_id: int, out_dir: str, mode: str) -> None:
@@ -75,11 +77,11 @@ def main(address: str, process_id: int, out_dir: str, mode: str) -> None:
   run = lambda name, kill_at=None: train_helpers.run(os.path.join(out_dir, name), kill_at, CONFIG,
                                                      mesh, tok)
   if mode == 'first':
-    state, metrics = run('finished')
-    result = dict(metrics=metrics, evaluate=evaluate(tok, mesh),
+    multihost_worker.check(out_dir)
+    result = dict(evaluate=evaluate(tok, mesh),
                   table=multihost_worker.table_completions(tok, mesh),
                   model_rows=[sorted(d.process_index for d in row) for row in mesh.devices])
-    _write(out_dir, 'first', result, state.params)
+    _write(out_dir, 'first', result)
     run('run', kill_at=KILL_AT)  # Dies.
   else:
     state, metrics = run('run')

@@ -1,12 +1,13 @@
-"""One process of the 2-process test (`test_multihost.py`): a 4-device mesh over 2 processes.
+"""What 2 processes check of a 4-device mesh over both (`test_multihost.py`).
 
   python tests/multihost_worker.py COORDINATOR_ADDRESS PROCESS_ID OUT_DIR
 
-Runs greedy ArS and SpS on a target and draft whose `model` axis spans both processes, again with
-the `data` axis across them and prompts given as arrays no process holds whole, a short Table 1
-(`bench.speedup.run_rows`, tokenizer OUT_DIR/tokenizer.model) on that mesh, saves and restores a
-checkpoint of the sharded parameters from both processes, and (process 0) writes what it saw to
-OUT_DIR/result.json.
+`check` runs greedy ArS and SpS on a target and draft whose `model` axis spans both processes,
+again with the `data` axis across them and prompts given as arrays no process holds whole, a short
+Table 1 (`bench.speedup.run_rows`, tokenizer OUT_DIR/tokenizer.model) on that mesh, saves and
+restores a checkpoint of the sharded parameters from both processes, and (process 0) writes what
+it saw to OUT_DIR/result.json. The test runs it in the processes of `multihost_train_worker.py
+first`, before their training (one start of the pair for both); this file runs it alone.
 """
 
 import dataclasses
@@ -73,8 +74,9 @@ def spread_prompts_tokens(mesh):
   return sps.tokens
 
 
-def main(address: str, process_id: int, out_dir: str) -> None:
-  distributed.initialize(distributed.Options(address, num_processes=2, process_id=process_id))
+def check(out_dir: str) -> None:
+  """Everything above, in each of 2 processes of 2 devices each; process 0 writes
+  OUT_DIR/result.json."""
   assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2
   mesh = sharding.make_mesh(1, 4)  # The model axis spans both processes.
   spans = {d.process_index for d in mesh.devices.ravel()}
@@ -105,6 +107,12 @@ def main(address: str, process_id: int, out_dir: str) -> None:
   if distributed.is_main():
     with open(os.path.join(out_dir, 'result.json'), 'w', encoding='utf-8') as f:
       json.dump(result, f)
+  distributed.print0('generation and checkpoint checks done')
+
+
+def main(address: str, process_id: int, out_dir: str) -> None:
+  distributed.initialize(distributed.Options(address, num_processes=2, process_id=process_id))
+  check(out_dir)
   distributed.print0('worker done')
 
 

@@ -1,9 +1,15 @@
-"""The binaries start, parse their configs and run end to end (smallest settings)."""
+"""The binaries start, parse their configs and run end to end (smallest settings).
+
+Runs that sample, train or write start a fresh interpreter each; runs that must end in a one-line
+error before any model runs are forked from one interpreter that has imported what the binaries
+import (`tests/binary_launcher.py`), since those imports were most of their time.
+"""
 
 import dataclasses
 import importlib.util
 import json
 import os
+import select
 import subprocess
 import sys
 import sysconfig
@@ -24,6 +30,43 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _run(*args):
   return subprocess.run([sys.executable, *args], cwd=_REPO, env=xla_env.subprocess_env(),
                         capture_output=True, text=True, timeout=300, check=False)
+
+
+# The binaries whose one-line errors the tests below check, started by `tests/binary_launcher.py`.
+_ERROR_BINARIES = ('sample', 'evaluate', 'sweep', 'peer_benchmark', 'speedup_table', 'train')
+
+
+@pytest.fixture(scope='module', name='run_to_error')
+def fixture_run_to_error(tmp_path_factory):
+  """`_run` for runs that end in an error before any model runs: each binary runs in a child
+  forked from one interpreter that has imported what the binaries import (its own code runs in
+  the child as in a fresh process), not in a fresh interpreter (~3 s of imports each)."""
+  out_dir = tmp_path_factory.mktemp('launcher')
+  launcher = subprocess.Popen(  # pylint: disable=consider-using-with
+      [sys.executable, os.path.join(_REPO, 'tests', 'binary_launcher.py'),
+       *(f'experiments/{b}.py' for b in _ERROR_BINARIES)],
+      cwd=_REPO, env=xla_env.subprocess_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+      text=True)
+  assert json.loads(launcher.stdout.readline()) == {'ready': True}
+  count = 0
+
+  def run(*args):
+    nonlocal count
+    count += 1
+    paths = [str(out_dir / f'{count}.{stream}') for stream in ('stdout', 'stderr')]
+    launcher.stdin.write(json.dumps(dict(argv=list(args), stdout=paths[0], stderr=paths[1]))
+                         + '\n')
+    launcher.stdin.flush()
+    if not select.select([launcher.stdout], [], [], 300)[0]:
+      launcher.kill()
+      pytest.fail(f'{args}: no end after 300 s')
+    returncode = json.loads(launcher.stdout.readline())['returncode']
+    stdout, stderr = (open(path, encoding='utf-8').read() for path in paths)  # pylint: disable=consider-using-with
+    return subprocess.CompletedProcess(args, returncode, stdout, stderr)
+
+  yield run
+  launcher.stdin.close()
+  launcher.wait(timeout=60)
 
 
 def test_sample_sps_on_random_models():
@@ -47,8 +90,8 @@ def test_sample_sps_with_other_drafters(drafter):
   assert 'proposed-drafts histogram [' in run.stdout  # Both drafters are ragged.
 
 
-def test_bad_config_argument_is_a_clear_error():
-  run = _run('experiments/train.py', '--config=configs/train.py:size=huge')
+def test_bad_config_argument_is_a_clear_error(run_to_error):
+  run = run_to_error('experiments/train.py', '--config=configs/train.py:size=huge')
   _one_line_error(run, "--config=configs/train.py:size=huge: size must be one of ['demo', "
                   "'reference', 'tiny'], got 'huge'.")
 
@@ -111,30 +154,31 @@ def _one_line_error(run, *parts):
     (['experiments/speedup_table.py'],
      ['--config is required, e.g. python experiments/speedup_table.py --config=configs/']),
 ])
-def test_config_mistakes_are_one_line(args, parts):
-  _one_line_error(_run(*args), *parts)
+def test_config_mistakes_are_one_line(run_to_error, args, parts):
+  _one_line_error(run_to_error(*args), *parts)
 
 
-def test_missing_checkpoint_is_one_line(tmp_path):
-  _one_line_error(_run('experiments/sample.py', f'--config=configs/sample.py:root={tmp_path}'),
+def test_missing_checkpoint_is_one_line(run_to_error, tmp_path):
+  _one_line_error(run_to_error('experiments/sample.py',
+                               f'--config=configs/sample.py:root={tmp_path}'),
                   f'Checkpoint directory {tmp_path}/target does not exist.')
 
 
-def test_batch_beyond_the_humaneval_prompts_is_refused_before_loading(tmp_path):
+def test_batch_beyond_the_humaneval_prompts_is_refused_before_loading(run_to_error, tmp_path):
   # The root does not exist: the batch is checked before any checkpoint is read.
-  _one_line_error(_run('experiments/sample.py',
-                       f'--config=configs/sample.py:root={tmp_path},batch=200'),
+  _one_line_error(run_to_error('experiments/sample.py',
+                               f'--config=configs/sample.py:root={tmp_path},batch=200'),
                   'batch=200', 'there are 164', 'use batch in [1, 164]')
 
 
-def test_max_new_tokens_beyond_max_seq_len_is_refused(family):
+def test_max_new_tokens_beyond_max_seq_len_is_refused(run_to_error, family):
   _one_line_error(
-      _run('experiments/sample.py', f'--config=configs/sample.py:root={family},method=ars,'
-           'max_new_tokens=100000'),
+      run_to_error('experiments/sample.py', f'--config=configs/sample.py:root={family},'
+                   'method=ars,max_new_tokens=100000'),
       'max_new_tokens=100000 is too large', "target's max_seq_len 64", 'max_new_tokens <= 63')
   _one_line_error(  # Random models: SpS needs k - 1 more positions.
-      _run('experiments/sample.py', '--config=configs/sample.py:method=sps,k=4,prompt_len=16,'
-           'max_new_tokens=500'),
+      run_to_error('experiments/sample.py', '--config=configs/sample.py:method=sps,k=4,'
+                   'prompt_len=16,max_new_tokens=500'),
       'prompt_len=16 does not fit', "max_seq_len 512 - max_new_tokens 500 - (k - 1 = 3",
       'leaves 9 positions')
 
@@ -213,7 +257,9 @@ def test_export_hf_writes_a_llama_directory_that_loads_back(family, tmp_path):
     assert json.load(f)['eos_token_id'] == tok.eos_id
 
 
-def test_binaries_take_hugging_face_directories(tmp_path):
+def test_binaries_take_hugging_face_directories():
+  """The sampling binary here; the Table 1 binary on the same two directories (copied into a fake
+  bucket, its table and traces written there) in tests/test_storage.py."""
   target, draft = (os.path.join(_REPO, 'tests', 'fixtures', 'hf', n)
                    for n in ('llama_gqa', 'llama_tied_mqa'))
   run = _run('experiments/sample.py', f'--config=configs/sample.py:hf_target={target},'
@@ -221,18 +267,6 @@ def test_binaries_take_hugging_face_directories(tmp_path):
   assert run.returncode == 0, run.stderr[-3000:]
   assert f'Trained target {target} (80,192 parameters) and draft {draft}' in run.stdout
   assert run.stdout.count('--- row ') == 2 and 'acceptance rate' in run.stdout
-  run = _run('experiments/speedup_table.py',
-             f'--config=configs/speedup.py:hf_target={target},hf_draft={draft},runlocal,'
-             f'batches=1,results={tmp_path}/table', '--config.tasks.humaneval.max_new_tokens=8',
-             '--config.tasks.docstrings.max_new_tokens=8',
-             '--config.tasks.code_completion.max_new_tokens=8', '--config.cost_repeats=2')
-  assert run.returncode == 0, run.stderr[-3000:]
-  table = (tmp_path / 'table' / 'table.md').read_text()
-  assert f'ArS vs SpS, {target} and draft {draft}' in table and '| humaneval | greedy | 1 |' in table
-  assert '| code_completion | nucleus | 1 | SpS | chrF ' in table and 'next-line EM' in table
-  rows = json.loads((tmp_path / 'table' / 'table.json').read_text())['rows']
-  assert [r['task'] for r in rows[::2]] == ['humaneval', 'docstrings', 'code_completion']
-  assert all(set(r['parity']) >= {'log p'} and len(r['SpS']['logprobs']) == 8 for r in rows[4:])
   # The sweep binary loads through the same `load.load_family` (run end to end above on our
   # own checkpoints): here, that its config names the directories.
   spec = importlib.util.spec_from_file_location('sweep_config',

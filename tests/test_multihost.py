@@ -2,12 +2,14 @@
 greedy ArS and SpS give the single-process tokens, also with the `data` axis across the processes
 and prompts no process holds whole; a short Table 1 on that mesh gives the single-process
 completions; a checkpoint saves and restores from both. Training with `model` across the
-processes gives the losses and parameters of one process on the same mesh layout, resumes
-bit-exactly after both processes are killed, and its model evaluates (held-out loss, alpha) and
-runs a Table 1 row as one process does.
+processes sees the batches of one process on the same mesh layout and, killed in both processes
+after a save and resumed, ends with that process's losses and parameters bit for bit; a model on
+that layout evaluates (held-out loss, alpha) and runs a Table 1 row as one process does.
 
-The processes talk through gloo on 127.0.0.1; the test kills them (whole process groups) and frees
-the port even when it fails.
+One pair of processes does all but the resumption (`multihost_worker.check`, then
+`multihost_train_worker.py first`, which dies in training); a second pair resumes. The processes
+talk through gloo on 127.0.0.1; the test kills them (whole process groups) and frees the port even
+when it fails.
 """
 
 import json
@@ -25,7 +27,6 @@ from spsjax import sharding
 from tests import data_helpers, multihost_train_worker, multihost_worker, train_helpers, xla_env
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_WORKER = os.path.join(_HERE, 'multihost_worker.py')
 _TRAIN_WORKER = os.path.join(_HERE, 'multihost_train_worker.py')
 
 
@@ -66,13 +67,22 @@ def fixture_expected_table():
                                                               mesh=None)]
 
 
-def test_two_processes_match_one(tmp_path, expected_table):
+@pytest.fixture(scope='module', name='first_pair')
+def fixture_first_pair(tmp_path_factory):
+  """(directory, exit codes, log tails) of the pair of processes that runs
+  `multihost_worker.check` and then `multihost_train_worker.py first` (which kills them)."""
+  out_dir = tmp_path_factory.mktemp('multihost')
+  (out_dir / 'tokenizer.model').write_bytes(data_helpers.small_tokenizer().to_bytes())
+  codes, output = _run_workers(_TRAIN_WORKER, out_dir, 'first', name='first',
+                               SPSJAX_TEST_DATA_DIR=data_helpers.data_dir())
+  return out_dir, codes, output
+
+
+def test_two_processes_match_one(first_pair, expected_table):
   expected_ars, expected_sps, _, _ = multihost_worker.generate(mesh=None)
-  tok = data_helpers.small_tokenizer()
-  (tmp_path / 'tokenizer.model').write_bytes(tok.to_bytes())
-  codes, output = _run_workers(_WORKER, tmp_path)
-  assert codes == [0, 0], output
-  result = json.loads((tmp_path / 'result.json').read_text())
+  out_dir, _, output = first_pair
+  assert 'generation and checkpoint checks done' in output, output
+  result = json.loads((out_dir / 'result.json').read_text())
   assert result['mesh_processes'] == [0, 1]
   np.testing.assert_array_equal(np.array(result['ars']), np.asarray(expected_ars))
   np.testing.assert_array_equal(np.array(result['sps']), np.asarray(expected_sps))
@@ -81,7 +91,6 @@ def test_two_processes_match_one(tmp_path, expected_table):
   assert result['table'] == expected_table
   assert result['checkpoint_equal'] and result['restored_layout_kept']
   assert result['data_state'] == {'position': 7} and result['meta'] == {'note': 'multihost'}
-  assert 'worker done' in output
 
 
 def _npz_leaves(path) -> list[np.ndarray]:
@@ -89,35 +98,36 @@ def _npz_leaves(path) -> list[np.ndarray]:
     return [f[f'arr_{i}'] for i in range(len(f.files))]
 
 
-def test_training_with_the_model_axis_across_processes(tmp_path, expected_table):
+def test_training_with_the_model_axis_across_processes(first_pair, tmp_path, expected_table):
   """Every process builds its devices' rows from the same global batch: with `model` across the
   processes (each holds every row) training sees the one process's batches, not a batch per
-  process; killed in both processes after a save, it resumes to the uninterrupted run's bits."""
+  process; killed in both processes after a save, it resumes to the bits of the uninterrupted run
+  of one process (the losses, the held-out loss and every parameter)."""
+  out_dir, codes, output = first_pair
   tok = data_helpers.small_tokenizer()
-  (tmp_path / 'tokenizer.model').write_bytes(tok.to_bytes())
-  data = {'SPSJAX_TEST_DATA_DIR': data_helpers.data_dir()}
-  codes, output = _run_workers(_TRAIN_WORKER, tmp_path, 'first', name='first', **data)
   assert codes == [-signal.SIGKILL] * 2, output
-  assert max(int(d) for d in os.listdir(tmp_path / 'run') if d.isdigit()) == 4
-  codes, output = _run_workers(_TRAIN_WORKER, tmp_path, 'resume', name='resume', **data)
+  assert max(int(d) for d in os.listdir(out_dir / 'run') if d.isdigit()) == 4
+  codes, output = _run_workers(_TRAIN_WORKER, out_dir, 'resume', name='resume',
+                               SPSJAX_TEST_DATA_DIR=data_helpers.data_dir())
   assert codes == [0, 0] and 'worker done' in output, output
-  first = json.loads((tmp_path / 'first.json').read_text())
-  resumed = json.loads((tmp_path / 'resume.json').read_text())
+  first = json.loads((out_dir / 'first.json').read_text())
+  resumed = json.loads((out_dir / 'resume.json').read_text())
   assert first['model_rows'] == [[0, 1], [0, 1]]  # Each data row spans both processes.
 
-  # One process, the same layout of 4 of its devices.
+  # One process, the same layout of 4 of its devices, uninterrupted.
   worker = multihost_train_worker
   mesh = sharding.mesh_of(worker.layout([jax.devices()[:2], jax.devices()[2:4]]))
   state, metrics = train_helpers.run(str(tmp_path / 'single'), config=worker.CONFIG, mesh=mesh,
                                      tok=tok)
   keys = ('loss', 'lm_loss', 'grad_norm', 'eval_loss')
-  assert {k: first['metrics'][k] for k in keys} == {k: metrics[k] for k in keys}
+  assert {k: resumed['metrics'][k] for k in keys} == {k: metrics[k] for k in keys}
   params = [np.asarray(x) for x in jax.tree.leaves(state.params)]
-  for got in (_npz_leaves(tmp_path / 'first.npz'), _npz_leaves(tmp_path / 'resume.npz')):
-    assert len(got) == len(params) and all(np.array_equal(a, b) for a, b in zip(got, params))
-  assert resumed['step'] == worker.CONFIG.steps  # Each batch seen once, from step 4 on again:
-  assert (train_helpers.seen(str(tmp_path / 'run'))[worker.KILL_AT:]
-          == train_helpers.seen(str(tmp_path / 'finished'))[4:])
-  assert resumed['metrics']['eval_loss'] == metrics['eval_loss']
+  got = _npz_leaves(out_dir / 'resume.npz')
+  assert len(got) == len(params) and all(np.array_equal(a, b) for a, b in zip(got, params))
+  assert resumed['step'] == worker.CONFIG.steps
+  # The one process's batches, each seen once: up to the kill, then from step 4 on again.
+  seen, single = (train_helpers.seen(str(d)) for d in (out_dir / 'run', tmp_path / 'single'))
+  assert seen[:worker.KILL_AT] == single[:worker.KILL_AT]
+  assert seen[worker.KILL_AT:] == single[4:]
   assert first['evaluate'] == worker.evaluate(tok, mesh)
   assert first['table'] == expected_table

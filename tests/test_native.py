@@ -448,15 +448,38 @@ def assert_same_support_but_at_top_p(probs_RxV, want_RxV, before_top_p_RxV, top_
   return same_R
 
 
+# Jitted once for the module: a program per shape, setting and isa, whichever test calls it.
+@functools.partial(jax.jit, static_argnums=(2, 3))
 def _native_probabilities(logits, uniforms, config, isa):
-  return jax.jit(lambda l, u: native.probabilities_and_draw(
-      l, u, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, isa=isa))(
-          logits, uniforms)
+  return native.probabilities_and_draw(logits, uniforms, temperature=config.temperature,
+                                       top_k=config.top_k, top_p=config.top_p, isa=isa)
+
+
+_draws = jax.jit(jax.vmap(processors.draw_with))
 
 
 def _xla_probabilities(logits, uniforms, config):
   probs = jax.jit(processors.probabilities, static_argnums=1)(logits, config)
-  return probs, jax.jit(jax.vmap(processors.draw_with))(uniforms, probs)
+  return probs, _draws(uniforms, probs)
+
+
+@functools.lru_cache(maxsize=1)  # The isas of a case run one after another: made once for all.
+def _probabilities_case(settings_items, V):
+  """(config, logits, uniforms, XLA's probabilities and draws, the law before top-p) of a case of
+  `test_probabilities_kernel_equals_processors`."""
+  config = sampling.SamplingConfig(**dict(settings_items))
+  R = {37: 2000, 4100: 400, 50257: 48}[V]
+  logits = 3 * jax.random.normal(jax.random.key(0), (R, V))
+  logits = logits.at[:20, :10].set(4.0).at[20:40, 5:9].set(
+      jnp.max(logits[20:40], axis=1)[:, None])
+  logits = logits.at[R - 1].set(0.0)  # A flat row: the whole vocabulary ties.
+  uniforms = jax.random.uniform(jax.random.key(1), (R,)).at[:2].set([0.0, 1 - 2.0 ** -24])
+  want, want_tokens = _xla_probabilities(logits, uniforms, config)
+  # Jitted: op by op, top-p's blockwise cumsum took ~2 s a case.
+  before_top_p = jax.jit(processors.probabilities, static_argnums=1)(
+      logits, dataclasses.replace(config, top_p=1.0))
+  return (config, logits, uniforms,
+          *(np.asarray(x) for x in (uniforms, want, want_tokens, before_top_p)))
 
 
 @pytest.mark.parametrize('isa', ISAS)
@@ -470,24 +493,17 @@ def test_probabilities_kernel_equals_processors(isa, settings, V):
   same uniforms as `spsjax.sampling.processors`, ties included (ranked by id), but where a
   uniform falls within rounding of a CDF boundary. V = 4100: whole vectors and 64-token blocks
   plus a tail; 37: a tail only."""
-  config = sampling.SamplingConfig(**settings)
-  R = {37: 2000, 4100: 400, 50257: 48}[V]
-  logits = 3 * jax.random.normal(jax.random.key(0), (R, V))
-  logits = logits.at[:20, :10].set(4.0).at[20:40, 5:9].set(
-      jnp.max(logits[20:40], axis=1)[:, None])
-  logits = logits.at[R - 1].set(0.0)  # A flat row: the whole vocabulary ties.
-  uniforms = jax.random.uniform(jax.random.key(1), (R,)).at[:2].set([0.0, 1 - 2.0 ** -24])
-  probs, tokens = _native_probabilities(logits, uniforms, config, isa)
-  want, want_tokens = _xla_probabilities(logits, uniforms, config)
+  config, logits, uniforms, uniforms_np, want, want_tokens, before_top_p = _probabilities_case(
+      tuple(sorted(settings.items())), V)
+  R = logits.shape[0]
+  probs, tokens = (np.asarray(x) for x in _native_probabilities(logits, uniforms, config, isa))
   rounding = 1e-5
-  before_top_p = processors.probabilities(logits, dataclasses.replace(config, top_p=1.0))
   same = assert_same_support_but_at_top_p(probs, want, before_top_p, config.top_p, rounding)
   assert np.sum(~same) <= 1  # Only the flat row's ties can meet the cut.
   np.testing.assert_allclose(probs[same], want[same], rtol=rounding, atol=1e-6)
-  assert_draws_agree_but_at_boundaries(tokens[same], want_tokens[same],
-                                       np.asarray(uniforms)[same], want[same],
-                                       tolerance=rounding / 2)
-  assert np.all(np.asarray(probs)[np.arange(R), tokens] > 0)
+  assert_draws_agree_but_at_boundaries(tokens[same], want_tokens[same], uniforms_np[same],
+                                       want[same], tolerance=rounding / 2)
+  assert np.all(probs[np.arange(R), tokens] > 0)
 
 
 def _odd_rows(V):
@@ -609,14 +625,10 @@ def test_threefry_unrolled_on_cpu_draws_the_same_bits():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize('isa', ISAS)
-@pytest.mark.parametrize('lenience', [1.0, 0.6])
-@pytest.mark.parametrize('V', [4100, 37])
-def test_accept_kernel_equals_rejection(isa, lenience, V):
-  """The accept step's kernel against `rejection.accept_and_resample` from the same uniforms: the
-  same number of accepted drafts in every row, and the same tokens but at rounding boundaries,
-  always of positive weight in the law they were drawn from. Rows cover every count of proposed
-  drafts, p = q (no residual mass: p itself), one-hot p (greedy) and drafts q gave no mass to."""
+@functools.lru_cache(maxsize=1)  # The isas of a case run one after another: made once for all.
+def _accept_case(lenience, V):
+  """(K, p, q, drafts, num, row keys, `rejection.accept_and_resample`'s counts and tokens, the
+  uniforms it drew from, those of the tokens) of a case of `test_accept_kernel_equals_rejection`."""
   B, K = 2048 if V == 37 else 256, 3
   keys = jax.random.split(jax.random.key(V), 6)
   p = jax.nn.softmax(2 * jax.random.normal(keys[0], (B, K + 1, V)), -1)
@@ -629,15 +641,26 @@ def test_accept_kernel_equals_rejection(isa, lenience, V):
   want_n, want_tokens = jax.vmap(functools.partial(rejection.accept_and_resample,
                                                    lenience=lenience))(row_keys, p, q, drafts, num)
   u, token_keys = jax.vmap(lambda key: rejection._split(key, K))(row_keys)  # pylint: disable=protected-access
+  return K, p, q, drafts, num, row_keys, want_n, want_tokens, u, processors.uniforms(token_keys)
+
+
+@pytest.mark.parametrize('isa', ISAS)
+@pytest.mark.parametrize('lenience', [1.0, 0.6])
+@pytest.mark.parametrize('V', [4100, 37])
+def test_accept_kernel_equals_rejection(isa, lenience, V):
+  """The accept step's kernel against `rejection.accept_and_resample` from the same uniforms: the
+  same number of accepted drafts in every row, and the same tokens but at rounding boundaries,
+  always of positive weight in the law they were drawn from. Rows cover every count of proposed
+  drafts, p = q (no residual mass: p itself), one-hot p (greedy) and drafts q gave no mass to."""
+  K, p, q, drafts, num, row_keys, want_n, want_tokens, u, u_tokens = _accept_case(lenience, V)
   n, tokens = jax.jit(lambda *a: native.accept(*a, lenience=lenience, isa=isa))(
-      p, q, drafts, num, u, processors.uniforms(token_keys))
+      p, q, drafts, num, u, u_tokens)
   np.testing.assert_array_equal(n, want_n)
   assert len(set(np.asarray(n).tolist())) == K + 1  # Every count occurs.
-  laws = jax.vmap(lambda p, q, n, num: jnp.where(
+  laws = jax.jit(jax.vmap(lambda p, q, n, num: jnp.where(
       (n < num) & (jnp.sum(jnp.maximum(p[n] - q[jnp.minimum(n, K - 1)], 0)) > 0),
-      jnp.maximum(p[n] - q[jnp.minimum(n, K - 1)], 0), p[n]))(p, q, n, num)
-  assert_draws_agree_but_at_boundaries(tokens, want_tokens, processors.uniforms(token_keys),
-                                       laws)
+      jnp.maximum(p[n] - q[jnp.minimum(n, K - 1)], 0), p[n])))(p, q, n, num)
+  assert_draws_agree_but_at_boundaries(tokens, want_tokens, u_tokens, laws)
   # And through the batched entry point the loop calls.
   got = jax.jit(lambda *a: rejection.accept_and_resample_rows(
       *a, lenience=lenience, native_kernel=True))(row_keys, p, q, drafts, num)

@@ -42,10 +42,12 @@ CXXFLAGS = SANITIZE + ['-O0', '-g', '-std=c++17', '-fPIC', '-Wno-attributes', '-
 # Worker processes, started together: name -> (worker arguments, SPSJAX_NATIVE_WIDE_ROWS).
 # The wide path's threshold is read once per process, so each threshold has its own process;
 # the second and third drive AVX-512's products only (no other instruction set has a wide path).
+# The third runs them last: the second has compiled the same programs by then, into the run's
+# compilation cache (the threshold is read at run time, not compiled in).
 DRIVERS = {
     'matmul_and_lookup': (['matmul', 'lookup'], None),
     'matmul_wide_from_1_row_and_attention': (['matmul_rows:avx512', 'attention'], '1'),
-    'matmul_wide_off_and_sampling': (['matmul_rows:avx512', 'sampling'], '0'),
+    'matmul_wide_off_and_sampling': (['sampling', 'matmul_rows:avx512'], '0'),
 }
 PROBES = ('overflow_probe', 'ub_probe')
 TIMEOUT_S = 600

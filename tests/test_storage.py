@@ -3,8 +3,10 @@
 A tiny family is trained into a fake bucket (`tests/fake_gcs.py`: epath mapped onto a local
 directory that `open` and `os.path` cannot see under the gs:// name): its tokenizer, a target and
 a draft distilled from it, checkpoints and all; then loaded back, sampled from by the sampling
-binary, exported as a Hugging Face directory by its binary and read back, and benchmarked by the
-Table 1 binary, which writes its table and traces into the bucket. Code that reached a gs://
+binary, and exported as a Hugging Face directory by its binary and read back. The Table 1 binary
+benchmarks a pair of Hugging Face directories in the bucket (the GQA and tied-MQA checkpoints of
+tests/fixtures/hf: also the binaries' Hugging Face test, `test_experiments.py`) and writes its
+table and traces into the bucket. Code that reached a gs://
 location with `open` or `os.path` would fail to read it, or write under the working directory as
 `gs:/...`, which the test checks stays empty. The sweep's writers (CSV, Markdown, figure) run on
 the fake bucket in `tests/test_multihost_storage.py`. TFDS data stays local: array_record cannot
@@ -14,6 +16,7 @@ use a URI (`data.datasets`), which the last test checks is said before anything 
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -103,15 +106,30 @@ def test_a_family_lives_in_a_bucket(bucket):
   jax.tree.map(np.testing.assert_array_equal, hf_model.params,
                load.load_model(f'{_ROOT}/target')[0].params)
 
+  # Table 1 of two Hugging Face checkpoints in the bucket, as tests/test_experiments.py's
+  # test_binaries_take_hugging_face_directories had it run from local directories.
+  hf = 'gs://spsjax-test/hf'
+  target, draft = (f'{hf}/{name}' for name in ('llama_gqa', 'llama_tied_mqa'))
+  for location in (target, draft):
+    shutil.copytree(os.path.join(_REPO, 'tests', 'fixtures', 'hf', location.split('/')[-1]),
+                    bucket.local(location))
   results = 'gs://spsjax-test/results'
   _run_binary(bucket, 'experiments/speedup_table.py',
-              f'--config={_CONFIGS}/speedup.py:root={_ROOT},humaneval=2,docstrings=2,code=2,'
-              f'batches=1,results={results}/table', '--config.tasks.humaneval.max_new_tokens=4',
-              '--config.tasks.docstrings.max_new_tokens=4',
-              '--config.tasks.code_completion.max_new_tokens=4', '--config.cost_repeats=1')
+              f'--config={_CONFIGS}/speedup.py:hf_target={target},hf_draft={draft},humaneval=2,'
+              f'docstrings=2,code=2,batches=1,results={results}/table',
+              '--config.tasks.humaneval.max_new_tokens=8',
+              '--config.tasks.docstrings.max_new_tokens=8',
+              '--config.tasks.code_completion.max_new_tokens=8', '--config.cost_repeats=2')
+  table_md = epath.Path(f'{results}/table/table.md').read_text()
+  assert table_md.startswith('# Table 1')
+  assert f'ArS vs SpS, {target} and draft {draft}' in table_md
+  assert '| humaneval | greedy | 1 |' in table_md
+  assert '| code_completion | nucleus | 1 | SpS | chrF ' in table_md and 'next-line EM' in table_md
   table = json.loads(epath.Path(f'{results}/table/table.json').read_text())
   assert len(table['rows']) == 6
-  assert epath.Path(f'{results}/table/table.md').read_text().startswith('# Table 1')
+  assert [r['task'] for r in table['rows'][::2]] == ['humaneval', 'docstrings', 'code_completion']
+  assert all(set(r['parity']) >= {'log p'} and len(r['SpS']['logprobs']) == 2
+             for r in table['rows'][4:])  # A log p for each code prompt.
   traces = list(epath.Path(f'{results}/table/traces').iterdir())
   assert len(traces) == 6 and all(
       list(t.glob('plugins/profile/*/*.xplane.pb')) for t in traces), traces
