@@ -70,6 +70,15 @@ def test_packed_matmul_equals_dot(isa, d_in, d_out, rows):
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.sqrt(d_in))
 
 
+@jax.jit  # One program per shape: op by op, these compiled a dozen small ones per shape.
+def _prologue_wants(x_RxI, gate_in_Rx2xI, scale_I, residual_RxF, w_IxF):
+  """The XLA ops' rms_norm(x) @ w, silu_gate @ w, x @ w + residual, silu_gate @ w + residual."""
+  dot = lambda a, b: jnp.dot(a, b, precision='highest')
+  gated_RxI = native.silu_gate(gate_in_Rx2xI[:, 0], gate_in_Rx2xI[:, 1])
+  return (dot(native.rms_norm(x_RxI, scale_I, 1e-5), w_IxF), dot(gated_RxI, w_IxF),
+          residual_RxF + dot(x_RxI, w_IxF), residual_RxF + dot(gated_RxI, w_IxF))
+
+
 @pytest.mark.parametrize('isa', ISAS)
 @pytest.mark.parametrize('d_in,d_out', [(96, 160), (40, 37), (128, 600)])
 @pytest.mark.parametrize('rows', [1, 5, 9, 16, 24, 700])  # 700 x 128: the prologue on threads.
@@ -83,15 +92,10 @@ def test_packed_matmul_prologues_and_residual(isa, d_in, d_out, rows):
   residual_RxF = jax.random.normal(keys[3], (rows, d_out))
   # Gates far in both tails too: the kernel's sigmoid must not overflow.
   gate_in_Rx2xI = jnp.stack([x_RxI.at[:, 0].set(-100.0).at[:, 1].set(100.0), x_RxI[::-1]], axis=1)
-  dot = lambda a, b: jnp.dot(a, b, precision='highest')
-  gated_RxI = native.silu_gate(gate_in_Rx2xI[:, 0], gate_in_Rx2xI[:, 1])
-  cases = [
-      (x_RxI, dict(norm=(scale_I, 1e-5)), dot(native.rms_norm(x_RxI, scale_I, 1e-5), w_IxF)),
-      (gate_in_Rx2xI, dict(gated=True), dot(gated_RxI, w_IxF)),
-      (x_RxI, dict(residual=residual_RxF), residual_RxF + dot(x_RxI, w_IxF)),
-      (gate_in_Rx2xI, dict(gated=True, residual=residual_RxF),
-       residual_RxF + dot(gated_RxI, w_IxF)),
-  ]
+  wants = _prologue_wants(x_RxI, gate_in_Rx2xI, scale_I, residual_RxF, w_IxF)
+  options = (dict(norm=(scale_I, 1e-5)), dict(gated=True), dict(residual=residual_RxF),
+             dict(gated=True, residual=residual_RxF))
+  cases = zip((x_RxI, gate_in_Rx2xI, x_RxI, gate_in_Rx2xI), options, wants, strict=True)
   for x, options, want in cases:
     for use_kernel in (True, False):
       got = jax.jit(lambda x, p, o=options, k=use_kernel: native.matmul(
@@ -164,6 +168,12 @@ def test_packed_matmul_of_no_rows():
       assert got.shape == (0, 5), (options, use_kernel)
 
 
+@jax.jit  # One program per shape, not one per op.
+def _norm_dot_residual(x_RxI, scale_I, w_IxF, residual_RxF):
+  """residual + rms_norm(x) @ w in XLA's ops."""
+  return residual_RxF + jnp.dot(native.rms_norm(x_RxI, scale_I, 1e-6), w_IxF, precision='highest')
+
+
 @pytest.mark.parametrize('isa', ISAS)
 @pytest.mark.parametrize('rows', [1, 5, 9, 16, 24, 700])  # 700: the prologue on threads.
 @pytest.mark.parametrize('d_in,d_out', [(40, 37), (1001, 70)])  # 1001 x 70: panels on threads.
@@ -179,7 +189,7 @@ def test_bfloat16_panels_multiply_in_float32(isa, rows, d_in, d_out):
   assert not np.array_equal(rounded_IxF, w_IxF)  # The rounding is real: a test that can fail.
   scale = jnp.linspace(0.5, 1.5, d_in)
   residual = jax.random.normal(jax.random.key(9), (rows, d_out))
-  want = residual + jnp.dot(native.rms_norm(x_RxI, scale, 1e-6), rounded_IxF, precision='highest')
+  want = _norm_dot_residual(x_RxI, scale, rounded_IxF, residual)
   for use_kernel in (True, False):
     got = jax.jit(lambda x, p, r, u=use_kernel: native.matmul(
         x, p, norm=(scale, 1e-6), residual=r, isa=isa, use_kernel=u))(x_RxI, packed, residual)
@@ -208,8 +218,7 @@ def test_int8_panels_multiply_in_float32(isa, rows, d_in, d_out):
                                 127)  # Each column's largest weight is the top level.
   scale = jnp.linspace(0.5, 1.5, d_in)
   residual = jax.random.normal(jax.random.key(9), (rows, d_out))
-  want = residual + jnp.dot(native.rms_norm(x_RxI, scale, 1e-6), quantized_IxF,
-                            precision='highest')
+  want = _norm_dot_residual(x_RxI, scale, quantized_IxF, residual)
   for use_kernel in (True, False):
     got = jax.jit(lambda x, p, r, u=use_kernel: native.matmul(
         x, p, norm=(scale, 1e-6), residual=r, isa=isa, use_kernel=u))(x_RxI, packed, residual)
@@ -244,6 +253,10 @@ def test_pack_rejects_what_it_cannot_do():
     native.matmul(jnp.zeros((2, 4)), native.pack(jnp.zeros((4, 4))), isa='sse9', use_kernel=True)
 
 
+# One program per shape: op by op, the reference compiled ~1 s of small programs per shape.
+_attention_reference = jax.jit(attention.reference, static_argnums=4)
+
+
 @pytest.mark.parametrize('isa', ISAS)
 @pytest.mark.parametrize('T,K,G,H,S', [(1, 2, 3, 64, 40), (5, 2, 3, 64, 40), (4, 1, 6, 24, 40),
                                        (3, 3, 1, 36, 40), (16, 2, 4, 8, 40), (20, 2, 3, 16, 40),
@@ -260,7 +273,7 @@ def test_cached_attention_equals_reference(isa, T, K, G, H, S):
   assert attention.use_kernel(qkv, keys)
   kernel = jax.jit(lambda *a: attention._kernel(*a, 500.0, isa))  # pylint: disable=protected-access
   got = kernel(qkv, keys, values, starts, jnp.zeros((0,), jnp.int32))
-  want = attention.reference(qkv, keys, values, starts, 500.0)
+  want = _attention_reference(qkv, keys, values, starts, 500.0)
   for g, w in zip(got, want, strict=True):
     np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
 

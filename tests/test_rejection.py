@@ -54,6 +54,7 @@ def test_accept_resample_law_exact():
 def test_no_nan_or_out_of_range_on_hostile_laws():
   """10^5 random (p, q) pairs with zeros, p == q and disjoint supports."""
   rows, k = 100_000, 2
+  rows_i = np.arange(rows)
   rng = np.random.default_rng(0)
   p = rng.exponential(size=(rows, k + 1, V)).astype(np.float32)
   q = rng.exponential(size=(rows, k, V)).astype(np.float32)
@@ -70,7 +71,11 @@ def test_no_nan_or_out_of_range_on_hostile_laws():
   p[kind == 3] = one_hot[rng.integers(0, V, size=(int((kind == 3).sum()), k + 1))]
   p /= p.sum(-1, keepdims=True)
   q /= q.sum(-1, keepdims=True)
-  drafts = np.stack([[rng.choice(V, p=q[r, i]) for i in range(k)] for r in range(rows)])
+  # Each draft from its own q, by inverse CDF (200,000 calls of rng.choice took ~5 s): the token
+  # whose cumulative mass interval holds u * total, never one of mass 0.
+  cdf = np.cumsum(q.astype(np.float64), axis=-1)
+  drafts = np.minimum((cdf <= rng.random((rows, k, 1)) * cdf[..., -1:]).sum(-1), V - 1)
+  assert (q[rows_i[:, None], np.arange(k), drafts] > 0).all()
   keys = jax.random.split(jax.random.key(1), rows)
   n, token = jax.jit(accept_and_resample_rows)(keys, jnp.asarray(p), jnp.asarray(q),
                                                jnp.asarray(drafts, jnp.int32))
@@ -78,7 +83,6 @@ def test_no_nan_or_out_of_range_on_hostile_laws():
   assert ((0 <= n) & (n <= k)).all()
   assert ((0 <= token) & (token < V)).all()
   # Every emitted token has target mass at its position: accepted drafts and the final draw.
-  rows_i = np.arange(rows)
   assert (p[rows_i, n, token] > 0).all()
   for i in range(k):
     accepted = n > i
