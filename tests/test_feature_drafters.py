@@ -144,7 +144,7 @@ def tiny_target():
 
 @pytest.mark.parametrize('kind,setting,k,packed', [
     ('feature', 'temperature_1', 3, True), ('feature', 'top_p_0.8', 2, True),
-    ('heads', 'temperature_1', 2, True), ('heads', 'top_p_0.8', 3, False)])
+    ('heads', 'temperature_1', 2, True), ('heads', 'top_p_0.8', 3, True)])
 def test_output_law_is_target_law(tiny_target, kind, setting, k, packed):
   """5 tokens per row after two prompts of different lengths interleaved in one batch (rows
   accept different numbers of drafts in the same loops; the law covers the bonus token and a
