@@ -16,6 +16,7 @@ from spsjax.sampling import (SamplingConfig, autoregressive_sample, drafters, pr
                              speculative, speculative_sample)
 from spsjax.sampling.feature_drafters import FeatureDrafter, HeadsDrafter
 from tests.stats import exact_sequence_law, g_test_pvalue, scaled_model, sequence_counts
+from tests.test_speculative import interleaved
 
 GREEDY = SamplingConfig(temperature=0.0)
 P_MIN = 1e-5  # Each G-test fails a correct sampler with this probability.
@@ -156,12 +157,7 @@ def test_output_law_is_target_law(tiny_target, kind, setting, k, packed):
   target, head = (models.for_decoding(m) for m in (tiny_target, head)) if packed else (
       tiny_target, head)
   assert models.is_packed(target) == packed == models.is_packed(head)
-  width = max(map(len, RAGGED_PROMPTS))
-  prompts = np.zeros((ROWS, width), np.int32)
-  lengths = np.zeros((ROWS,), np.int32)
-  for i, prompt in enumerate(RAGGED_PROMPTS):
-    prompts[i::2, :len(prompt)] = prompt
-    lengths[i::2] = len(prompt)
+  prompts, lengths = interleaved(RAGGED_PROMPTS, ROWS)
   out = speculative_sample(target, head, prompts, lengths, jax.random.key(30 + k), k=k,
                            max_new_tokens=NEW_LONG, sampling=sampling, drafter=DRAFTERS[kind])
   tokens = np.asarray(out.tokens)

@@ -112,6 +112,17 @@ def test_eos_at_temperature_above_0(tiny_pair, k):
 RAGGED_PROMPTS, NEW_LONG = ((1, 4, 2), (5,)), 5
 
 
+def interleaved(ragged_prompts, rows):
+  """`rows` right-padded prompts taking turns among `ragged_prompts` (row r holds prompt r mod n),
+  and their lengths."""
+  prompts = np.zeros((rows, max(map(len, ragged_prompts))), np.int32)
+  lengths = np.zeros((rows,), np.int32)
+  for i, prompt in enumerate(ragged_prompts):
+    prompts[i::len(ragged_prompts), :len(prompt)] = prompt
+    lengths[i::len(ragged_prompts)] = len(prompt)
+  return prompts, lengths
+
+
 @pytest.mark.parametrize('setting,k', [('temperature_0.8', 2), ('top_p_0.8', 4)])
 def test_law_through_the_packed_native_path_on_ragged_prompts(tiny_pair, setting, k):
   """The models packed for CPU decoding (the native products, attention and sampling kernels):
@@ -126,12 +137,7 @@ def test_law_through_the_packed_native_path_on_ragged_prompts(tiny_pair, setting
               'top_p_0.8': SamplingConfig(top_p=0.8)}[setting]
   target, draft = (models.for_decoding(m) for m in tiny_pair)
   assert models.is_packed(target) and models.is_packed(draft) and native.available()
-  width = max(map(len, RAGGED_PROMPTS))
-  prompts = np.zeros((ROWS, width), np.int32)
-  lengths = np.zeros((ROWS,), np.int32)
-  for i, prompt in enumerate(RAGGED_PROMPTS):
-    prompts[i::2, :len(prompt)] = prompt
-    lengths[i::2] = len(prompt)
+  prompts, lengths = interleaved(RAGGED_PROMPTS, ROWS)
   out = speculative_sample(target, draft, prompts, lengths, jax.random.key(20 + k), k=k,
                            max_new_tokens=NEW_LONG, sampling=sampling)
   tokens = np.asarray(out.tokens)
