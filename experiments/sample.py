@@ -38,7 +38,8 @@ def _random_models(c, mesh, rng):
     draft_config = models.TransformerConfig(**c.draft)
     draft = models.Model(draft_config, models.init_params(draft_config, key, mesh=mesh))
   if mesh is None:  # Placed for decoding here: packed for the native CPU kernels where they run.
-    target, draft = models.for_decoding(target), models.for_decoding(draft, c.draft_weights)
+    target = models.for_decoding(target)
+    draft = models.for_decoding(draft, c.draft_weights, target)
   print0(f'NOTE: randomly initialised target ({models.num_params(target.params):,} parameters) and '
          f'draft ({models.num_params(draft.params):,}); the ids are noise and acceptance is that '
          'of unrelated random models. Pass root=checkpoints/tiny after `make train-tiny`.')

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spsjax import models, sharding
+from spsjax import models, native, sharding
 from spsjax.models import feature_head
 from spsjax.sampling import (SamplingConfig, autoregressive_sample, drafters, probabilities,
                              speculative, speculative_sample)
@@ -46,19 +46,33 @@ def _ragged(seed, batch=5, width=7, vocab=48):
   return prompts, lengths
 
 
-@pytest.mark.parametrize('packed', [False, True])
+@pytest.mark.parametrize('packed', [False, 'float32', 'int8'])
 def test_cached_head_equals_its_full_forward(pair48, packed):
   """`extend_head` in two calls at ragged offsets == `feature_head_forward` over the whole
   sequence, with the target packed for the native kernels or not (the head reads its embedding
-  and output layer either way)."""
+  and output layer either way). A head packed in int8 beside its target drafts through its own
+  int8 copy of the target's output layer: the reference is the XLA head with its quantized
+  weights over a target whose output layer is that copy."""
   target = models.for_decoding(pair48) if packed else pair48
   head = _head(pair48, 'feature', 2, 1)
-  head_run = models.for_decoding(head) if packed else head
-  assert models.is_packed(head_run) == packed
+  head_run = models.for_decoding(head, packed, target) if packed else head
+  assert models.is_packed(head_run) == bool(packed)
+  assert ('output' in head_run.params) == (packed == 'int8')
+  ref_head, ref_target = head, pair48
+  if packed == 'int8':
+    copy = head_run.params['output']
+    assert copy.panels_PxIxC.dtype == jnp.int8 and copy.tied_to == 'target'
+    assert models.num_params(head_run.params) == models.num_params(head.params)
+    ref_head = models.unpack(head_run)
+    assert 'output' not in ref_head.params
+    ref_target = models.Model(dataclasses.replace(pair48.config, tie_embeddings=False),
+                              dict(pair48.params, head=native.unpack(copy)))
+    assert not np.allclose(native.unpack(copy), pair48.params['embedding'].T, atol=1e-4)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, 48, size=(3, 9)), jnp.int32)
   features = jnp.asarray(rng.normal(size=(3, 9, 32)), jnp.float32)
-  want_logits, want_features = feature_head.feature_head_forward(head, pair48, features, tokens)
+  want_logits, want_features = feature_head.feature_head_forward(ref_head, ref_target, features,
+                                                                 tokens)
   cache = models.init_cache(head.config, 3, 12)
   _, got_a, cache = feature_head.extend_head(head_run, target, cache, features[:, :4],
                                              tokens[:, :4])
@@ -154,8 +168,11 @@ def test_output_law_is_target_law(tiny_target, kind, setting, k, packed):
   of the target's (`stats.detectable_tv`)."""
   sampling = {'temperature_1': SamplingConfig(), 'top_p_0.8': SamplingConfig(top_p=0.8)}[setting]
   head = _head(tiny_target, kind, 1 if kind == 'feature' else 3, 4, scale=2.0)
-  target, head = (models.for_decoding(m) for m in (tiny_target, head)) if packed else (
-      tiny_target, head)
+  target, head = tiny_target, head
+  if packed:  # The head in int8, drafting through its own int8 copy of the output layer.
+    target = models.for_decoding(tiny_target)
+    head = models.for_decoding(head, 'int8', target)
+    assert 'output' in head.params
   assert models.is_packed(target) == packed == models.is_packed(head)
   prompts, lengths = interleaved(RAGGED_PROMPTS, ROWS)
   out = speculative_sample(target, head, prompts, lengths, jax.random.key(30 + k), k=k,

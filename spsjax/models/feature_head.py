@@ -5,7 +5,9 @@ the target's last layer output there, before the final norm (`Transformer(featur
 target's output layer turns features at t into the law of token t + 1. A head embeds tokens and
 turns its predicted features into logits through the target's own embedding table and output
 layer (`transformer.embed`, `transformer.output_logits` on the target's parameters, passed in
-at each call): its parameters hold neither, so it costs the target's vocabulary nothing to store.
+at each call): its parameters hold neither, so it costs the target's vocabulary nothing to store
+(a head packed in bfloat16 or int8 for the CPU kernels may hold `output`, a copy of the target's
+output layer in its own precision, made when it is packed: `models.pack`).
 
 Both kinds read a pair (f_t, x_{t+1}) (the features at t and the token after t, which the
 target's law at t drew): each RMS-normed, side by side, projected back to D (`fuse`).
@@ -148,12 +150,15 @@ def check_pair(target: Model, head: Model) -> None:
                      f'target\'s features and shares its embedding and output layer.')
 
 
-def _logits_at(target: Model, features_BxTxD, logits_at_BxL, counts_B):
+def _logits_at(head: Model, target: Model, features_BxTxD, logits_at_BxL, counts_B):
+  """The target's output layer on predicted features (the head's copy of it where it holds
+  one: `models.pack`'s `target`)."""
   if logits_at_BxL is not None:
     features_BxTxD = jnp.take_along_axis(features_BxTxD, logits_at_BxL[:, :, None], axis=1)
     counts_B = _kept_counts(logits_at_BxL, counts_B)
   return output_logits(target.config, target.params,
-                       features_BxTxD.astype(target.config.jnp_dtype), counts_B)
+                       features_BxTxD.astype(target.config.jnp_dtype), counts_B,
+                       head=head.params.get('output'))
 
 
 def extend_head(head: Model, target: Model, cache: kv_cache.KVCache, features_BxTxD: jax.Array,
@@ -169,7 +174,7 @@ def extend_head(head: Model, target: Model, cache: kv_cache.KVCache, features_Bx
   embedded_BxTxD = embed(target.config, target.params['embedding'], tokens_BxT)
   predicted_BxTxD, (k, v) = FeatureHead(head.config).apply(
       {'params': head.params}, features_BxTxD, embedded_BxTxD, positions_BxT, cache, counts_B)
-  logits = _logits_at(target, predicted_BxTxD, logits_at_BxL, counts_B)
+  logits = _logits_at(head, target, predicted_BxTxD, logits_at_BxL, counts_B)
   return logits, predicted_BxTxD, kv_cache.KVCache(k=k, v=v, lengths=cache.lengths + T)
 
 
@@ -183,7 +188,7 @@ def feature_head_forward(head: Model, target: Model, features_BxTxD: jax.Array,
   embedded_BxTxD = embed(target.config, target.params['embedding'], tokens_BxT)
   predicted_BxTxD, _ = FeatureHead(head.config).apply(
       {'params': head.params}, features_BxTxD, embedded_BxTxD, positions_BxT)
-  return _logits_at(target, predicted_BxTxD, None, None), predicted_BxTxD
+  return _logits_at(head, target, predicted_BxTxD, None, None), predicted_BxTxD
 
 
 def parallel_heads(head: Model, target: Model, features_BxD: jax.Array, tokens_B: jax.Array,
@@ -200,7 +205,7 @@ def parallel_heads(head: Model, target: Model, features_BxD: jax.Array, tokens_B
   embedded_BxD = embed(target.config, target.params['embedding'], tokens_B)
   predicted_BxNxD = ParallelHeads(dataclasses.replace(head.config, num_layers=n)).apply(
       {'params': params}, features_BxD, embedded_BxD)
-  return _logits_at(target, predicted_BxNxD, None, None), predicted_BxNxD
+  return _logits_at(head, target, predicted_BxNxD, None, None), predicted_BxNxD
 
 
 def next_token_logits(draft: Model, target: Model, tokens_BxL: jax.Array) -> jax.Array:

@@ -6,7 +6,9 @@ partitioner splits the Megatron way). In a packed parameter tree each layer's at
 `wqkv` (wq, wk, wv side by side: one product, output [N + 2K, H]) and `wo`; a gated MLP holds
 `w_gate_in` (gate and input: output [2, F]) and `w_out`, a GELU MLP `w_in` and `w_out`; the
 output layer is `head`, for tied embeddings a packed copy of the table (the lookup keeps reading
-rows of `embedding`). Everything else (norms, the embedding table) is unchanged. A packed model's
+rows of `embedding`). A feature head (`models.feature_head`) packed in bfloat16 or int8 beside its
+target holds `output`, a copy of the target's output layer stored as its own weights (`pack`'s
+`target`). Everything else (norms, the embedding table) is unchanged. A packed model's
 config says so (`kernels='native'`, `unpack` sets 'xla' back): the transformer reads the setting,
 not the type of its parameters, to choose its kernels.
 
@@ -108,7 +110,17 @@ def _layer_names(config: TransformerConfig) -> list[str]:
   return [f'layer_{i}' for i in range(config.num_layers)]
 
 
-def pack(model: Model, weights: str = 'float32') -> Model:
+def _output_copy(target: Model, weights: str):
+  """The target's output layer [D, V] packed as `weights`, marked a copy (not counted)."""
+  params = target.params
+  if is_packed(target):
+    w_DxV = native.unpack(params['head'])
+  else:
+    w_DxV = params['embedding'].T if target.config.tie_embeddings else params['head']
+  return native.pack(w_DxV.astype(jnp.float32), tied_to='target', dtype=weights)
+
+
+def pack(model: Model, weights: str = 'float32', target: Model | None = None) -> Model:
   """The model with its projection weights packed (module docstring). Needs float32 weights.
 
   `weights='bfloat16'` stores the packed weights in bfloat16 (`native.pack(dtype=)`): half the
@@ -118,6 +130,11 @@ def pack(model: Model, weights: str = 'float32') -> Model:
   less and leaves more of the cache to its target (its proposals, hence alpha, may move a
   little). The embedding table and norms stay float32. A model already packed is returned as it
   is.
+
+  `target`: for a feature head (`models.feature_head`) packed in bfloat16 or int8, the target it
+  drafts for: the head gets a copy of the target's output layer stored as `weights` (`output`),
+  so that a draft step reads the vocabulary's weights in the draft's precision, not the target's
+  float32 (the target's final norm still applies). Made here, never saved; `unpack` drops it.
   """
   config = model.config
   if config.dtype != 'float32':
@@ -131,8 +148,12 @@ def pack(model: Model, weights: str = 'float32') -> Model:
   params = dict(model.params)
   for name in _layer_names(config) if 'layer_0' in params else ():
     params[name] = _pack_layer(config, weights, params[name])
-  if feature_head.is_head(model):  # No embedding, no output layer: the target's serve it.
-    return _with_kernels(model, 'native', _pack_head(config, weights, params))
+  if feature_head.is_head(model):  # No embedding, no output layer: the target's serve them.
+    params = _pack_head(config, weights, params)
+    if target is not None and weights != 'float32':
+      feature_head.check_pair(target, model)
+      params['output'] = jax.jit(_output_copy, static_argnums=1)(target, weights)
+    return _with_kernels(model, 'native', params)
   if config.tie_embeddings:
     params['head'] = jax.jit(lambda e: native.pack(e.T, tied_to='embedding', dtype=weights))(
         params['embedding'])
@@ -150,6 +171,7 @@ def unpack(model: Model) -> Model:
   for name in _layer_names(config) if 'layer_0' in params else ():
     params[name] = _unpack_layer(config, params[name])
   if feature_head.is_head(model):
+    params.pop('output', None)  # A copy of the target's output layer (`pack`'s `target`).
     return _with_kernels(model, 'xla', _unpack_head(config, params))
   head = params.pop('head')
   if not config.tie_embeddings:
@@ -180,9 +202,10 @@ def packed_dtype(model: Model) -> str | None:
   return None
 
 
-def for_decoding(model: Model, weights: str = 'float32') -> Model:
+def for_decoding(model: Model, weights: str = 'float32', target: Model | None = None) -> Model:
   """The model as decoding wants it here: packed where `packable` (its products' weights stored
-  as `weights`, see `pack`), unchanged otherwise (`weights` is checked either way: a wrong value
-  is an error on every machine, not only where the model gets packed)."""
+  as `weights`, a feature head's output copy made from `target`, see `pack`), unchanged otherwise
+  (`weights` is checked either way: a wrong value is an error on every machine, not only where
+  the model gets packed)."""
   _check_weights(weights)
-  return model if packable(model) else pack(model, weights)
+  return model if packable(model) else pack(model, weights, target)

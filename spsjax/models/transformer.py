@@ -309,11 +309,15 @@ def _output(config: TransformerConfig, final_norm: RMSNorm, embedding_VxD, head,
 
 
 def output_logits(config: TransformerConfig, params, x_BxTxD: jax.Array,
-                  counts_B: jax.Array | None = None) -> jax.Array:
+                  counts_B: jax.Array | None = None, head=None) -> jax.Array:
   """The output layer of a model (`config`, `params`) on hidden states x [B, T, D] (its last
   layer's output, as `Transformer(features=True)` returns them): float32[B, T, V], the logits the
   model would give. A drafter predicting the target's features reads them through the target's
-  own output layer: the target's weights, not a copy."""
+  own output layer, or (`head`, packed, with a packed model) through a copy of its weights in
+  another precision after the model's own final norm (`models.pack`'s `target`)."""
   final_norm = RMSNorm(config).bind({'params': params['final_norm']})
-  head = params['head'] if config.kernels == 'native' or not config.tie_embeddings else None
+  if head is not None and config.kernels != 'native':
+    raise ValueError('A packed copy of the output layer needs a packed model.')
+  if head is None:
+    head = params['head'] if config.kernels == 'native' or not config.tie_embeddings else None
   return _output(config, final_norm, params['embedding'], head, x_BxTxD, counts_B)

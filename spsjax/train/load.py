@@ -87,13 +87,14 @@ def load_family(root: str, target: str, drafts: Sequence[str], *, mesh: Mesh | N
   """
   if draft_weights not in models.WEIGHT_DTYPES:
     raise ValueError(f'draft_weights must be one of {models.WEIGHT_DTYPES}, not {draft_weights!r}.')
-  place = (lambda m, _=None: m) if mesh is not None else models.for_decoding
+  place = (lambda m, *_: m) if mesh is not None else models.for_decoding
   path = lambda name: name if is_hf(name) else storage.join(root, name)
   target_model, tok, meta = load_model(path(target), mesh=mesh)
+  target_model = place(target_model)
   draft_models = {}
   for name in drafts:
     draft_models[name], draft_tok, _ = load_model(path(name), mesh=mesh)
     if draft_tok.to_bytes() != tok.to_bytes():
       raise ValueError(f'{name} and {target} in {root} use different tokenizers: not a pair.')
-    draft_models[name] = place(draft_models[name], draft_weights)
-  return place(target_model), draft_models, tok, meta
+    draft_models[name] = place(draft_models[name], draft_weights, target_model)
+  return target_model, draft_models, tok, meta
