@@ -1,16 +1,19 @@
 """Figure 1 sweeps: `--config=configs/sweep.py:sweep=k` (the reference pair).
 
 Arguments: root (family; default checkpoints/reference), sweep (k | draft | temperature | drafter
-| lenience), draft (the draft model of every sweep but `draft`; default the family's best,
-`spsjax.config_args.best_draft`), drafts (the draft sweep's checkpoints, '+'-separated; default
-all three topologies), k (of the draft, temperature and lenience sweeps), prompts (HumanEval
+| drafter_k | lenience), draft (the draft model of every sweep but `draft`; default the family's
+best, `spsjax.config_args.best_draft`), drafts (the draft sweep's checkpoints, '+'-separated;
+default all three topologies), k (of the draft, temperature and lenience sweeps), prompts (HumanEval
 prompts, one timed call each), max_new_tokens (128 as in the paper), temperature (of every sweep
 but `temperature`), seed, results, runlocal; ks and thresholds ('+'-separated) for the drafter
 sweep: model, prompt lookup and hybrid drafters at each k, then dynamic k (a model draft that stops
 below each confidence threshold) at the largest k, and the ragged ones (lookup, dynamic k) again
-with `trim_score` (the target scores only the positions proposed). The lenience sweep is LOSSY below 1 and reports
-each point's total variation from the target's law. hf_target, hf_draft: Hugging Face checkpoint
-directories in place of root's target and draft (the draft sweep then has that one draft).
+with `trim_score` (the target scores only the positions proposed). drafter_k: the draft model
+and the head checkpoints named by feature (an EAGLE head) and heads (parallel heads) at each k of
+ks, with a figure of tokens per loop against k, a line per drafter. The lenience sweep is LOSSY
+below 1 and reports each point's total variation from the target's law. hf_target, hf_draft:
+Hugging Face checkpoint directories in place of root's target and draft (the draft sweep then has
+that one draft).
 The swept points are `points(sweep, ...)` below: a list of overrides, one per point.
 """
 
@@ -23,13 +26,14 @@ from spsjax.config_args import REFERENCE_ROOT, best_draft, default_pair_note, pa
 DRAFTS = ('draft_wide', 'draft_mid', 'draft_deep', 'draft_wide_distill')
 
 
-SWEEPS = ('k', 'draft', 'temperature', 'drafter', 'lenience')
+SWEEPS = ('k', 'draft', 'temperature', 'drafter', 'drafter_k', 'lenience')
 MODEL = dict(kind='model', max_ngram=3, min_ngram=1, stop_below=0.0)
 
 
 def points(sweep: str, k: int, draft: str, temperature: float,
            drafts: tuple[str, ...] = DRAFTS, ks: tuple[int, ...] = (2, 4, 6),
-           thresholds: tuple[float, ...] = (0.1, 0.2, 0.4)) -> list[dict]:
+           thresholds: tuple[float, ...] = (0.1, 0.2, 0.4),
+           heads: tuple[tuple[str, str], ...] = ()) -> list[dict]:
   point = lambda label, **kw: dict(dict(label=label, k=k, draft=draft, temperature=temperature,
                                         drafter=MODEL, lenience=1.0, trim_score=False), **kw)
   if sweep == 'k':
@@ -46,6 +50,9 @@ def points(sweep: str, k: int, draft: str, temperature: float,
               for t in thresholds]
     ragged = [p for p in kinds if p['drafter']['kind'] == 'lookup' or p['drafter']['stop_below']]
     return kinds + [dict(p, label=p['label'] + ' trimmed', trim_score=True) for p in ragged]
+  if sweep == 'drafter_k':  # The draft model and each head checkpoint ((kind, name)) at each k.
+    return [point(f'{name} k={i}', k=i, draft=name, drafter=dict(MODEL, kind=kind))
+            for kind, name in (('model', draft),) + heads for i in ks]
   if sweep == 'lenience':  # LOSSY below 1: each point reports its total variation from p.
     return [point(str(l), lenience=l) for l in (1.0, 0.8, 0.5, 0.3)]
   raise ValueError(f'sweep must be one of {list(SWEEPS)}, got {sweep!r}.')
@@ -66,13 +73,19 @@ def get_config(arg=None):
   a = parse_arg(arg, root=REFERENCE_ROOT, sweep='k', draft='', k=4, prompts=16,
                 max_new_tokens=128, temperature=0.8, seed=0, results='', runlocal=False,
                 drafts='+'.join(DRAFTS), data=1, model_axis=1, draft_weights='int8',
-                ks='2+4+6', thresholds='0.1+0.2+0.4', hf_target='', hf_draft='')
+                ks='2+4+6', thresholds='0.1+0.2+0.4', hf_target='', hf_draft='', feature='',
+                heads='')
   drafts = (a.hf_draft,) if a.hf_draft else tuple(d for d in a.drafts.split('+') if d)
   ks = _values('ks', a.ks, int, lambda k: k >= 1, 'integers >= 1')
   thresholds = _values('thresholds', a.thresholds, float, lambda t: 0 < t <= 1,
                        'numbers in (0, 1]')
   if not drafts:
     raise ValueError('drafts names no checkpoint.')
+  heads = tuple((kind, name) for kind, name in (('feature', a.feature), ('heads', a.heads))
+                if name)
+  if heads and a.sweep != 'drafter_k':
+    raise ValueError(f'feature= and heads= name head checkpoints for sweep=drafter_k, not '
+                     f'sweep={a.sweep}.')
   c = ml_collections.ConfigDict()
   c.note = default_pair_note(arg, ('root', 'draft', 'drafts', 'hf_target', 'hf_draft'))
   c.root = a.root
@@ -80,7 +93,7 @@ def get_config(arg=None):
   c.sweep = a.sweep
   c.draft_weights = a.draft_weights  # The drafts' packed weights (native CPU path).
   c.points = points(a.sweep, a.k, a.hf_draft or a.draft or best_draft(a.root), a.temperature,
-                    drafts, ks, thresholds)
+                    drafts, ks, thresholds, heads)
   if a.runlocal:
     c.points = c.points[:2]
   c.prompts = 2 if a.runlocal else a.prompts

@@ -3,9 +3,10 @@
   python experiments/sweep.py --config=configs/sweep.py:root=checkpoints/reference,sweep=k
   python experiments/sweep.py --config=configs/sweep.py:root=checkpoints/reference,sweep=draft
   python experiments/sweep.py --config=configs/sweep.py:root=checkpoints/reference,sweep=drafter
+  python experiments/sweep.py --config=configs/sweep.py:sweep=drafter_k,feature=feature,ks=2+4+6
 
-Writes `points.csv`, `points.md` and `figure1.png` to the config's results directory (local or a
-URI; process 0 writes); each point's ArS time is measured call by call in turn with its SpS calls.
+Writes `points.csv`, `points.md` and `figure1.png` (drafter_k: also `tokens_per_loop.png`) to the
+config's results directory (local or a URI; process 0 writes); each point's ArS time is measured call by call in turn with its SpS calls.
 """
 
 from ml_collections import config_flags
@@ -67,7 +68,13 @@ def main(argv):
   sweep.plot(points, storage.join(c.results, 'figure1.png'),
              f'{family}: {c.prompts} HumanEval prompts, {c.max_new_tokens} tokens, batch 1',
              c.sweep)
-  print0(f'Wrote {c.results}/points.csv, points.md and figure1.png')
+  written = 'points.csv, points.md and figure1.png'
+  if c.sweep == 'drafter_k':
+    sweep.plot_tokens_per_loop(points, storage.join(c.results, 'tokens_per_loop.png'),
+                               f'{family}: tokens per loop, {c.prompts} HumanEval prompts, '
+                               f'T {c.points[0]["temperature"]} / top_p {c.top_p}')
+    written = 'points.csv, points.md, figure1.png and tokens_per_loop.png'
+  print0(f'Wrote {c.results}/{written}')
 
 
 if __name__ == '__main__':

@@ -2,6 +2,7 @@
 Figure 1 points on tiny random models (fast; the real figures come from the binaries)."""
 
 import csv
+import dataclasses
 import time
 
 import jax
@@ -307,9 +308,18 @@ def test_sweep_point_csv_and_plot(family, tmp_path):
       f'| 2 | 2 | d | {point.drafter} | {point.c:.3f} | {point.alpha:.3f} | '
       f'{point.tokens_per_loop:.2f} / {point.predicted_tokens_per_loop:.2f} | '
       f'{point.loop_seconds * 1e3:.2f} | {point.mean_seconds * 1e3:.1f} '
-      f'({point.std_seconds * 1e3:.1f}) | {point.speedup:.2f}x |')
+      f'({point.std_seconds * 1e3:.1f}) | {point.speedup:.2f}x | '
+      + ' '.join(f'{a:.2f}' for a in point.alpha_per_position) + ' |')
+  # Acceptance per draft position from the same calls' loops by accepted drafts.
+  by_accepted = np.sum([np.asarray(o.accepted_histogram) for o in outs], axis=0)
+  assert len(point.alpha_per_position) == 2 and base.alpha_per_position == ()
+  np.testing.assert_allclose(point.alpha_per_position, theory.alpha_per_position(by_accepted))
   sweep.plot([point], str(tmp_path / 'fig.png'), 'test', 'k')
   assert (tmp_path / 'fig.png').stat().st_size > 1000
+  other = dataclasses.replace(point, k=3, draft='e', tokens_per_loop=2.5)
+  sweep.plot_tokens_per_loop([base, point, dataclasses.replace(other, k=1), other],
+                             str(tmp_path / 'k.png'), 'test')
+  assert (tmp_path / 'k.png').stat().st_size > 1000
   del tok
 
 

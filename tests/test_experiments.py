@@ -113,10 +113,14 @@ def fixture_family(tmp_path_factory):
   shapes = jax.eval_shape(lambda key: models.init_params(config, key), jax.random.key(0))
   rng = np.random.default_rng(0)
   params = jax.tree.map(lambda s: jnp.asarray(rng.normal(0, 0.1, s.shape), s.dtype), shapes)
-  for name in ('target', 'draft_wide'):  # The draft is the target itself: enough to run SpS.
+  head_config = models.feature_head.head_config(config)
+  head = models.feature_head.init_head('feature', head_config, jax.random.key(1))
+  # The draft is the target itself (enough to run SpS), `feature` a random EAGLE head.
+  for name, c, p, extra in (('target', config, params, {}), ('draft_wide', config, params, {}),
+                            ('feature', head_config, head, {'head': 'feature'})):
     mngr = checkpoint.manager(os.path.join(root, name))
-    checkpoint.save(mngr, 0, {'params': params}, {},
-                    checkpoint.encode_meta(config, tok.to_bytes(), {}), force=True)
+    checkpoint.save(mngr, 0, {'params': p}, {}, checkpoint.encode_meta(c, tok.to_bytes(), extra),
+                    force=True)
     mngr.wait_until_finished()
     mngr.close()
   return root
@@ -147,6 +151,8 @@ def _one_line_error(run, *parts):
      ["Unknown drafter 'ngram'; known: ['model', 'lookup', 'hybrid', 'feature', 'heads']."]),
     (['experiments/sweep.py', '--config=configs/sweep.py:sweep=drafter,ks=2+x'],
      ["ks must be '+'-separated integers >= 1, got '2+x'."]),
+    (['experiments/sweep.py', '--config=configs/sweep.py:sweep=k,feature=feature'],
+     ['feature= and heads= name head checkpoints for sweep=drafter_k, not sweep=k.']),
     (['experiments/peer_benchmark.py', '--config=configs/peer.py:hf_target=/nope'],
      ['hf_target=/nope is not a Hugging Face checkpoint directory (no config.json)']),
     (['experiments/sweep.py', '--config=configs/nope.py'],
@@ -226,17 +232,22 @@ def test_speedup_table_title_says_what_the_demo_is():
 
 
 def test_sweep_runs_sharded_on_a_mesh(family, tmp_path):
-  """The sweep binary with the `model` axis over 4 fake devices: it loads, samples and writes."""
+  """The sweep binary with the `model` axis over 4 fake devices: it loads, samples and writes,
+  here the drafter_k sweep (the draft model and an EAGLE head at k = 2) and its k figure."""
   run = subprocess.run(
       [sys.executable, 'experiments/sweep.py',
-       f'--config=configs/sweep.py:root={family},runlocal,model_axis=4,results={tmp_path}',
-       '--config.max_new_tokens=8'],
+       f'--config=configs/sweep.py:root={family},runlocal,model_axis=4,results={tmp_path},'
+       'sweep=drafter_k,feature=feature,ks=2', '--config.max_new_tokens=8'],
       cwd=_REPO, env=xla_env.subprocess_env(devices=4), capture_output=True, text=True,
       timeout=300, check=False)
   assert run.returncode == 0, run.stderr[-3000:]
   assert 'mesh' in run.stdout and "'model': 4" in run.stdout, run.stdout[-2000:]
   assert (tmp_path / 'points.csv').exists() and (tmp_path / 'figure1.png').exists()
-  assert (tmp_path / 'points.md').read_text().startswith('| point | k | draft | drafter | c |')
+  assert (tmp_path / 'tokens_per_loop.png').exists()
+  table = (tmp_path / 'points.md').read_text()
+  assert table.startswith('| point | k | draft | drafter | c |')
+  assert '| draft_wide k=2 | 2 | draft_wide | ModelDrafter(' in table, table
+  assert '| feature k=2 | 2 | feature | FeatureDrafter(' in table, table
 
 
 def test_export_hf_writes_a_llama_directory_that_loads_back(family, tmp_path):

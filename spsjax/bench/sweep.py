@@ -48,6 +48,8 @@ class Point:
   tv: float = 0.0  # Lenient draft slot's law against p: mean total variation along the outputs.
   # From alpha and the loops that proposed each number of drafts (`theory.Prediction`).
   predicted_tokens_per_loop: float = float('nan')
+  # Acceptance of draft position 1 .. k (`timing.Timing.alpha_per_position`; empty if ragged).
+  alpha_per_position: tuple[float, ...] = ()
 
   @property
   def speedup(self) -> float:
@@ -117,7 +119,8 @@ def run_point(label: str, target: models.Model, draft: models.Model | None, draf
                predicted_tokens_per_loop=theory.expected_tokens_per_loop_proposed(
                    result.alpha, result.loops_by_proposed)
                if loops and result.loops_by_proposed and not np.isnan(result.alpha)
-               else float('nan'))
+               else float('nan'),
+               alpha_per_position=() if ars_only else result.alpha_per_position)
 
 
 def write_csv(points: Sequence[Point], path: str) -> None:
@@ -137,24 +140,38 @@ def markdown(points: Sequence[Point]) -> str:
   turn)."""
   fmt = lambda x, spec: '-' if np.isnan(x) else format(x, spec)
   lines = ['| point | k | draft | drafter | c | alpha | tokens/loop (measured / predicted) | '
-           'ms per loop | ms per sequence (std) | speedup |',
-           '|---|---|---|---|---|---|---|---|---|---|']
+           'ms per loop | ms per sequence (std) | speedup | alpha per draft position |',
+           '|---|---|---|---|---|---|---|---|---|---|---|']
   for p in points:
     lossy = f' (LOSSY: lenience {p.lenience}, TV {p.tv:.3f})' if p.lenience < 1 else ''
+    per_position = ' '.join(fmt(a, '.2f') for a in p.alpha_per_position) or '-'
     lines.append(
         f'| {p.label} | {p.k} | {p.draft or "-"} | {p.drafter or "ArS"}{lossy} | {fmt(p.c, ".3f")} | '
         f'{fmt(p.alpha, ".3f")} | {fmt(p.tokens_per_loop, ".2f")} / '
         f'{fmt(p.predicted_tokens_per_loop, ".2f")} | {fmt(p.loop_seconds * 1e3, ".2f")} | '
-        f'{p.mean_seconds * 1e3:.1f} ({p.std_seconds * 1e3:.1f}) | {p.speedup:.2f}x |')
+        f'{p.mean_seconds * 1e3:.1f} ({p.std_seconds * 1e3:.1f}) | {p.speedup:.2f}x | '
+        f'{per_position} |')
   return '\n'.join(lines)
+
+
+def _pyplot():
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt
+
+
+def _save(fig, path: str) -> None:
+  png = io.BytesIO()
+  fig.savefig(png, format='png', dpi=110)
+  _pyplot().close(fig)
+  storage.write_bytes(path, png.getvalue())
 
 
 def plot(points: Sequence[Point], path: str, title: str, x_label: str) -> None:
   """The three panels of Figure 1 against the swept value, saved as a PNG at `path` (local or a
   URI; process 0 writes: `storage`), the first with each point's own ArS time."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = _pyplot()
 
   labels = [p.label for p in points]
   x = np.arange(len(points))
@@ -176,7 +193,28 @@ def plot(points: Sequence[Point], path: str, title: str, x_label: str) -> None:
     ax.grid(alpha=0.3)
   fig.suptitle(title)
   fig.tight_layout()
-  png = io.BytesIO()
-  fig.savefig(png, format='png', dpi=110)
-  plt.close(fig)
-  storage.write_bytes(path, png.getvalue())
+  _save(fig, path)
+
+
+def plot_tokens_per_loop(points: Sequence[Point], path: str, title: str) -> None:
+  """Tokens per loop against k, a line per draft (the points' `draft`, each point one k), with
+  k + 1 (every draft accepted) for scale; a PNG at `path` as `plot`'s."""
+  plt = _pyplot()
+  fig, ax = plt.subplots(figsize=(6, 4))
+  lines = {}
+  for p in points:
+    if p.k:
+      lines.setdefault(p.draft or p.drafter, []).append((p.k, p.tokens_per_loop))
+  ks = sorted({k for line in lines.values() for k, _ in line})
+  ax.plot(ks, [k + 1 for k in ks], color='gray', linestyle='--', label='k + 1 (all accepted)')
+  for name, line in lines.items():
+    line.sort()
+    ax.plot([k for k, _ in line], [t for _, t in line], marker='o', label=name)
+  ax.set_xlabel('k')
+  ax.set_ylabel('tokens per loop')
+  ax.set_xticks(ks)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  ax.set_title(title, fontsize=9)
+  fig.tight_layout()
+  _save(fig, path)
