@@ -2,7 +2,9 @@
 
 Arguments: root (a trained family: its `target` and `draft_name` checkpoints and tokenizer; prompts
 are the first `batch` HumanEval prompts), or without root: model, draft (preset names, randomly
-initialised, random prompts of prompt_len tokens); method (ars|sps), k, batch, draft_name,
+initialised, random prompts of prompt_len tokens); method (ars|sps), k (or auto: each call
+picks k in 0 .. k_max, 0 being ArS, from a cost model measured once on this machine and the
+acceptance seen so far, `spsjax.bench.auto_k`; recalibrate measures again), batch, draft_name,
 max_new_tokens, temperature, top_k, top_p, seed, data/model_axis (mesh axes), runlocal (fewer
 tokens); drafter (model | lookup | hybrid | feature | heads: `spsjax.sampling.drafter_config`;
 feature and heads draft with `draft_name`, a head trained by configs/train.py model=feature or
@@ -21,7 +23,8 @@ from spsjax.models import presets
 
 def get_config(arg=None):
   a = parse_arg(arg, root='', draft_name='draft_wide', model='tiny_target', draft='tiny_draft',
-                method='ars', k=4, batch=4, prompt_len=16, max_new_tokens=64, temperature=1.0,
+                method='ars', k='4', k_max=8, recalibrate=False, batch=4, prompt_len=16,
+                max_new_tokens=64, temperature=1.0,
                 top_k=0, top_p=1.0, seed=0, data=1, model_axis=1, runlocal=False,
                 draft_weights='int8', drafter='model', max_ngram=3, min_ngram=1,
                 stop_below=0.0, lenience=1.0, hf_target='', hf_draft='')
@@ -31,7 +34,13 @@ def get_config(arg=None):
   c.draft_name = a.hf_draft or a.draft_name
   c.draft_weights = a.draft_weights  # The draft's packed weights (native CPU path).
   c.method = a.method
-  c.k = a.k
+  if a.k != 'auto' and not (a.k.isdigit() and int(a.k) >= 1):
+    raise ValueError(f'k must be an integer >= 1 or auto, got {a.k!r}.')
+  if a.k_max < 1:
+    raise ValueError(f'k_max must be >= 1, got {a.k_max}.')
+  c.k = a.k if a.k == 'auto' else int(a.k)
+  c.k_max = a.k_max  # With k=auto: the largest k the policy considers.
+  c.recalibrate = a.recalibrate
   c.drafter = dict(kind=a.drafter, max_ngram=a.max_ngram, min_ngram=a.min_ngram,
                    stop_below=a.stop_below)
   c.lenience = a.lenience  # < 1: LOSSY (Leviathan et al.'s lenience), labelled in the output.

@@ -17,6 +17,7 @@ import numpy as np
 from ml_collections import config_flags
 
 from spsjax import cli, distributed, models, sampling, sharding
+from spsjax.bench import auto_k
 from spsjax.data import humaneval, prompts as prompts_lib
 from spsjax.sampling import common, drafter_config, speculative
 from spsjax.train import load
@@ -74,8 +75,9 @@ def _prompt_room(c, target: models.TransformerConfig,
   sizes = [('target', target.max_seq_len)]
   if c.method == 'sps' and draft is not None:
     sizes.append(('draft', draft.max_seq_len))
+  k = c.k_max if c.k == 'auto' else c.k
   return prompts_lib.prompt_room(sizes, c.max_new_tokens,
-                                 speculative.headroom(c.k) if c.method == 'sps' else 0)
+                                 speculative.headroom(k) if c.method == 'sps' else 0)
 
 
 def main(argv):
@@ -111,8 +113,26 @@ def main(argv):
     lengths = np.full((c.batch,), c.prompt_len, np.int32)
     eos_id = None if c.eos_id < 0 else c.eos_id
 
+  policy = {}
+  if c.method == 'sps' and c.k == 'auto':
+    if mesh is not None:
+      raise app.UsageError('k=auto calibrates on one device; run it without a mesh.')
+    costs, path = auto_k.calibrated(target, draft, prompts, lengths, k_max=c.k_max,
+                                    drafter=drafter, sampling_config=sampling_config,
+                                    recalibrate=c.recalibrate)
+    print0(f'k=auto: cost model {path}')
+    policy.update(costs=costs, acceptance=auto_k.prior(costs), ks=[])
+    for line in auto_k.report(costs, policy['acceptance']):
+      print0(line)
+
   def run(rng):
-    if c.method == 'sps':
+    if policy:
+      out, choice, policy['acceptance'] = auto_k.sample(
+          policy['costs'], policy['acceptance'], target, draft, prompts, lengths, rng,
+          max_new_tokens=c.max_new_tokens, drafter=drafter, sampling=sampling_config,
+          eos_id=eos_id)
+      policy['ks'].append(choice.k)
+    elif c.method == 'sps':
       out = sampling.speculative_sample(target, draft, prompts, lengths, rng, k=c.k,
                                         max_new_tokens=c.max_new_tokens, sampling=sampling_config,
                                         draft_sampling=draft_sampling, eos_id=eos_id, mesh=mesh,
@@ -137,13 +157,17 @@ def main(argv):
     ids = np.asarray(out.tokens[row, :int(out.num_generated[row])]).tolist()
     print0(f'--- row {row}: ' + (f'{tok.decode(ids)!r}' if tok else f'{ids}'))
   best = min(times)
-  if c.method == 'sps':
+  if policy:
+    print0(f'k=auto chose k = {policy["ks"]} in its {len(policy["ks"])} calls (0: ArS); '
+           f'alpha now {policy["acceptance"].alpha:.3f}')
+  if c.method == 'sps' and out.num_loops is not None:
     loops, accepted = int(np.sum(out.num_loops)), int(np.sum(out.num_accepted))
     drafted = int(np.sum(out.num_drafted))
     if c.lenience < 1:
       print0(f'LOSSY: lenience {c.lenience} (accepts a draft with probability '
              f'min(1, p / ({c.lenience} q))); the output law is not the target\'s.')
-    print0(f'k={c.k}, drafter {drafter}: acceptance rate {accepted / max(1, drafted):.3f} '
+    k = policy['ks'][-1] if policy else c.k
+    print0(f'k={k}, drafter {drafter}: acceptance rate {accepted / max(1, drafted):.3f} '
            f'({accepted} of {drafted} drafts), mean tokens per loop '
            f'{(tokens - c.batch) / max(1, loops):.2f} (the first token of each row comes from the '
            f'prefill), accepted-drafts histogram {np.asarray(out.accepted_histogram).tolist()}'

@@ -69,13 +69,20 @@ def fixture_run_to_error(tmp_path_factory):
   launcher.wait(timeout=60)
 
 
-def test_sample_sps_on_random_models():
-  run = _run('experiments/sample.py',
-             '--config=configs/sample.py:method=sps,k=3,batch=2,runlocal',
-             '--config.repeats=1')
+def test_sample_sps_on_random_models_with_k_auto(tmp_path):
+  """k=auto: the cost model is measured, written under SPSJAX_CACHE_DIR and printed with the
+  policy's choice, and each call's k is reported (fixed k: the other drafters' test below)."""
+  run = subprocess.run(
+      [sys.executable, 'experiments/sample.py',
+       '--config=configs/sample.py:method=sps,k=auto,k_max=2,batch=2,runlocal',
+       '--config.repeats=1'], cwd=_REPO, capture_output=True, text=True, timeout=300,
+      check=False, env=dict(xla_env.subprocess_env(), SPSJAX_CACHE_DIR=str(tmp_path)))
   assert run.returncode == 0, run.stderr[-3000:]
-  assert 'NOTE: randomly initialised' in run.stdout and 'acceptance rate' in run.stdout
-  assert run.stdout.count('--- row ') == 2
+  assert 'NOTE: randomly initialised' in run.stdout and run.stdout.count('--- row ') == 2
+  cached = list((tmp_path / 'costs').glob('*.json'))
+  assert len(cached) == 1 and f'k=auto: cost model {cached[0]}' in run.stdout, run.stdout
+  assert 'cost model, batch 2: ArS ' in run.stdout and 'k=2 ' in run.stdout
+  assert 'auto chooses k = ' in run.stdout and 'k=auto chose k = [' in run.stdout
 
 
 @pytest.mark.parametrize('drafter', ['lookup', 'hybrid,stop_below=0.2,lenience=0.5'])
@@ -149,6 +156,8 @@ def _one_line_error(run, *parts):
      ['stop_below=0.5: prompt lookup has no draft model']),
     (['experiments/sample.py', '--config=configs/sample.py:method=sps,drafter=ngram'],
      ["Unknown drafter 'ngram'; known: ['model', 'lookup', 'hybrid', 'feature', 'heads']."]),
+    (['experiments/sample.py', '--config=configs/sample.py:method=sps,k=0'],
+     ["k must be an integer >= 1 or auto, got '0'."]),
     (['experiments/sweep.py', '--config=configs/sweep.py:sweep=drafter,ks=2+x'],
      ["ks must be '+'-separated integers >= 1, got '2+x'."]),
     (['experiments/sweep.py', '--config=configs/sweep.py:sweep=k,feature=feature'],

@@ -1,0 +1,250 @@
+"""k = 'auto': per call, the lookahead (0 = plain ArS) that maximizes predicted tokens per second,
+from a measured cost model of this machine and model pair and the acceptance seen so far.
+
+Cost model (`LoopCosts`, per batch): the seconds of one ArS step and of one SpS loop at k = 1 and
+at k = k_max, each from whole calls of the real samplers (draft steps, scoring, acceptance and
+bookkeeping: what isolated `extend` timings miss; a draft step costs ~1.5x more in a loop than
+alone), a loop at another k interpolated linearly (k draft steps, and a scoring whose cost grows
+about linearly with its positions, barely at batch 1). Calibrating a batch compiles and times
+three programs (a few seconds at the reference sizes); the result is cached on disk per machine,
+JAX version, model shapes, drafter and sampling settings (`cache_key`), since costs depend on
+shapes, not on the weights' values.
+
+Acceptance (`Acceptance`): the alpha whose expected tokens per loop (`theory`) match each SpS
+call's, averaged over the calls so far by their loops, starting from the calibration's SpS call.
+Inverting tokens per loop, rather than counting trials, covers drafters that propose fewer than k
+drafts (prompt lookup) and the rows of a batch alike.
+
+Policy (`choose`): k* = argmax over k in 0 .. k_max of E[tokens per loop](alpha, k) / loop(k),
+against 1 / ars_step for k = 0. Each call is exact whatever its k: it is one ArS or one SpS call.
+Once the policy chooses ArS it sees no more acceptances, so it stays there for that prior; a
+calibration with a draft that is better on other text is the way back (`recalibrate`).
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import time
+import jax
+import numpy as np
+
+from spsjax import models, sampling
+from spsjax.bench import theory
+from spsjax.sampling import drafters
+
+
+def cache_dir() -> str:
+  """Where calibrations are kept: $SPSJAX_CACHE_DIR/costs, default ~/.cache/spsjax/costs."""
+  root = os.environ.get('SPSJAX_CACHE_DIR') or os.path.join(os.path.expanduser('~'), '.cache',
+                                                            'spsjax')
+  return os.path.join(root, 'costs')
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopCosts:
+  """One batch's measured costs, seconds (`module docstring`)."""
+  batch: int
+  k_max: int
+  ars_step: float  # One ArS token per row.
+  loop_1: float  # One SpS loop at k = 1.
+  loop_max: float  # One SpS loop at k = k_max.
+  alpha: float = 0.0  # The calibration's SpS call at k_max (`Acceptance`): the prior.
+  prior_loops: int = 0
+
+  def __post_init__(self):
+    if self.k_max < 1 or min(self.ars_step, self.loop_1, self.loop_max) <= 0:
+      raise ValueError(f'Need k_max >= 1 and positive times, got {self}.')
+
+  def loop(self, k: int) -> float:
+    """Seconds of one SpS loop at k (1 <= k <= k_max), linear between the two measured."""
+    if not 1 <= k <= self.k_max:
+      raise ValueError(f'k must be in [1, {self.k_max}], got {k}.')
+    if self.k_max == 1:
+      return self.loop_1
+    return self.loop_1 + (k - 1) * (self.loop_max - self.loop_1) / (self.k_max - 1)
+
+
+def alpha_for(tokens_per_loop: float, k: int) -> float:
+  """The alpha whose expected tokens per loop at k is `tokens_per_loop` (clipped to [1, k + 1]):
+  `theory.expected_tokens_per_loop` inverted (it increases with alpha)."""
+  t = min(max(tokens_per_loop, 1.0), k + 1.0)
+  lo, hi = 0.0, 1.0
+  for _ in range(50):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if theory.expected_tokens_per_loop(mid, k) < t else (lo, mid)
+  return (lo + hi) / 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Acceptance:
+  """The acceptance seen so far: each SpS call's effective alpha (`alpha_for` its tokens per loop
+  and k: what a ragged drafter's short proposals and a batch's rows do to a loop are in it),
+  weighted by the call's loops."""
+  weighted_alpha: float = 0.0  # Sum over calls of alpha * loops.
+  loops: int = 0
+
+  @property
+  def alpha(self) -> float:
+    """The estimate; 0 before any loop (no evidence that drafts are accepted)."""
+    return self.weighted_alpha / self.loops if self.loops else 0.0
+
+  def observe(self, out: sampling.SampleOutput, k: int) -> 'Acceptance':
+    """Adds an SpS call's counts at lookahead k (an ArS call's output adds nothing)."""
+    if out.num_loops is None:
+      return self
+    loops = int(np.sum(out.num_loops))
+    if not loops:
+      return self
+    tokens_per_loop = (int(np.sum(out.num_accepted)) + loops) / loops
+    return Acceptance(self.weighted_alpha + alpha_for(tokens_per_loop, k) * loops,
+                      self.loops + loops)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """A call's k (0: ArS) and each candidate's predicted tokens per second per row."""
+  k: int
+  alpha: float
+  rates: tuple[float, ...]  # rates[k], k = 0 .. k_max.
+
+  @property
+  def predicted_speedup(self) -> float:
+    """The chosen k's predicted rate over ArS's."""
+    return self.rates[self.k] / self.rates[0]
+
+
+def choose(costs: LoopCosts, alpha: float) -> Choice:
+  """The k in 0 .. k_max with the highest predicted tokens per second (ties: the smaller k)."""
+  alpha = min(max(alpha, 0.0), 1.0)
+  rates = [1.0 / costs.ars_step] + [
+      theory.expected_tokens_per_loop(alpha, k) / costs.loop(k)
+      for k in range(1, costs.k_max + 1)]
+  return Choice(k=int(np.argmax(rates)), alpha=alpha, rates=tuple(rates))
+
+
+def _cpu() -> str:
+  try:
+    with open('/proc/cpuinfo', encoding='utf-8') as f:
+      info = f.read()
+  except OSError:
+    return platform.processor() or platform.machine()
+  name = next((l.split(':', 1)[1].strip() for l in info.splitlines()
+               if l.startswith('model name')), platform.machine())
+  flags = next((l.split(':', 1)[1].split() for l in info.splitlines()
+                if l.startswith('flags')), [])
+  return f'{name} [{" ".join(sorted(f for f in flags if f.startswith(("avx", "fma"))))}]'
+
+
+def cache_key(target: models.Model, draft: models.Model | None, drafter: drafters.Drafter,
+              sampling_config: sampling.SamplingConfig, batch: int, k_max: int,
+              max_new_tokens: int) -> str:
+  """What a calibration depends on: machine (CPU and its vector extensions, or the
+  accelerator), JAX, the models' shapes and kernels (packed weight types), drafter, sampling."""
+  def shape(m):
+    if m is None:
+      return None
+    return dict(config=repr(m.config), packed=models.packed_dtype(m),
+                output_copy='output' in m.params)
+  device = jax.devices()[0]
+  what = dict(cpu=_cpu(), device=f'{device.platform}:{device.device_kind}:{jax.device_count()}',
+              jax=jax.__version__, target=shape(target), draft=shape(draft),
+              drafter=repr(drafter), sampling=repr(sampling_config), batch=batch, k_max=k_max,
+              max_new_tokens=max_new_tokens)
+  return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _call_seconds(run, repeats: int) -> tuple[float, sampling.SampleOutput]:
+  jax.block_until_ready(run())  # Compiles.
+  seconds, out = [], None
+  for _ in range(repeats):
+    start = time.perf_counter()
+    out = jax.block_until_ready(run())
+    seconds.append(time.perf_counter() - start)
+  return min(seconds), out  # Noise only adds: a busy spell must not price a k out.
+
+
+def measure(target: models.Model, draft: models.Model | None, prompts_BxP, lengths_B, *,
+            k_max: int, drafter: drafters.Drafter = drafters.ModelDrafter(),
+            sampling_config: sampling.SamplingConfig = sampling.SamplingConfig(),
+            max_new_tokens: int = 48, repeats: int = 5, seed: int = 0) -> LoopCosts:
+  """Times ArS, and SpS at k = 1 and k_max, on these prompts (their rows are the batch; no eos,
+  every row makes `max_new_tokens`; each the fastest of `repeats` calls after one that
+  compiles). The prefill counts as one step of each call (short prompts keep that error small):
+  ArS step = call / tokens per row, loop = (call - ArS step) / loops per row."""
+  if k_max < 1:
+    raise ValueError(f'k_max must be >= 1, got {k_max}.')
+  key = jax.random.key(seed)
+  batch = len(lengths_B)
+  ars, _ = _call_seconds(lambda: sampling.autoregressive_sample(
+      target, prompts_BxP, lengths_B, key, max_new_tokens=max_new_tokens,
+      sampling=sampling_config), repeats)
+  step = ars / max_new_tokens
+  loops, counts = {}, Acceptance()
+  for k in sorted({1, k_max}):
+    seconds, out = _call_seconds(lambda k=k: sampling.speculative_sample(
+        target, draft, prompts_BxP, lengths_B, key, k=k, max_new_tokens=max_new_tokens,
+        sampling=sampling_config, drafter=drafter), repeats)
+    loops[k] = max(seconds - step, 1e-9) / max(float(np.sum(out.num_loops)) / batch, 1.0)
+    if k == k_max:
+      counts = Acceptance().observe(out, k)
+  return LoopCosts(batch=batch, k_max=k_max, ars_step=step, loop_1=loops[1],
+                   loop_max=loops[k_max], alpha=counts.alpha, prior_loops=counts.loops)
+
+
+def calibrated(target: models.Model, draft: models.Model | None, prompts_BxP, lengths_B, *,
+               k_max: int, drafter: drafters.Drafter = drafters.ModelDrafter(),
+               sampling_config: sampling.SamplingConfig = sampling.SamplingConfig(),
+               max_new_tokens: int = 48, recalibrate: bool = False,
+               directory: str | None = None) -> tuple[LoopCosts, str]:
+  """`measure`'s costs for this batch (the prompts' rows), from the disk cache when this machine
+  measured the same shapes and settings before (unless `recalibrate`); also returns where they
+  are kept."""
+  key = cache_key(target, draft, drafter, sampling_config, len(lengths_B), k_max, max_new_tokens)
+  path = os.path.join(directory or cache_dir(), f'{key}.json')
+  if not recalibrate and os.path.exists(path):
+    with open(path, encoding='utf-8') as f:
+      return LoopCosts(**json.load(f)), path
+  costs = measure(target, draft, prompts_BxP, lengths_B, k_max=k_max, drafter=drafter,
+                  sampling_config=sampling_config, max_new_tokens=max_new_tokens)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = f'{path}.{os.getpid()}.tmp'
+  with open(tmp, 'w', encoding='utf-8') as f:
+    json.dump(dataclasses.asdict(costs), f)
+  os.replace(tmp, path)
+  return costs, path
+
+
+def prior(costs: LoopCosts) -> Acceptance:
+  """The acceptance the calibration calls saw: where a policy starts."""
+  return Acceptance(costs.alpha * costs.prior_loops, costs.prior_loops)
+
+
+def sample(costs: LoopCosts, acceptance: Acceptance, target: models.Model,
+           draft: models.Model | None, prompts, prompt_lengths, rng: jax.Array, *,
+           max_new_tokens: int, drafter: drafters.Drafter = drafters.ModelDrafter(),
+           **kwargs) -> tuple[sampling.SampleOutput, Choice, Acceptance]:
+  """One call at the k `choose` picks for `acceptance` (0: `autoregressive_sample`, else
+  `speculative_sample` with `drafter`; `kwargs` go to the sampler: sampling, eos_id, mesh, ...):
+  (its output, the choice, the acceptance with this call's counts added)."""
+  choice = choose(costs, acceptance.alpha)
+  if choice.k == 0:
+    out = sampling.autoregressive_sample(target, prompts, prompt_lengths, rng,
+                                         max_new_tokens=max_new_tokens, **kwargs)
+  else:
+    out = sampling.speculative_sample(target, draft, prompts, prompt_lengths, rng, k=choice.k,
+                                      max_new_tokens=max_new_tokens, drafter=drafter, **kwargs)
+  return out, choice, acceptance.observe(out, choice.k)
+
+
+def report(costs: LoopCosts, acceptance: Acceptance) -> list[str]:
+  """The cost model and what the policy makes of it, as lines to print."""
+  choice = choose(costs, acceptance.alpha)
+  per_k = ', '.join(f'k={k} {costs.loop(k) * 1e3:.2f} ms ({choice.rates[k] / choice.rates[0]:.2f}x)'
+                    for k in range(1, costs.k_max + 1))
+  return [f'cost model, batch {costs.batch}: ArS {costs.ars_step * 1e3:.3f} ms/token; per loop '
+          f'(predicted speedup at alpha {choice.alpha:.3f}, over {acceptance.loops} loops): '
+          f'{per_k}',
+          f'auto chooses k = {choice.k}' + (' (ArS)' if choice.k == 0 else '')
+          + f': predicted {choice.predicted_speedup:.2f}x ArS']

@@ -1,0 +1,110 @@
+"""k = 'auto' (`bench.auto_k`, issue 44): the policy's arithmetic, the acceptance estimate, the
+calibration and its disk cache, and that a call is exactly the sampler call it chose."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from spsjax import models, sampling
+from spsjax.bench import auto_k, theory
+from spsjax.sampling import SampleOutput, SamplingConfig, drafters
+
+COSTS = auto_k.LoopCosts(batch=1, k_max=4, ars_step=1.0, loop_1=1.2, loop_max=1.8)
+
+
+def test_the_policy_picks_the_highest_predicted_rate():
+  assert [round(COSTS.loop(k), 6) for k in range(1, 5)] == [1.2, 1.4, 1.6, 1.8]
+  useless = auto_k.choose(COSTS, 0.0)
+  assert useless.k == 0 and useless.predicted_speedup == 1.0  # A loop of one token costs more.
+  for alpha in (0.3, 0.6, 0.9, 1.0):
+    choice = auto_k.choose(COSTS, alpha)
+    want = [1.0] + [theory.expected_tokens_per_loop(alpha, k) / COSTS.loop(k) for k in range(1, 5)]
+    np.testing.assert_allclose(choice.rates, want)
+    assert choice.k == int(np.argmax(want))
+  assert auto_k.choose(COSTS, 1.0).k == 4  # 5 tokens for 1.8 steps.
+  assert auto_k.choose(COSTS, 0.15).k == 0  # 1.15 tokens for 1.2 steps at k = 1: ArS.
+  assert auto_k.choose(COSTS, 0.3).k == 1  # 1.3 for 1.2.
+  with pytest.raises(ValueError, match='k must be in'):
+    COSTS.loop(5)
+  with pytest.raises(ValueError, match='positive times'):
+    auto_k.LoopCosts(batch=1, k_max=2, ars_step=0.0, loop_1=1.0, loop_max=1.0)
+
+
+def test_acceptance_inverts_tokens_per_loop():
+  for alpha, k in ((0.0, 3), (0.42, 1), (0.8, 4), (0.97, 8)):
+    assert auto_k.alpha_for(theory.expected_tokens_per_loop(alpha, k), k) == pytest.approx(
+        alpha, abs=1e-9)
+  assert auto_k.alpha_for(0.5, 2) == pytest.approx(0.0, abs=1e-9)  # Clipped to [1, k + 1].
+  out = lambda accepted, loops: SampleOutput(
+      tokens=None, num_generated=None, num_loops=np.array(loops), num_accepted=np.array(accepted),
+      num_full_loops=np.zeros(len(loops), np.int32))
+  seen = auto_k.Acceptance().observe(out([3, 3], [2, 2]), 2)  # 10 tokens in 4 loops at k = 2.
+  assert seen.loops == 4 and seen.alpha == pytest.approx(auto_k.alpha_for(2.5, 2))
+  more = seen.observe(out([0], [4]), 4)  # 4 loops that accepted nothing: alpha 0.
+  assert more.alpha == pytest.approx(seen.alpha / 2)
+  ars = SampleOutput(tokens=None, num_generated=None)
+  assert more.observe(ars, 0) == more and auto_k.Acceptance().alpha == 0.0
+
+
+@pytest.fixture(scope='module')
+def pair():
+  config = models.TransformerConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4,
+                                    num_kv_heads=2, d_ff=64, max_seq_len=128)
+  target = models.Model(config, models.init_params(config, jax.random.key(0)))
+  draft_config = dataclasses.replace(config, num_layers=1)
+  draft = models.Model(draft_config, models.init_params(draft_config, jax.random.key(1)))
+  prompts = np.array([[5, 9, 3, 7], [1, 2, 0, 0]], np.int32)
+  return target, draft, prompts, np.array([4, 2], np.int32)
+
+
+def test_calibration_is_measured_once_and_cached(pair, tmp_path, monkeypatch):
+  target, draft, prompts, lengths = pair
+  greedy = SamplingConfig(temperature=0.0)
+  kw = dict(k_max=3, sampling_config=greedy, max_new_tokens=12, directory=str(tmp_path))
+  # The target drafting for itself at greedy: every draft accepted, alpha 1.
+  costs, path = auto_k.calibrated(target, target, prompts, lengths, **kw)
+  assert costs.batch == 2 and costs.k_max == 3 and costs.alpha == pytest.approx(1.0, abs=1e-6)
+  assert costs.prior_loops > 0 and min(costs.ars_step, costs.loop_1, costs.loop_max) > 0
+  assert auto_k.prior(costs).alpha == pytest.approx(1.0, abs=1e-6)
+
+  def no_measuring(*args, **kwargs):
+    raise AssertionError('measured again')
+
+  monkeypatch.setattr(auto_k, 'measure', no_measuring)
+  again, again_path = auto_k.calibrated(target, target, prompts, lengths, **kw)
+  assert again == costs and again_path == path
+  with pytest.raises(AssertionError, match='measured again'):  # Asked for.
+    auto_k.calibrated(target, target, prompts, lengths, recalibrate=True, **kw)
+  with pytest.raises(AssertionError, match='measured again'):  # Another draft shape.
+    auto_k.calibrated(target, draft, prompts, lengths, **kw)
+  with pytest.raises(AssertionError, match='measured again'):  # Another sampling setting.
+    auto_k.calibrated(target, target, prompts, lengths,
+                      **dict(kw, sampling_config=SamplingConfig()))
+  key = lambda **c: auto_k.cache_key(target, target, drafters.ModelDrafter(), greedy,
+                                     **dict(dict(batch=2, k_max=3, max_new_tokens=12), **c))
+  assert key() in path and len({key(), key(batch=1), key(k_max=4)}) == 3
+  assert 'avx' in auto_k._cpu() or 'x86' not in auto_k._cpu()  # Vector extensions are named.
+
+
+@pytest.mark.parametrize('alpha,want_k', [(0.0, 0), (1.0, 4)])
+def test_a_call_is_the_sampler_call_it_chose(pair, alpha, want_k):
+  """The policy's call gives exactly the tokens of ArS (useless draft) or of SpS at the chosen k
+  (perfect draft) with the same key: each call is exact as the sampler it runs."""
+  target, draft, prompts, lengths = pair
+  cfg = SamplingConfig(temperature=0.9)
+  prior = auto_k.Acceptance(alpha * 10, 10)
+  key = jax.random.key(7)
+  out, choice, seen = auto_k.sample(COSTS, prior, target, draft, prompts, lengths, key,
+                                    max_new_tokens=10, sampling=cfg)
+  assert choice.k == want_k
+  if want_k == 0:
+    want = sampling.autoregressive_sample(target, prompts, lengths, key, max_new_tokens=10,
+                                          sampling=cfg)
+    assert seen == prior
+  else:
+    want = sampling.speculative_sample(target, draft, prompts, lengths, key, k=want_k,
+                                       max_new_tokens=10, sampling=cfg)
+    assert seen.loops == 10 + int(np.sum(want.num_loops)) and seen.alpha < alpha
+  np.testing.assert_array_equal(out.tokens, want.tokens)
