@@ -10,7 +10,9 @@ sweep: model, prompt lookup and hybrid drafters at each k, then dynamic k (a mod
 below each confidence threshold) at the largest k, and the ragged ones (lookup, dynamic k) again
 with `trim_score` (the target scores only the positions proposed). drafter_k: the draft model
 and the head checkpoints named by feature (an EAGLE head) and heads (parallel heads) at each k of
-ks, with a figure of tokens per loop against k, a line per drafter. The lenience sweep is LOSSY
+ks, with a figure of tokens per loop against k, a line per drafter. The k, drafter and drafter_k
+sweeps end with k = 'auto' points (`bench.auto_k`, up to the largest k; auto=0: none), each
+calibrated on the first prompt (cached on disk). The lenience sweep is LOSSY
 below 1 and reports each point's total variation from the target's law. hf_target, hf_draft:
 Hugging Face checkpoint directories in place of root's target and draft (the draft sweep then has
 that one draft).
@@ -33,11 +35,13 @@ MODEL = dict(kind='model', max_ngram=3, min_ngram=1, stop_below=0.0)
 def points(sweep: str, k: int, draft: str, temperature: float,
            drafts: tuple[str, ...] = DRAFTS, ks: tuple[int, ...] = (2, 4, 6),
            thresholds: tuple[float, ...] = (0.1, 0.2, 0.4),
-           heads: tuple[tuple[str, str], ...] = ()) -> list[dict]:
+           heads: tuple[tuple[str, str], ...] = (), auto: bool = True) -> list[dict]:
   point = lambda label, **kw: dict(dict(label=label, k=k, draft=draft, temperature=temperature,
-                                        drafter=MODEL, lenience=1.0, trim_score=False), **kw)
-  if sweep == 'k':
-    return [point(str(i), k=i) for i in range(1, 9)]
+                                        drafter=MODEL, lenience=1.0, trim_score=False,
+                                        auto=False), **kw)
+  if sweep == 'k':  # Then k = 'auto' up to the largest.
+    return [point(str(i), k=i) for i in range(1, 9)] + (
+        [point('auto', k=8, auto=True)] if auto else [])
   if sweep == 'draft':
     return [point(d, draft=d) for d in drafts]
   if sweep == 'temperature':
@@ -49,10 +53,15 @@ def points(sweep: str, k: int, draft: str, temperature: float,
     kinds += [point(f'dynamic {t} k={max(ks)}', k=max(ks), drafter=dict(MODEL, stop_below=t))
               for t in thresholds]
     ragged = [p for p in kinds if p['drafter']['kind'] == 'lookup' or p['drafter']['stop_below']]
-    return kinds + [dict(p, label=p['label'] + ' trimmed', trim_score=True) for p in ragged]
-  if sweep == 'drafter_k':  # The draft model and each head checkpoint ((kind, name)) at each k.
+    return kinds + [dict(p, label=p['label'] + ' trimmed', trim_score=True) for p in ragged] + (
+        [point(f'{kind} auto', k=max(ks), drafter=dict(MODEL, kind=kind), auto=True)
+         for kind in ('model', 'lookup', 'hybrid')] if auto else [])
+  if sweep == 'drafter_k':  # The draft model and each head checkpoint ((kind, name)) at each k,
+    # then k = 'auto' up to the largest.
     return [point(f'{name} k={i}', k=i, draft=name, drafter=dict(MODEL, kind=kind))
-            for kind, name in (('model', draft),) + heads for i in ks]
+            for kind, name in (('model', draft),) + heads for i in ks] + (
+        [point(f'{name} auto', k=max(ks), draft=name, drafter=dict(MODEL, kind=kind), auto=True)
+         for kind, name in (('model', draft),) + heads] if auto else [])
   if sweep == 'lenience':  # LOSSY below 1: each point reports its total variation from p.
     return [point(str(l), lenience=l) for l in (1.0, 0.8, 0.5, 0.3)]
   raise ValueError(f'sweep must be one of {list(SWEEPS)}, got {sweep!r}.')
@@ -74,7 +83,7 @@ def get_config(arg=None):
                 max_new_tokens=128, temperature=0.8, seed=0, results='', runlocal=False,
                 drafts='+'.join(DRAFTS), data=1, model_axis=1, draft_weights='int8',
                 ks='2+4+6', thresholds='0.1+0.2+0.4', hf_target='', hf_draft='', feature='',
-                heads='')
+                heads='', auto=True)
   drafts = (a.hf_draft,) if a.hf_draft else tuple(d for d in a.drafts.split('+') if d)
   ks = _values('ks', a.ks, int, lambda k: k >= 1, 'integers >= 1')
   thresholds = _values('thresholds', a.thresholds, float, lambda t: 0 < t <= 1,
@@ -93,7 +102,7 @@ def get_config(arg=None):
   c.sweep = a.sweep
   c.draft_weights = a.draft_weights  # The drafts' packed weights (native CPU path).
   c.points = points(a.sweep, a.k, a.hf_draft or a.draft or best_draft(a.root), a.temperature,
-                    drafts, ks, thresholds, heads)
+                    drafts, ks, thresholds, heads, a.auto)
   if a.runlocal:
     c.points = c.points[:2]
   c.prompts = 2 if a.runlocal else a.prompts

@@ -6,13 +6,14 @@
   python experiments/sweep.py --config=configs/sweep.py:sweep=drafter_k,feature=feature,ks=2+4+6
 
 Writes `points.csv`, `points.md` and `figure1.png` (drafter_k: also `tokens_per_loop.png`) to the
-config's results directory (local or a URI; process 0 writes); each point's ArS time is measured call by call in turn with its SpS calls.
+config's results directory (local or a URI; process 0 writes); each point's ArS time is measured
+call by call in turn with its SpS calls.
 """
 
 from ml_collections import config_flags
 
 from spsjax import cli, distributed, sharding, storage
-from spsjax.bench import sweep
+from spsjax.bench import auto_k, sweep
 from spsjax.data import humaneval, prompts as prompts_lib
 from spsjax.sampling import SamplingConfig, drafter_config, speculative
 from spsjax.train import load
@@ -49,9 +50,18 @@ def main(argv):
   for p, drafter in zip(c.points, point_drafters):
     sampling_config = SamplingConfig(temperature=p['temperature'], top_p=c.top_p)
     draft = drafts[p['draft']] if drafter.needs_model else None
+    policy = None
+    if p['auto']:  # Calibrated on the first prompt (or read from the disk cache).
+      costs, path = auto_k.calibrated(target, draft, *prompts_lib.for_call(prompts, lengths, [0]),
+                                      k_max=p['k'], drafter=drafter,
+                                      sampling_config=sampling_config)
+      policy = auto_k.Policy(costs)
+      print0(f'{p["label"]}: cost model {path}\n' + '\n'.join(
+          auto_k.report(costs, policy.acceptance)))
     point = sweep.run_point(p['label'], target, draft, p['draft'], prompts,
                             lengths, k=p['k'], sampling_config=sampling_config, drafter=drafter,
-                            lenience=p['lenience'], trim_score=p['trim_score'], **kw)
+                            lenience=p['lenience'], trim_score=p['trim_score'],
+                            policy=policy, **kw)
     points.append(point)
     lossy = (f', LOSSY: lenience {point.lenience}, total variation from p {point.tv:.4f} per '
              'draft slot' if point.lenience < 1 else '')

@@ -2,6 +2,8 @@
 calibration and its disk cache, and that a call is exactly the sampler call it chose."""
 
 import dataclasses
+import importlib.util
+import os
 
 import jax
 import numpy as np
@@ -108,3 +110,32 @@ def test_a_call_is_the_sampler_call_it_chose(pair, alpha, want_k):
                                        max_new_tokens=10, sampling=cfg)
     assert seen.loops == 10 + int(np.sum(want.num_loops)) and seen.alpha < alpha
   np.testing.assert_array_equal(out.tokens, want.tokens)
+
+
+def test_the_policy_records_each_calls_choice():
+  policy = auto_k.Policy(dataclasses.replace(COSTS, alpha=0.9, prior_loops=50))
+  assert policy.acceptance == auto_k.Acceptance(45.0, 50)
+  with pytest.raises(ValueError, match='follows next'):
+    policy.observe(SampleOutput(tokens=None, num_generated=None))
+  first = policy.next()
+  assert policy.pending == first and first.k == auto_k.choose(COSTS, 0.9).k
+  useless = SampleOutput(tokens=None, num_generated=None, num_loops=np.array([200]),
+                         num_accepted=np.array([0]), num_full_loops=np.array([0]))
+  policy.observe(useless)  # 200 loops that accepted nothing: alpha falls to 0.9 * 50 / 250.
+  assert policy.acceptance.alpha == pytest.approx(0.18)
+  assert policy.next().k == 0 and policy.summary()['ks'] == [first.k]  # 1.18 tokens, 1.2 steps.
+
+
+def test_the_sweeps_end_with_auto_points():
+  spec = importlib.util.spec_from_file_location(
+      'sweep_config', os.path.join(os.path.dirname(os.path.dirname(__file__)), 'configs',
+                                   'sweep.py'))
+  config = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(config)
+  labels = lambda arg: [(p['label'], p['k'], p['auto']) for p in config.get_config(arg).points]
+  assert labels('sweep=k')[-2:] == [('8', 8, False), ('auto', 8, True)]
+  assert not any(auto for *_, auto in labels('sweep=k,auto=0'))
+  assert labels('sweep=drafter_k,draft=d,feature=f,ks=2+5')[-2:] == [('d auto', 5, True),
+                                                                      ('f auto', 5, True)]
+  assert [l for l, _, auto in labels('sweep=drafter') if auto] == [
+      'model auto', 'lookup auto', 'hybrid auto']

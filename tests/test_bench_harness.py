@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from spsjax import models, sampling
-from spsjax.bench import comparison, decode, speedup, sweep, table1, theory, timing
+from spsjax.bench import auto_k, comparison, decode, speedup, sweep, table1, theory, timing
 from spsjax.data import prompts as prompts_lib
 from spsjax.eval import acceptance, likelihood, metrics
 from spsjax.sampling import drafters
@@ -321,6 +321,43 @@ def test_sweep_point_csv_and_plot(family, tmp_path):
                              str(tmp_path / 'k.png'), 'test')
   assert (tmp_path / 'k.png').stat().st_size > 1000
   del tok
+
+
+def test_sweep_point_with_k_auto(family):
+  """A k = 'auto' point: each SpS call runs at the policy's k (here ArS for the first call, whose
+  prior sees no acceptance, then k = 2 once the policy is told alpha is high), the call's counts
+  feed the policy, and the table says which k ran."""
+  target, draft, _ = family
+  prompts, lengths = np.array([[5, 6, 7], [8, 9, 10], [4, 4, 4]], np.int32), np.array([3, 2, 3],
+                                                                                     np.int32)
+  cfg = sampling.SamplingConfig(temperature=0.8)
+  costs = auto_k.LoopCosts(batch=1, k_max=2, ars_step=1.0, loop_1=1.1, loop_max=1.2)
+  policy = auto_k.Policy(costs)
+  observe = policy.observe
+
+  def observe_then_believe(out):  # After the first call, a prior of alpha 0.9 over 100 loops.
+    observe(out)
+    if len(policy.choices) == 1:
+      policy.acceptance = auto_k.Acceptance(90.0, 100)
+
+  policy.observe = observe_then_believe
+  point = sweep.run_point('auto', target, draft, 'd', prompts, lengths, k=2, sampling_config=cfg,
+                          max_new_tokens=8, seed=0, policy=policy)
+  assert point.auto_ks == (0, 2, 2) and point.k == 2
+  assert point.auto_predicted_speedup == pytest.approx(
+      np.mean([1.0] + [theory.expected_tokens_per_loop(c.alpha, 2) / 1.2
+                       for c in policy.choices[1:]]))
+  assert policy.acceptance.loops > 100  # The k = 2 calls' loops were observed.
+  # The SpS calls are ArS's (call 0) and SpS's at k = 2 with the same keys.
+  outs = [sampling.speculative_sample(
+      target, draft, *prompts_lib.for_call(prompts, lengths, [i]),
+      jax.random.fold_in(jax.random.fold_in(jax.random.key(0), i), 1), k=2, max_new_tokens=8,
+      sampling=cfg) for i in (1, 2)]
+  loops = sum(int(o.num_loops[0]) for o in outs)
+  assert point.tokens_per_loop == pytest.approx(
+      (sum(int(o.num_accepted[0]) for o in outs) + loops) / loops)
+  assert point.alpha_per_position == ()  # Calls at different k (ArS among them).
+  assert '(auto: k=0 x1, k=2 x2; predicted ' in sweep.markdown([point])
 
 
 def test_sweep_points_of_other_drafters_and_of_lenience(family):

@@ -238,6 +238,41 @@ def sample(costs: LoopCosts, acceptance: Acceptance, target: models.Model,
   return out, choice, acceptance.observe(out, choice.k)
 
 
+class Policy:
+  """k = 'auto' over a run of calls on the host, for harnesses that call the samplers themselves:
+  `next()` before a call gives its k (`choose` at the acceptance so far), `observe(out)` after it
+  adds its counts at that k; `choices` lists every observed call's choice."""
+
+  def __init__(self, costs: LoopCosts, acceptance: Acceptance | None = None):
+    self.costs = costs
+    self.acceptance = prior(costs) if acceptance is None else acceptance
+    self.choices: list[Choice] = []
+    self._pending: Choice | None = None
+
+  @property
+  def pending(self) -> Choice:
+    """The choice of the last `next()`."""
+    if self._pending is None:
+      raise ValueError('No call chosen yet: call next() first.')
+    return self._pending
+
+  def next(self) -> Choice:
+    self._pending = choose(self.costs, self.acceptance.alpha)
+    return self._pending
+
+  def observe(self, out: sampling.SampleOutput) -> None:
+    if self._pending is None:
+      raise ValueError('observe() follows next(): which k made this output?')
+    self.acceptance = self.acceptance.observe(out, self._pending.k)
+    self.choices.append(self._pending)
+
+  def summary(self) -> dict:
+    """What a results file keeps: the costs, each call's k and predicted speedup, alpha."""
+    return dict(costs=dataclasses.asdict(self.costs), ks=[c.k for c in self.choices],
+                predicted_speedups=[c.predicted_speedup for c in self.choices],
+                alpha=self.acceptance.alpha)
+
+
 def report(costs: LoopCosts, acceptance: Acceptance) -> list[str]:
   """The cost model and what the policy makes of it, as lines to print."""
   choice = choose(costs, acceptance.alpha)

@@ -11,6 +11,7 @@ call by call in turn with SpS (`timing.time_interleaved`): a baseline measured m
 point would carry this machine's drift (tens of percent) into its speedup.
 """
 
+import collections
 import csv
 import dataclasses
 import functools
@@ -22,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spsjax import models, sampling, storage
-from spsjax.bench import decode, theory, timing
+from spsjax.bench import auto_k, decode, theory, timing
 from spsjax.data import prompts as prompts_lib
 from spsjax.eval import acceptance
 from spsjax.sampling import drafters
@@ -50,6 +51,10 @@ class Point:
   predicted_tokens_per_loop: float = float('nan')
   # Acceptance of draft position 1 .. k (`timing.Timing.alpha_per_position`; empty if ragged).
   alpha_per_position: tuple[float, ...] = ()
+  # k = 'auto' (`auto_k.Policy`; k is then k_max): each timed call's k (0: ArS) and the mean of
+  # the speedups the policy predicted for them.
+  auto_ks: tuple[int, ...] = ()
+  auto_predicted_speedup: float = float('nan')
 
   @property
   def speedup(self) -> float:
@@ -65,25 +70,32 @@ def run_point(label: str, target: models.Model, draft: models.Model | None, draf
               prompts_NxP: np.ndarray, lengths_N: np.ndarray, *, k: int,
               sampling_config: sampling.SamplingConfig, max_new_tokens: int, seed: int,
               mesh: Mesh | None = None, drafter: drafters.Drafter = drafters.ModelDrafter(),
-              lenience: float = 1.0, trim_score: bool = False) -> Point:
+              lenience: float = 1.0, trim_score: bool = False,
+              policy: auto_k.Policy | None = None) -> Point:
   """Times SpS with `drafter` (or only ArS when it needs a draft model and `draft` is None) on
   every prompt, one call per prompt, with ArS on the same prompts in turn (on `mesh`, if given,
   with the models placed on it beforehand). With lenience < 1 (LOSSY) and a draft model, the
-  point also carries the mean total variation of a draft slot's law from p along the outputs."""
+  point also carries the mean total variation of a draft slot's law from p along the outputs.
+  With `policy` (k = 'auto', k its k_max), each SpS call runs at the k the policy picks (0: ArS),
+  compiled before it is timed like any new shape."""
   ars_only = draft is None and drafter.needs_model
   tv = [0.0, 0]
 
   def run(method, i):
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), i), method == 'SpS')
     args = prompts_lib.for_call(prompts_NxP, lengths_N, [i]) + (key,)
-    if method == 'ArS':
+    call_k = policy.pending.k if policy is not None and method == 'SpS' else k
+    if method == 'ArS' or not call_k:
       return sampling.autoregressive_sample(target, *args, max_new_tokens=max_new_tokens,
                                             sampling=sampling_config, mesh=mesh)
-    return sampling.speculative_sample(target, draft, *args, k=k, max_new_tokens=max_new_tokens,
+    return sampling.speculative_sample(target, draft, *args, k=call_k,
+                                       max_new_tokens=max_new_tokens,
                                        sampling=sampling_config, mesh=mesh, drafter=drafter,
                                        lenience=lenience, trim_score=trim_score)
 
   def on_output(method, i, out):
+    if method == 'SpS' and policy is not None:
+      policy.observe(out)
     if method == 'SpS' and lenience < 1 and draft is not None:
       prompts_1xP, lengths_1 = prompts_lib.for_call(prompts_NxP, lengths_N, [i])
       total, count = acceptance.lenient_tv(target, draft, sampling_config, lenience, prompts_1xP,
@@ -94,8 +106,9 @@ def run_point(label: str, target: models.Model, draft: models.Model | None, draf
   methods = ('ArS',) if ars_only else ('ArS', 'SpS')
   # One compiled program per padded width (`prompts.for_call`), compiled before it is timed.
   width = lambda i: prompts_lib.for_call(prompts_NxP, lengths_N, [i])[0].shape[1]
+  bucket = width if policy is None else lambda i: (width(i), policy.next().k)
   timings = timing.time_interleaved(
-      {m: functools.partial(run, m) for m in methods}, len(prompts_NxP), bucket=width,
+      {m: functools.partial(run, m) for m in methods}, len(prompts_NxP), bucket=bucket,
       ks={'SpS': k}, on_output=on_output)
   result = timings[methods[-1]]
   seconds = [c.seconds for c in result.calls]
@@ -120,7 +133,11 @@ def run_point(label: str, target: models.Model, draft: models.Model | None, draf
                    result.alpha, result.loops_by_proposed)
                if loops and result.loops_by_proposed and not np.isnan(result.alpha)
                else float('nan'),
-               alpha_per_position=() if ars_only else result.alpha_per_position)
+               alpha_per_position=() if ars_only else result.alpha_per_position,
+               auto_ks=tuple(c.k for c in policy.choices) if policy else (),
+               auto_predicted_speedup=float(np.mean([c.predicted_speedup
+                                                     for c in policy.choices]))
+               if policy and policy.choices else float('nan'))
 
 
 def write_csv(points: Sequence[Point], path: str) -> None:
@@ -143,10 +160,15 @@ def markdown(points: Sequence[Point]) -> str:
            'ms per loop | ms per sequence (std) | speedup | alpha per draft position |',
            '|---|---|---|---|---|---|---|---|---|---|---|']
   for p in points:
-    lossy = f' (LOSSY: lenience {p.lenience}, TV {p.tv:.3f})' if p.lenience < 1 else ''
+    note = f' (LOSSY: lenience {p.lenience}, TV {p.tv:.3f})' if p.lenience < 1 else ''
     per_position = ' '.join(fmt(a, '.2f') for a in p.alpha_per_position) or '-'
+    if p.auto_ks:  # k = 'auto': how often each k ran, and the speedup the policy predicted.
+      counts = collections.Counter(p.auto_ks)
+      note += (' (auto: ' + ', '.join(f'k={k} x{n}' for k, n in sorted(counts.items()))
+                + f'; predicted {p.auto_predicted_speedup:.2f}x)')
     lines.append(
-        f'| {p.label} | {p.k} | {p.draft or "-"} | {p.drafter or "ArS"}{lossy} | {fmt(p.c, ".3f")} | '
+        f'| {p.label} | {p.k} | {p.draft or "-"} | {p.drafter or "ArS"}{note} | '
+        f'{fmt(p.c, ".3f")} | '
         f'{fmt(p.alpha, ".3f")} | {fmt(p.tokens_per_loop, ".2f")} / '
         f'{fmt(p.predicted_tokens_per_loop, ".2f")} | {fmt(p.loop_seconds * 1e3, ".2f")} | '
         f'{p.mean_seconds * 1e3:.1f} ({p.std_seconds * 1e3:.1f}) | {p.speedup:.2f}x | '

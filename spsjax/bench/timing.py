@@ -82,11 +82,12 @@ class Timing:
 
   @property
   def tokens_per_loop(self) -> float:
-    """Mean tokens emitted per SpS loop (the first token of a row comes from the prefill)."""
-    loops = sum(c.loops for c in self.calls)
-    if not loops:
+    """Mean tokens emitted per SpS loop (the first token of a row comes from the prefill), over
+    the calls that ran loops (k = 'auto' may run some calls as ArS)."""
+    looped = [c for c in self.calls if c.loops]
+    if not looped:
       return float('nan')
-    return (self.total_tokens - sum(c.rows for c in self.calls)) / loops
+    return sum(c.tokens - c.rows for c in looped) / sum(c.loops for c in looped)
 
   @property
   def uncut_tokens_per_loop(self) -> float:
@@ -99,7 +100,8 @@ class Timing:
   @property
   def loops_by_proposed(self) -> tuple[int, ...]:
     """Loops that proposed n = 0 .. k drafts, over all calls (empty if a call did not say)."""
-    if not self.calls or not all(c.proposed for c in self.calls):
+    if (not self.calls or not all(c.proposed for c in self.calls)
+        or len({len(c.proposed) for c in self.calls}) > 1):  # k = 'auto': ks differ.
       return ()
     return tuple(int(x) for x in np.sum([c.proposed for c in self.calls], axis=0))
 
@@ -110,6 +112,7 @@ class Timing:
     acceptances) or if a call did not report its counts."""
     loops = sum(c.loops for c in self.calls)
     if (not loops or not all(c.accepted_counts for c in self.calls)
+        or len({len(c.accepted_counts) for c in self.calls}) > 1
         or (self.loops_by_proposed and self.loops_by_proposed[-1] != loops)):
       return ()
     return tuple(theory.alpha_per_position(
