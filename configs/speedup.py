@@ -3,7 +3,8 @@
 
 Arguments: root (family directory; default checkpoints/reference), draft (checkpoint name of the
 draft; default the family's best: draft_trunc_distill_3000 for the reference family,
-draft_wide_distill for demo, draft_wide for tiny), k, humaneval /
+draft_wide_distill for demo, draft_wide for tiny), k (or auto: `spsjax.bench.auto_k`, each row
+calibrated on its first prompts, each call at k in 0 .. k_max, 0 being ArS), k_max, humaneval /
 docstrings / code (number of examples of each task; 0: all; code is `code_completion`, held-out
 functions cut in half), batches ('+'-separated, e.g. 1+8), seed, results (output
 directory; default results/speedup_<family>), runlocal (a few examples, for a smoke run), demo
@@ -29,7 +30,7 @@ from spsjax.eval import tasks
 
 
 def get_config(arg=None):
-  a = parse_arg(arg, root=REFERENCE_ROOT, draft='', k=4, humaneval=164,
+  a = parse_arg(arg, root=REFERENCE_ROOT, draft='', k='4', k_max=8, humaneval=164,
                 docstrings=200, code=200, batches='1+8', seed=0, results='', runlocal=False, demo=False,
                 data=1, model_axis=1, draft_weights='int8', drafter='model', max_ngram=3,
                 min_ngram=1, stop_below=0.0, lenience=1.0, hf_target='', hf_draft='')
@@ -45,7 +46,12 @@ def get_config(arg=None):
   c.drafter = dict(kind=a.drafter, max_ngram=a.max_ngram, min_ngram=a.min_ngram,
                    stop_below=a.stop_below)
   c.lenience = a.lenience  # < 1: LOSSY.
-  c.k = a.k
+  if a.k != 'auto' and not (a.k.isdigit() and int(a.k) >= 1):
+    raise ValueError(f'k must be an integer >= 1 or auto, got {a.k!r}.')
+  if a.k_max < 1:
+    raise ValueError(f'k_max must be >= 1, got {a.k_max}.')
+  c.k = a.k if a.k == 'auto' else int(a.k)
+  c.k_max = a.k_max  # k=auto: each row calibrates, then each call runs at k in 0 .. k_max.
   c.seed = a.seed
   c.batches = [int(b) for b in a.batches.split('+') if b]
   nums = dict(humaneval=4 if a.runlocal else a.humaneval,

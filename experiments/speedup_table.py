@@ -8,6 +8,7 @@ results directory (local or a URI such as gs://bucket/results; process 0 writes)
 trace per SpS row under `traces/` (XProf / Perfetto).
 """
 
+import collections
 import time
 
 from absl import logging
@@ -15,7 +16,7 @@ import jax
 from ml_collections import config_flags
 
 from spsjax import cli, distributed, models, sharding, storage
-from spsjax.bench import comparison, decode, speedup, table1
+from spsjax.bench import auto_k, comparison, decode, speedup, table1
 from spsjax.eval import tasks
 from spsjax.sampling import SamplingConfig, drafter_config
 from spsjax.train import load
@@ -23,6 +24,20 @@ from spsjax.train import load
 print0 = distributed.print0
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file.', lock_config=True)
 _RUNTIME = distributed.define_flags()
+
+
+def _most_run(policy: auto_k.Policy, k_max: int) -> int:
+  """The k the policy's SpS calls ran most (k_max if it ran every call as ArS)."""
+  ks = [choice.k for choice in policy.choices if choice.k]
+  return collections.Counter(ks).most_common(1)[0][0] if ks else k_max
+
+
+def _auto_line(cmp: comparison.Comparison, policy: auto_k.Policy) -> str:
+  counts = collections.Counter(choice.k for choice in policy.choices)
+  predicted = sum(choice.predicted_speedup for choice in policy.choices) / len(policy.choices)
+  return (f'- {cmp.sps.task} {cmp.sps.decoding} batch {cmp.sps.batch}: '
+          + ', '.join(f'k={k} x{n}' for k, n in sorted(counts.items()))
+          + f'; predicted {predicted:.2f}x, measured {cmp.speedup:.2f}x')
 
 
 def main(argv):
@@ -47,24 +62,39 @@ def main(argv):
          + (f', mesh {dict(mesh.shape)}' if mesh else ''), flush=True)
   kw = dict(mesh=mesh, drafter=drafter, lenience=c.lenience)
 
-  comparisons = []
+  comparisons, auto_lines = [], []
   for task_name in sorted(c.tasks, key=tasks.TASKS.index):  # The paper's order, then ours.
     task_config = c.tasks[task_name]
     task = tasks.load_task(task_name, task_config.num, task_config.max_new_tokens,
                              config=c.data_config or None)
-    capacity = speedup.halfway_capacity(task, tok, target, draft, c.k)
+    k_max = c.k_max if c.k == 'auto' else c.k
     for decoding, settings in (('nucleus', task_config.nucleus), ('greedy', c.greedy)):
       sampling_config = SamplingConfig(**settings)
       for batch in c.batches:
-        rows = speedup.run_rows(target, draft, tok, task, decoding, sampling_config, batch, c.k,
-                                c.seed, **kw)
-        costs = decode.measure_costs(target, draft, c.k, batch, capacity, c.cost_repeats,
+        policy = None
+        if c.k == 'auto':
+          auto_costs, path = auto_k.calibrated(
+              target, draft, *speedup.calibration_prompts(task, tok, target, draft, k_max, batch),
+              k_max=k_max, drafter=drafter, sampling_config=sampling_config)
+          policy = auto_k.Policy(auto_costs)
+          print0(f'{task_name} {decoding} batch {batch}: k=auto, cost model {path}\n'
+                 + '\n'.join(auto_k.report(auto_costs, policy.acceptance)), flush=True)
+        rows = speedup.run_rows(target, draft, tok, task, decoding, sampling_config, batch,
+                                k_max, c.seed, policy=policy, **kw)
+        k = k_max if policy is None else _most_run(policy, k_max)
+        capacity = speedup.halfway_capacity(task, tok, target, draft, k)
+        costs = decode.measure_costs(target, draft, k, batch, capacity, c.cost_repeats,
                                      mesh=mesh)
-        loop_profile = speedup.profile_row(
-            target, draft, tok, task, sampling_config, batch, c.k, c.seed,
-            storage.join(c.results, 'traces', f'{task_name}_{decoding}_b{batch}'), **kw)
-        cmp = comparison.Comparison(ars=rows[0], sps=rows[1], costs=costs, k=c.k, c_hat=c_hat,
-                                    loop_profile=loop_profile, drafter=drafter)
+        loop_profile = None
+        if policy is None or any(choice.k for choice in policy.choices):
+          loop_profile = speedup.profile_row(
+              target, draft, tok, task, sampling_config, batch, k, c.seed,
+              storage.join(c.results, 'traces', f'{task_name}_{decoding}_b{batch}'), **kw)
+        cmp = comparison.Comparison(ars=rows[0], sps=rows[1], costs=costs, k=k, c_hat=c_hat,
+                                    loop_profile=loop_profile, drafter=drafter,
+                                    auto=policy and policy.summary())
+        if policy is not None:
+          auto_lines.append(_auto_line(cmp, policy))
         comparisons.append(cmp)
         logging.info('%s %s batch %d: %s %.3f vs %.3f, speedup %.2fx (predicted %.2fx) '
                      '[%.0f s elapsed]', task_name, decoding, batch, rows[0].metric,
@@ -72,6 +102,9 @@ def main(argv):
                      cmp.prediction.speedup, time.time() - started)
 
   table = c.title.format(**c) + '\n\n' + table1.markdown(comparisons)
+  if auto_lines:
+    table += ('\n\nk = auto: the k each row\'s SpS calls ran (0: ArS), the speedup the policy '
+              'predicted (mean over calls) and the measured one.\n\n' + '\n'.join(auto_lines))
   print0(table)
   storage.write_text(storage.join(c.results, 'table.md'), table + '\n')
   records = [dict(task=cmp.sps.task, decoding=cmp.sps.decoding, batch=cmp.sps.batch,

@@ -400,6 +400,28 @@ def test_lossy_rows_are_labelled_with_their_total_variation(family):
   assert '| ArS |' in table
 
 
+def test_table_rows_with_k_auto(family):
+  """Table 1 rows with a k = 'auto' policy that runs every SpS call as ArS (a prior of alpha 0):
+  the SpS row's completions are ArS's with the SpS keys, it ran no loop, and its theory columns
+  fall back to the policy's alpha; the comparison's JSON keeps the policy's record."""
+  target, draft, tok = family
+  task = speedup.Task('docstrings', ('def add(a, b):\n    """', 'x = 1\n'), ('Add.', 'Set x.'),
+                      max_new_tokens=5)
+  greedy = sampling.SamplingConfig(temperature=0.0)
+  policy = auto_k.Policy(auto_k.LoopCosts(batch=1, k_max=3, ars_step=1.0, loop_1=1.1,
+                                          loop_max=1.3))
+  ars, sps = speedup.run_rows(target, draft, tok, task, 'greedy', greedy, batch=1, k=3, seed=0,
+                              policy=policy)
+  assert [c.k for c in policy.choices] == [0, 0] and ars.completions == sps.completions
+  assert np.isnan(sps.timing['tokens_per_loop'])
+  costs = decode.Costs(target_step=1e-3, draft_step=1e-4, score_call=1.2e-3)
+  cmp = comparison.Comparison(ars=ars, sps=sps, costs=costs, k=3, c_hat=0.5,
+                              auto=policy.summary())
+  assert cmp.prediction.alpha == 0.0 and cmp.summary()['auto']['ks'] == [0, 0]
+  prompts, lengths = speedup.calibration_prompts(task, tok, target, draft, 3, batch=3)
+  assert len(lengths) == 3 and lengths[2] == lengths[0]  # Rows past the prompts wrap around.
+
+
 def test_table_theory_for_prompt_lookup_uses_the_proposals_made(family):
   """Prompt lookup proposes no drafts where it finds no match: the predicted tokens per loop come
   from the loops that proposed each count, the cost has no draft steps, and there is no model

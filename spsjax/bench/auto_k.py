@@ -155,14 +155,27 @@ def cache_key(target: models.Model, draft: models.Model | None, drafter: drafter
   return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def _call_seconds(run, repeats: int) -> tuple[float, sampling.SampleOutput]:
-  jax.block_until_ready(run())  # Compiles.
-  seconds, out = [], None
+def _fastest_calls(runs: dict, repeats: int) -> dict:
+  """{name: (the fastest of `repeats` timed calls, seconds; its output)}, each run compiled
+  first, the runs taking turns within every repeat (a slow spell falls on all of them)."""
+  outs = {name: jax.block_until_ready(run()) for name, run in runs.items()}  # Compiles.
+  best = {name: float('inf') for name in runs}
   for _ in range(repeats):
-    start = time.perf_counter()
-    out = jax.block_until_ready(run())
-    seconds.append(time.perf_counter() - start)
-  return min(seconds), out  # Noise only adds: a busy spell must not price a k out.
+    for name, run in runs.items():
+      start = time.perf_counter()
+      outs[name] = jax.block_until_ready(run())
+      best[name] = min(best[name], time.perf_counter() - start)  # Noise only adds.
+  return {name: (best[name], outs[name]) for name in runs}
+
+
+def _last_tokens(prompts_BxP: np.ndarray, lengths_B: np.ndarray, n: int):
+  """Each row's last n prompt tokens (all, if fewer), left-aligned: a short prefill."""
+  width = min(n, prompts_BxP.shape[1])
+  out = np.zeros((len(lengths_B), width), np.int32)
+  new_lengths = np.minimum(lengths_B, width).astype(np.int32)
+  for b, (length, keep) in enumerate(zip(lengths_B, new_lengths)):
+    out[b, :keep] = prompts_BxP[b, length - keep:length]
+  return out, new_lengths
 
 
 def measure(target: models.Model, draft: models.Model | None, prompts_BxP, lengths_B, *,
@@ -170,25 +183,27 @@ def measure(target: models.Model, draft: models.Model | None, prompts_BxP, lengt
             sampling_config: sampling.SamplingConfig = sampling.SamplingConfig(),
             max_new_tokens: int = 48, repeats: int = 5, seed: int = 0) -> LoopCosts:
   """Times ArS, and SpS at k = 1 and k_max, on these prompts (their rows are the batch; no eos,
-  every row makes `max_new_tokens`; each the fastest of `repeats` calls after one that
-  compiles). The prefill counts as one step of each call (short prompts keep that error small):
-  ArS step = call / tokens per row, loop = (call - ArS step) / loops per row."""
+  every row makes `max_new_tokens`; each the fastest of `repeats` calls, taking turns, after
+  one that compiles). Each row keeps its last 16 prompt tokens, so that its prefill costs about
+  a step and is counted as one: ArS step = call / tokens per row, loop = (call - ArS step) /
+  loops per row."""
   if k_max < 1:
     raise ValueError(f'k_max must be >= 1, got {k_max}.')
   key = jax.random.key(seed)
   batch = len(lengths_B)
-  ars, _ = _call_seconds(lambda: sampling.autoregressive_sample(
+  prompts_BxP, lengths_B = _last_tokens(np.asarray(prompts_BxP), np.asarray(lengths_B), 16)
+  runs = {0: lambda: sampling.autoregressive_sample(
       target, prompts_BxP, lengths_B, key, max_new_tokens=max_new_tokens,
-      sampling=sampling_config), repeats)
-  step = ars / max_new_tokens
-  loops, counts = {}, Acceptance()
+      sampling=sampling_config)}
   for k in sorted({1, k_max}):
-    seconds, out = _call_seconds(lambda k=k: sampling.speculative_sample(
+    runs[k] = lambda k=k: sampling.speculative_sample(
         target, draft, prompts_BxP, lengths_B, key, k=k, max_new_tokens=max_new_tokens,
-        sampling=sampling_config, drafter=drafter), repeats)
-    loops[k] = max(seconds - step, 1e-9) / max(float(np.sum(out.num_loops)) / batch, 1.0)
-    if k == k_max:
-      counts = Acceptance().observe(out, k)
+        sampling=sampling_config, drafter=drafter)
+  timed = _fastest_calls(runs, repeats)
+  step = timed[0][0] / max_new_tokens
+  loops = {k: max(seconds - step, 1e-9) / max(float(np.sum(out.num_loops)) / batch, 1.0)
+           for k, (seconds, out) in timed.items() if k}
+  counts = Acceptance().observe(timed[k_max][1], k_max)
   return LoopCosts(batch=batch, k_max=k_max, ars_step=step, loop_1=loops[1],
                    loop_max=loops[k_max], alpha=counts.alpha, prior_loops=counts.loops)
 

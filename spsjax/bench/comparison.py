@@ -47,6 +47,9 @@ class Comparison:
   c_hat: float  # Draft / target parameters: the ratio of operations per token.
   loop_profile: LoopProfile | None = None
   drafter: drafters.Drafter = drafters.ModelDrafter()
+  # k = 'auto' (`auto_k.Policy.summary`): its costs, each call's k and predicted speedup, alpha;
+  # `k` is then the k its SpS calls ran most (k_max if none), at which costs were measured.
+  auto: dict | None = None
 
   @property
   def speedup(self) -> float:
@@ -92,8 +95,11 @@ class Comparison:
   def prediction(self) -> theory.Prediction:
     t = self.sps.timing
     ragged = self.drafter.ragged
+    alpha = t['alpha']
+    if alpha != alpha and self.auto:  # Every call ran as ArS: no loop measured alpha.
+      alpha = self.auto['alpha']
     return theory.Prediction(
-        alpha=t['alpha'], k=self.k, c=self.costs.c, s=self.costs.s, c_hat=self.c_hat,
+        alpha=alpha, k=self.k, c=self.costs.c, s=self.costs.s, c_hat=self.c_hat,
         loops_by_proposed=tuple(t.get('loops_by_proposed', ())) if ragged else (),
         draft_steps=self.drafter.draft_steps(self.k, t.get('proposed_per_loop', self.k)))
 
@@ -117,7 +123,8 @@ class Comparison:
         loop_profile=dataclasses.asdict(self.loop_profile),
         outside_forward_passes=self.loop_profile.outside_forward_passes,
         outside_forward_ops=self.loop_profile.outside_forward_ops)
-    return dict(**profiled, speedup=self.speedup, pooled_speedup=self.pooled_speedup,
+    auto = {} if self.auto is None else dict(auto=self.auto)
+    return dict(**profiled, **auto, speedup=self.speedup, pooled_speedup=self.pooled_speedup,
                 perfect_draft_speedup=self.perfect_draft_speedup,
                 free_draft_speedup=self.free_draft_speedup,
                 free_perfect_draft_speedup=self.free_perfect_draft_speedup,

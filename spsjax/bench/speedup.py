@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spsjax import models, sampling, sharding
-from spsjax.bench import profile, timing
+from spsjax.bench import auto_k, profile, timing
 from spsjax.data import prompts as prompts_lib
 from spsjax.data.tokenizer import Tokenizer
 from spsjax.eval import likelihood, metrics, tasks
@@ -52,6 +52,15 @@ def _encode(task: Task, tok: Tokenizer, target: models.Model, draft: models.Mode
   if draft is not None:
     sizes.append(('draft', draft.config.max_seq_len))
   return tasks.encode(task, tok, sizes, speculative.headroom(k))
+
+
+def calibration_prompts(task: Task, tok: Tokenizer, target: models.Model,
+                        draft: models.Model | None, k: int, batch: int
+                        ) -> tuple[np.ndarray, np.ndarray]:
+  """The first `batch` prompts of `task` as its rows run them (k = 'auto' calibrates on them)."""
+  prompts_NxP, lengths_N = _encode(task, tok, target, draft, k)
+  rows = [i % len(lengths_N) for i in range(batch)]
+  return prompts_NxP[rows], lengths_N[rows]
 
 
 def halfway_capacity(task: Task, tok: Tokenizer, target: models.Model,
@@ -139,6 +148,7 @@ class _Pair:
   lenience: float
   prompts_NxP: np.ndarray
   lengths_N: np.ndarray
+  policy: auto_k.Policy | None = None  # k = 'auto' (k is then its k_max).
 
   @property
   def num_calls(self) -> int:
@@ -164,11 +174,20 @@ class _Pair:
                              METHODS.index(method))
     kw = dict(max_new_tokens=self.task.max_new_tokens, sampling=self.sampling_config,
               eos_id=self.tok.eos_id, mesh=self.mesh)
-    if method == 'ArS':
+    k = self.policy.pending.k if self.policy is not None and method == 'SpS' else self.k
+    if method == 'ArS' or not k:
       return sampling.autoregressive_sample(self.target, prompts_BxP, lengths_B, key, **kw)
     return sampling.speculative_sample(self.target, self.draft, prompts_BxP, lengths_B, key,
-                                       k=self.k, drafter=self.drafter, lenience=self.lenience,
-                                       **kw)
+                                       k=k, drafter=self.drafter, lenience=self.lenience, **kw)
+
+  def bucket(self, i: int):
+    """Call i's compiled program: its width, and with k = 'auto' the k the policy picks."""
+    return self.width(i) if self.policy is None else (self.width(i), self.policy.next().k)
+
+  def observe(self, method: str, i: int, out: sampling.SampleOutput) -> _CallScores:
+    if method == 'SpS' and self.policy is not None:
+      self.policy.observe(out)
+    return self.score(method, i, out)
 
   def score(self, method: str, i: int, out: sampling.SampleOutput) -> _CallScores:
     """Call i's completions and model-based columns, over its real rows."""
@@ -217,10 +236,11 @@ def run_rows(target: models.Model, draft: models.Model | None, tok: Tokenizer, t
              decoding: str, sampling_config: sampling.SamplingConfig, batch: int, k: int,
              seed: int, mesh: Mesh | None = None,
              drafter: drafters.Drafter = drafters.ModelDrafter(),
-             lenience: float = 1.0) -> tuple[Row, Row]:
+             lenience: float = 1.0, policy: auto_k.Policy | None = None) -> tuple[Row, Row]:
   """ArS and SpS (with `drafter`; `draft` None for one without a model) on every prompt of `task`
   (in calls of `batch` rows), scored: (ArS, SpS). Lenience < 1 is LOSSY: the SpS row then carries
-  the mean total variation of a draft slot's law from p along its outputs.
+  the mean total variation of a draft slot's law from p along its outputs. With `policy`
+  (k = 'auto', k its k_max) each SpS call runs at the policy's k (0: ArS), compiled untimed.
 
   The two take turns call by call (`timing.time_interleaved`), so that the machine's drift falls on
   both alike; each call is scored as it comes, outside the clock. On `mesh` (models placed on it
@@ -231,11 +251,12 @@ def run_rows(target: models.Model, draft: models.Model | None, tok: Tokenizer, t
   prompts_NxP, lengths_N = _encode(task, tok, target, draft, k)
   pair = _Pair(target=target, draft=draft, tok=tok, task=task, decoding=decoding,
                sampling_config=sampling_config, batch=batch, k=k, seed=seed, mesh=mesh,
-               drafter=drafter, lenience=lenience, prompts_NxP=prompts_NxP, lengths_N=lengths_N)
+               drafter=drafter, lenience=lenience, prompts_NxP=prompts_NxP, lengths_N=lengths_N,
+               policy=policy)
   scored = {method: [] for method in METHODS}  # Each call's scores, in call order.
   timings = timing.time_interleaved(
-      {m: functools.partial(pair.sample, m) for m in METHODS}, pair.num_calls, bucket=pair.width,
-      ks={'SpS': k}, on_output=lambda m, i, out: scored[m].append(pair.score(m, i, out)))
+      {m: functools.partial(pair.sample, m) for m in METHODS}, pair.num_calls, bucket=pair.bucket,
+      ks={'SpS': k}, on_output=lambda m, i, out: scored[m].append(pair.observe(m, i, out)))
   ars, sps = (pair.row(m, scored[m], timings[m]) for m in METHODS)
   return ars, sps
 
