@@ -10,12 +10,12 @@ sweep: model, prompt lookup and hybrid drafters at each k, then dynamic k (a mod
 below each confidence threshold) at the largest k, and the ragged ones (lookup, dynamic k) again
 with `trim_score` (the target scores only the positions proposed). drafter_k: the draft model
 and the head checkpoints named by feature (an EAGLE head) and heads (parallel heads) at each k of
-ks, with a figure of tokens per loop against k, a line per drafter. The k, drafter and drafter_k
-sweeps end with k = 'auto' points (`bench.auto_k`, up to the largest k; auto=0: none), each
-calibrated on the first prompt (cached on disk). The lenience sweep is LOSSY
-below 1 and reports each point's total variation from the target's law. hf_target, hf_draft:
-Hugging Face checkpoint directories in place of root's target and draft (the draft sweep then has
-that one draft).
+ks (draft=none: the heads only), with a figure of tokens per loop against k, a line per
+drafter. The k, drafter and drafter_k sweeps end with k = 'auto' points (`bench.auto_k`, up to
+the largest k; auto=0: none), each calibrated on the first prompt (cached on disk). The lenience
+sweep is LOSSY below 1 and reports each point's total variation from the target's law.
+hf_target, hf_draft: Hugging Face checkpoint directories in place of root's target and draft (the
+draft sweep then has that one draft).
 The swept points are `points(sweep, ...)` below: a list of overrides, one per point.
 """
 
@@ -56,12 +56,13 @@ def points(sweep: str, k: int, draft: str, temperature: float,
     return kinds + [dict(p, label=p['label'] + ' trimmed', trim_score=True) for p in ragged] + (
         [point(f'{kind} auto', k=max(ks), drafter=dict(MODEL, kind=kind), auto=True)
          for kind in ('model', 'lookup', 'hybrid')] if auto else [])
-  if sweep == 'drafter_k':  # The draft model and each head checkpoint ((kind, name)) at each k,
-    # then k = 'auto' up to the largest.
+  if sweep == 'drafter_k':  # The draft model (unless 'none') and each head checkpoint ((kind,
+    # name)) at each k, then k = 'auto' up to the largest.
+    pairs = ((('model', draft),) if draft != 'none' else ()) + heads
     return [point(f'{name} k={i}', k=i, draft=name, drafter=dict(MODEL, kind=kind))
-            for kind, name in (('model', draft),) + heads for i in ks] + (
+            for kind, name in pairs for i in ks] + (
         [point(f'{name} auto', k=max(ks), draft=name, drafter=dict(MODEL, kind=kind), auto=True)
-         for kind, name in (('model', draft),) + heads] if auto else [])
+         for kind, name in pairs] if auto else [])
   if sweep == 'lenience':  # LOSSY below 1: each point reports its total variation from p.
     return [point(str(l), lenience=l) for l in (1.0, 0.8, 0.5, 0.3)]
   raise ValueError(f'sweep must be one of {list(SWEEPS)}, got {sweep!r}.')

@@ -137,5 +137,7 @@ def test_the_sweeps_end_with_auto_points():
   assert not any(auto for *_, auto in labels('sweep=k,auto=0'))
   assert labels('sweep=drafter_k,draft=d,feature=f,ks=2+5')[-2:] == [('d auto', 5, True),
                                                                       ('f auto', 5, True)]
+  assert labels('sweep=drafter_k,draft=none,heads=h,ks=3') == [('h k=3', 3, False),
+                                                               ('h auto', 3, True)]
   assert [l for l, _, auto in labels('sweep=drafter') if auto] == [
       'model auto', 'lookup auto', 'hybrid auto']
