@@ -15,8 +15,8 @@ from spsjax.models import feature_head
 from spsjax.sampling import (SamplingConfig, autoregressive_sample, drafters, probabilities,
                              speculative, speculative_sample)
 from spsjax.sampling.feature_drafters import FeatureDrafter, HeadsDrafter
-from tests.stats import exact_sequence_law, g_test_pvalue, scaled_model, sequence_counts
-from tests.test_speculative import interleaved
+from tests.stats import scaled_model
+from tests.test_speculative import check_interleaved_law, interleaved
 
 GREEDY = SamplingConfig(temperature=0.0)
 P_MIN = 1e-5  # Each G-test fails a correct sampler with this probability.
@@ -177,15 +177,8 @@ def test_output_law_is_target_law(tiny_target, kind, setting, k, packed):
   prompts, lengths = interleaved(RAGGED_PROMPTS, ROWS)
   out = speculative_sample(target, head, prompts, lengths, jax.random.key(30 + k), k=k,
                            max_new_tokens=NEW_LONG, sampling=sampling, drafter=DRAFTERS[kind])
-  tokens = np.asarray(out.tokens)
-  assert (np.asarray(out.num_generated) == NEW_LONG).all()
-  histogram = np.asarray(out.accepted_histogram)
-  assert histogram[0] > 0 and histogram[k] > 0  # Rejections and full acceptances both occur.
-  assert int(np.max(out.num_loops)) >= 2
-  for i, prompt in enumerate(RAGGED_PROMPTS):
-    law = exact_sequence_law(tiny_target, prompt, NEW_LONG, sampling)
-    pvalue = g_test_pvalue(sequence_counts(tokens[i::2], V_SMALL), law)
-    assert pvalue > P_MIN, f'{kind} {setting} k={k}, prompt {prompt}: p-value {pvalue:.2e}'
+  check_interleaved_law(out, tiny_target, k, sampling, f'{kind} {setting} k={k}',
+                        RAGGED_PROMPTS, NEW_LONG)
 
 
 @pytest.mark.parametrize('kind,k', [('feature', 1), ('feature', 4), ('heads', 4)])

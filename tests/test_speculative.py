@@ -123,6 +123,23 @@ def interleaved(ragged_prompts, rows):
   return prompts, lengths
 
 
+def check_interleaved_law(out, target, k, sampling, label, ragged_prompts=None, new=None):
+  """The checks of an SpS run on `interleaved` prompts: every row made `new` tokens, some loops
+  rejected and some accepted all k, a second loop ran, and each prompt's rows pass the G-test
+  against the target's enumerated law."""
+  ragged_prompts = RAGGED_PROMPTS if ragged_prompts is None else ragged_prompts
+  new = NEW_LONG if new is None else new
+  tokens = np.asarray(out.tokens)
+  assert (np.asarray(out.num_generated) == new).all()
+  histogram = np.asarray(out.accepted_histogram)
+  assert histogram[0] > 0 and histogram[k] > 0  # Rejections and full acceptances both occur.
+  assert int(np.max(out.num_loops)) >= 2
+  for i, prompt in enumerate(ragged_prompts):
+    law = exact_sequence_law(target, prompt, new, sampling)
+    pvalue = g_test_pvalue(sequence_counts(tokens[i::len(ragged_prompts)], V_SMALL), law)
+    assert pvalue > P_MIN, f'{label}, prompt {prompt}: G-test p-value {pvalue:.2e}'
+
+
 @pytest.mark.parametrize('setting,k', [('temperature_0.8', 2), ('top_p_0.8', 4)])
 def test_law_through_the_packed_native_path_on_ragged_prompts(tiny_pair, setting, k):
   """The models packed for CPU decoding (the native products, attention and sampling kernels):
@@ -140,15 +157,7 @@ def test_law_through_the_packed_native_path_on_ragged_prompts(tiny_pair, setting
   prompts, lengths = interleaved(RAGGED_PROMPTS, ROWS)
   out = speculative_sample(target, draft, prompts, lengths, jax.random.key(20 + k), k=k,
                            max_new_tokens=NEW_LONG, sampling=sampling)
-  tokens = np.asarray(out.tokens)
-  assert (np.asarray(out.num_generated) == NEW_LONG).all()
-  histogram = np.asarray(out.accepted_histogram)
-  assert histogram[0] > 0 and histogram[k] > 0  # Rejections and full acceptances both occur.
-  assert int(np.max(out.num_loops)) >= 2
-  for i, prompt in enumerate(RAGGED_PROMPTS):
-    law = exact_sequence_law(tiny_pair[0], prompt, NEW_LONG, sampling)
-    pvalue = g_test_pvalue(sequence_counts(tokens[i::2], V_SMALL), law)
-    assert pvalue > P_MIN, f'{setting}, k={k}, prompt {prompt}: G-test p-value {pvalue:.2e}'
+  check_interleaved_law(out, tiny_pair[0], k, sampling, f'{setting}, k={k}')
 
 
 # --- Greedy parity with ArS ---------------------------------------------------------------------
