@@ -47,7 +47,32 @@ def test_acceptance_inverts_tokens_per_loop():
   more = seen.observe(out([0], [4]), 4)  # 4 loops that accepted nothing: alpha 0.
   assert more.alpha == pytest.approx(seen.alpha / 2)
   ars = SampleOutput(tokens=None, num_generated=None)
-  assert more.observe(ars, 0) == more and auto_k.Acceptance().alpha == 0.0
+  after_ars = more.observe(ars, 0)  # Counted as an ArS call, no evidence on alpha.
+  assert (after_ars.alpha, after_ars.loops, after_ars.ars_calls) == (more.alpha, 8, 1)
+  assert after_ars.observe(out([1], [1]), 1).ars_calls == 0 and auto_k.Acceptance().alpha == 0.0
+
+
+def test_after_a_run_of_ars_calls_the_policy_probes_at_k_1():
+  """ArS calls see no acceptances: every `probe_every` + 1-th call of an ArS run is an SpS call
+  at k = 1, whose counts can bring speculation back."""
+  policy = auto_k.Policy(dataclasses.replace(COSTS, alpha=0.1, prior_loops=20), probe_every=3)
+  ars = SampleOutput(tokens=None, num_generated=None)
+  for _ in range(3):
+    assert policy.next().k == 0
+    policy.observe(ars)
+  probe = policy.next()
+  assert (probe.k, probe.probe) == (1, True) and probe.predicted_speedup < 1.0
+  # The text turned easy: 100 loops at k = 1 that accepted 95 drafts.
+  policy.observe(SampleOutput(tokens=None, num_generated=None, num_loops=np.array([100]),
+                              num_accepted=np.array([95]), num_full_loops=np.array([95])))
+  assert policy.acceptance.alpha == pytest.approx((0.1 * 20 + 0.95 * 100) / 120)
+  back = policy.next()
+  assert back.k > 0 and not back.probe
+  summary = policy.summary()
+  assert summary['ks'] == [0, 0, 0, 1] and summary['probes'] == 1
+  never = auto_k.Acceptance(0.0, 10, ars_calls=1000)
+  assert auto_k.decide(COSTS, never, probe_every=0).k == 0
+  assert auto_k.decide(COSTS, never).k == 1 and auto_k.decide(COSTS, never, 1001).k == 0
 
 
 @pytest.fixture(scope='module')
@@ -104,7 +129,7 @@ def test_a_call_is_the_sampler_call_it_chose(pair, alpha, want_k):
   if want_k == 0:
     want = sampling.autoregressive_sample(target, prompts, lengths, key, max_new_tokens=10,
                                           sampling=cfg)
-    assert seen == prior
+    assert seen == dataclasses.replace(prior, ars_calls=1)
   else:
     want = sampling.speculative_sample(target, draft, prompts, lengths, key, k=want_k,
                                        max_new_tokens=10, sampling=cfg)

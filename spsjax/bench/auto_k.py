@@ -17,8 +17,10 @@ drafts (prompt lookup) and the rows of a batch alike.
 
 Policy (`choose`): k* = argmax over k in 0 .. k_max of E[tokens per loop](alpha, k) / loop(k),
 against 1 / ars_step for k = 0. Each call is exact whatever its k: it is one ArS or one SpS call.
-Once the policy chooses ArS it sees no more acceptances, so it stays there for that prior; a
-calibration with a draft that is better on other text is the way back (`recalibrate`).
+ArS calls see no acceptances, so after `PROBE_EVERY` ArS calls in a row the next call probes at
+k = 1, the cheapest loop (`decide`): its counts are what can bring speculation back when the text
+turns easier for the draft. At worst (a useless draft) a probe costs one call at ~0.5-0.85x ArS
+in `PROBE_EVERY` + 1, i.e. 0.5-1.5%.
 """
 
 import dataclasses
@@ -33,6 +35,9 @@ import numpy as np
 from spsjax import models, sampling
 from spsjax.bench import theory
 from spsjax.sampling import drafters
+
+# ArS calls in a row after which the next call probes at k = 1 (`decide`).
+PROBE_EVERY = 32
 
 
 def cache_dir() -> str:
@@ -84,6 +89,7 @@ class Acceptance:
   weighted by the call's loops."""
   weighted_alpha: float = 0.0  # Sum over calls of alpha * loops.
   loops: int = 0
+  ars_calls: int = 0  # ArS calls since the last SpS call.
 
   @property
   def alpha(self) -> float:
@@ -91,12 +97,12 @@ class Acceptance:
     return self.weighted_alpha / self.loops if self.loops else 0.0
 
   def observe(self, out: sampling.SampleOutput, k: int) -> 'Acceptance':
-    """Adds an SpS call's counts at lookahead k (an ArS call's output adds nothing)."""
+    """Adds an SpS call's counts at lookahead k (an ArS call only counts as one)."""
     if out.num_loops is None:
-      return self
+      return dataclasses.replace(self, ars_calls=self.ars_calls + 1)
     loops = int(np.sum(out.num_loops))
     if not loops:
-      return self
+      return dataclasses.replace(self, ars_calls=0)
     tokens_per_loop = (int(np.sum(out.num_accepted)) + loops) / loops
     return Acceptance(self.weighted_alpha + alpha_for(tokens_per_loop, k) * loops,
                       self.loops + loops)
@@ -108,6 +114,7 @@ class Choice:
   k: int
   alpha: float
   rates: tuple[float, ...]  # rates[k], k = 0 .. k_max.
+  probe: bool = False  # k = 1 although ArS rates higher (`decide`).
 
   @property
   def predicted_speedup(self) -> float:
@@ -122,6 +129,15 @@ def choose(costs: LoopCosts, alpha: float) -> Choice:
       theory.expected_tokens_per_loop(alpha, k) / costs.loop(k)
       for k in range(1, costs.k_max + 1)]
   return Choice(k=int(np.argmax(rates)), alpha=alpha, rates=tuple(rates))
+
+
+def decide(costs: LoopCosts, acceptance: Acceptance, probe_every: int = PROBE_EVERY) -> Choice:
+  """`choose` at the acceptance so far, except that after `probe_every` ArS calls in a row
+  (`Acceptance.ars_calls`) the call probes at k = 1 (0: never)."""
+  choice = choose(costs, acceptance.alpha)
+  if choice.k == 0 and probe_every and acceptance.ars_calls >= probe_every:
+    return dataclasses.replace(choice, k=1, probe=True)
+  return choice
 
 
 def _cpu() -> str:
@@ -239,11 +255,12 @@ def prior(costs: LoopCosts) -> Acceptance:
 def sample(costs: LoopCosts, acceptance: Acceptance, target: models.Model,
            draft: models.Model | None, prompts, prompt_lengths, rng: jax.Array, *,
            max_new_tokens: int, drafter: drafters.Drafter = drafters.ModelDrafter(),
+           probe_every: int = PROBE_EVERY,
            **kwargs) -> tuple[sampling.SampleOutput, Choice, Acceptance]:
-  """One call at the k `choose` picks for `acceptance` (0: `autoregressive_sample`, else
+  """One call at the k `decide` picks for `acceptance` (0: `autoregressive_sample`, else
   `speculative_sample` with `drafter`; `kwargs` go to the sampler: sampling, eos_id, mesh, ...):
   (its output, the choice, the acceptance with this call's counts added)."""
-  choice = choose(costs, acceptance.alpha)
+  choice = decide(costs, acceptance, probe_every)
   if choice.k == 0:
     out = sampling.autoregressive_sample(target, prompts, prompt_lengths, rng,
                                          max_new_tokens=max_new_tokens, **kwargs)
@@ -255,11 +272,13 @@ def sample(costs: LoopCosts, acceptance: Acceptance, target: models.Model,
 
 class Policy:
   """k = 'auto' over a run of calls on the host, for harnesses that call the samplers themselves:
-  `next()` before a call gives its k (`choose` at the acceptance so far), `observe(out)` after it
+  `next()` before a call gives its k (`decide` at the acceptance so far), `observe(out)` after it
   adds its counts at that k; `choices` lists every observed call's choice."""
 
-  def __init__(self, costs: LoopCosts, acceptance: Acceptance | None = None):
+  def __init__(self, costs: LoopCosts, acceptance: Acceptance | None = None,
+               probe_every: int = PROBE_EVERY):
     self.costs = costs
+    self.probe_every = probe_every
     self.acceptance = prior(costs) if acceptance is None else acceptance
     self.choices: list[Choice] = []
     self._pending: Choice | None = None
@@ -272,7 +291,7 @@ class Policy:
     return self._pending
 
   def next(self) -> Choice:
-    self._pending = choose(self.costs, self.acceptance.alpha)
+    self._pending = decide(self.costs, self.acceptance, self.probe_every)
     return self._pending
 
   def observe(self, out: sampling.SampleOutput) -> None:
@@ -285,6 +304,7 @@ class Policy:
     """What a results file keeps: the costs, each call's k and predicted speedup, alpha."""
     return dict(costs=dataclasses.asdict(self.costs), ks=[c.k for c in self.choices],
                 predicted_speedups=[c.predicted_speedup for c in self.choices],
+                probes=sum(c.probe for c in self.choices),
                 alpha=self.acceptance.alpha)
 
 
