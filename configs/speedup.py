@@ -3,8 +3,9 @@
 
 Arguments: root (family directory; default checkpoints/reference), draft (checkpoint name of the
 draft; default the family's best: draft_trunc_distill_3000 for the reference family,
-draft_wide_distill for demo, draft_wide for tiny), k (or auto: `spsjax.bench.auto_k`, each row
-calibrated on its first prompts, each call at k in 0 .. k_max, 0 being ArS), k_max, humaneval /
+draft_wide_distill for demo, draft_wide for tiny; random: a useless draft, `load.random_draft`),
+k (or auto: `spsjax.bench.auto_k`, each row calibrated on its first prompts, each call at k in
+0 .. k_max, 0 being ArS), k_max, humaneval /
 docstrings / code (number of examples of each task; 0: all; code is `code_completion`, held-out
 functions cut in half), batches ('+'-separated, e.g. 1+8), seed, results (output
 directory; default results/speedup_<family>), runlocal (a few examples, for a smoke run), demo

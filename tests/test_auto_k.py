@@ -106,6 +106,9 @@ def test_calibration_is_measured_once_and_cached(pair, tmp_path, monkeypatch):
     auto_k.calibrated(target, target, prompts, lengths, recalibrate=True, **kw)
   with pytest.raises(AssertionError, match='measured again'):  # Another draft shape.
     auto_k.calibrated(target, draft, prompts, lengths, **kw)
+  reweighted = models.Model(target.config, jax.tree.map(lambda x: x * 0.5, target.params))
+  with pytest.raises(AssertionError, match='measured again'):  # Its weights: another prior.
+    auto_k.calibrated(target, reweighted, prompts, lengths, **kw)
   with pytest.raises(AssertionError, match='measured again'):  # Another sampling setting.
     auto_k.calibrated(target, target, prompts, lengths,
                       **dict(kw, sampling_config=SamplingConfig()))

@@ -96,3 +96,22 @@ def test_load_family_refuses_another_tokenizer_and_missing_members(family):
     load.load_family(root, 'target', ['nowhere'])
   with pytest.raises(FileNotFoundError):
     load.load_family(root, 'nowhere', ['draft'])
+
+
+def test_the_random_draft_is_useless_and_loads_beside_a_trained_target(family):
+  """`random`: no checkpoint, the target's first-layer shape, near one-hot laws that put little
+  mass where the target's are (alpha = sum min(p, q) well below a plain random draft's)."""
+  root, _, _ = family
+  target, drafts, _, _ = load.load_family(root, 'target', ['draft', load.RANDOM_DRAFT])
+  useless = models.unpack(drafts[load.RANDOM_DRAFT])
+  assert useless.config.num_layers == 1 and useless.config.d_model == target.config.d_model
+  tokens = np.array([[5, 6, 7, 8, 9, 10, 11, 12]], np.int32)
+  q = jax.nn.softmax(models.logits(useless.config, useless.params, tokens), -1)
+  assert float(np.mean(np.max(q, -1))) > 0.5  # Sharp: a flat law would have 1 / V.
+  unpacked = models.unpack(target)
+  p = jax.nn.softmax(models.logits(unpacked.config, unpacked.params, tokens), -1)
+  alpha = float(np.mean(np.sum(np.minimum(p, q), -1)))
+  assert alpha < 2.0 / target.config.vocab_size ** 0.5, alpha
+  mesh = sharding.make_mesh(2, 4)
+  _, on_mesh, _, _ = load.load_family(root, 'target', [load.RANDOM_DRAFT], mesh=mesh)
+  _assert_params_equal(on_mesh[load.RANDOM_DRAFT].params, useless.params)

@@ -7,8 +7,8 @@ bookkeeping: what isolated `extend` timings miss; a draft step costs ~1.5x more 
 alone), a loop at another k interpolated linearly (k draft steps, and a scoring whose cost grows
 about linearly with its positions, barely at batch 1). Calibrating a batch compiles and times
 three programs (a few seconds at the reference sizes); the result is cached on disk per machine,
-JAX version, model shapes, drafter and sampling settings (`cache_key`), since costs depend on
-shapes, not on the weights' values.
+JAX version, models, drafter and sampling settings (`cache_key`): costs depend on shapes, the
+prior's alpha on the weights too.
 
 Acceptance (`Acceptance`): the alpha whose expected tokens per loop (`theory`) match each SpS
 call's, averaged over the calls so far by their loops, starting from the calibration's SpS call.
@@ -30,6 +30,7 @@ import os
 import platform
 import time
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from spsjax import models, sampling
@@ -157,12 +158,15 @@ def cache_key(target: models.Model, draft: models.Model | None, drafter: drafter
               sampling_config: sampling.SamplingConfig, batch: int, k_max: int,
               max_new_tokens: int) -> str:
   """What a calibration depends on: machine (CPU and its vector extensions, or the
-  accelerator), JAX, the models' shapes and kernels (packed weight types), drafter, sampling."""
+  accelerator), JAX, the models' shapes and kernels (packed weight types), drafter, sampling;
+  and, for the prior's alpha, the weights (a checksum: the sum of their magnitudes)."""
   def shape(m):
     if m is None:
       return None
+    checksum = sum(float(jnp.sum(jnp.abs(x.astype(jnp.float32))))
+                   for x in jax.tree.leaves(m.params))
     return dict(config=repr(m.config), packed=models.packed_dtype(m),
-                output_copy='output' in m.params)
+                output_copy='output' in m.params, weights=f'{checksum:.6e}')
   device = jax.devices()[0]
   what = dict(cpu=_cpu(), device=f'{device.platform}:{device.device_kind}:{jax.device_count()}',
               jax=jax.__version__, target=shape(target), draft=shape(draft),

@@ -9,8 +9,12 @@ A Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json, o
 spsjax_tokenizer.model that experiments/export_hf.py writes) loads as well, wherever a checkpoint
 is named (`models.hf`, `data.hf_tokenizer`); its meta is {'hf': config}. Every location is local or
 a URI (`storage`).
+
+The draft name `random` (`RANDOM_DRAFT`) loads no checkpoint: it is a useless draft (alpha ~ 0),
+the baseline that k = 'auto' must not lose to.
 """
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -74,6 +78,21 @@ def load_model(workdir: str, *, step: int | None = None, mesh: Mesh | None = Non
   return models.Model(config, params), Tokenizer.from_bytes(tokenizer_bytes), meta
 
 
+RANDOM_DRAFT = 'random'
+RANDOM_SHARPNESS = 10.0  # The random draft's final norm scale: q is near one-hot.
+
+
+def random_draft(target: models.TransformerConfig, seed: int = 0,
+                 mesh: Mesh | None = None) -> models.Model:
+  """A useless draft of `target`'s vocabulary: its first-layer shape (the truncated draft's) with
+  random weights and logits scaled by `RANDOM_SHARPNESS`, so that q puts nearly all its mass on
+  one arbitrary token, which the target rarely picks."""
+  config = dataclasses.replace(target, num_layers=1)
+  params = models.init_params(config, jax.random.key(seed), mesh=mesh)
+  params['final_norm'] = jax.tree.map(lambda x: x * RANDOM_SHARPNESS, params['final_norm'])
+  return models.Model(config, params)
+
+
 def load_family(root: str, target: str, drafts: Sequence[str], *, mesh: Mesh | None = None,
                 draft_weights: str = 'float32'
                 ) -> tuple[models.Model, dict[str, models.Model], Tokenizer, dict]:
@@ -83,16 +102,21 @@ def load_family(root: str, target: str, drafts: Sequence[str], *, mesh: Mesh | N
   Without a mesh the models come placed for decoding on this machine (`models.for_decoding`:
   packed for the native CPU kernels where they can run, the drafts' packed weights stored as
   `draft_weights`, one of `models.WEIGHT_DTYPES`); on a mesh they are sharded (and `draft_weights` does
-  not apply: XLA's dots run on the float32 weights).
+  not apply: XLA's dots run on the float32 weights). The draft `random` is `random_draft`.
   """
   if draft_weights not in models.WEIGHT_DTYPES:
     raise ValueError(f'draft_weights must be one of {models.WEIGHT_DTYPES}, not {draft_weights!r}.')
   place = (lambda m, *_: m) if mesh is not None else models.for_decoding
   path = lambda name: name if is_hf(name) else storage.join(root, name)
   target_model, tok, meta = load_model(path(target), mesh=mesh)
+  trained_config = target_model.config
   target_model = place(target_model)
   draft_models = {}
   for name in drafts:
+    if name == RANDOM_DRAFT:
+      draft_models[name] = place(random_draft(trained_config, mesh=mesh), draft_weights,
+                                 target_model)
+      continue
     draft_models[name], draft_tok, _ = load_model(path(name), mesh=mesh)
     if draft_tok.to_bytes() != tok.to_bytes():
       raise ValueError(f'{name} and {target} in {root} use different tokenizers: not a pair.')
