@@ -317,8 +317,11 @@ def test_sweep_point_csv_and_plot(family, tmp_path):
   sweep.plot([point], str(tmp_path / 'fig.png'), 'test', 'k')
   assert (tmp_path / 'fig.png').stat().st_size > 1000
   other = dataclasses.replace(point, k=3, draft='e', tokens_per_loop=2.5)
-  sweep.plot_tokens_per_loop([base, point, dataclasses.replace(other, k=1), other],
-                             str(tmp_path / 'k.png'), 'test')
+  auto = dataclasses.replace(other, auto_ks=(0, 3))  # Its k varies by call: not on a line.
+  curves = [base, point, other, dataclasses.replace(other, k=1, tokens_per_loop=1.5), auto]
+  assert sweep.tokens_per_loop_lines(curves) == {
+      'd': [(2, point.tokens_per_loop)], 'e': [(1, 1.5), (3, 2.5)]}
+  sweep.plot_tokens_per_loop(curves, str(tmp_path / 'k.png'), 'test')
   assert (tmp_path / 'k.png').stat().st_size > 1000
   del tok
 

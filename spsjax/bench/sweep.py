@@ -218,19 +218,25 @@ def plot(points: Sequence[Point], path: str, title: str, x_label: str) -> None:
   _save(fig, path)
 
 
-def plot_tokens_per_loop(points: Sequence[Point], path: str, title: str) -> None:
-  """Tokens per loop against k, a line per draft (the points' `draft`, each point one k), with
-  k + 1 (every draft accepted) for scale; a PNG at `path` as `plot`'s."""
-  plt = _pyplot()
-  fig, ax = plt.subplots(figsize=(6, 4))
+def tokens_per_loop_lines(points: Sequence[Point]) -> dict[str, list[tuple[int, float]]]:
+  """{draft (or drafter): [(k, tokens per loop)] by k} of the fixed-k SpS points (not ArS, not
+  k = 'auto', whose k varies by call)."""
   lines = {}
   for p in points:
-    if p.k:
+    if p.k and not p.auto_ks:
       lines.setdefault(p.draft or p.drafter, []).append((p.k, p.tokens_per_loop))
+  return {name: sorted(line) for name, line in lines.items()}
+
+
+def plot_tokens_per_loop(points: Sequence[Point], path: str, title: str) -> None:
+  """Tokens per loop against k, a line per draft (`tokens_per_loop_lines`), with k + 1 (every
+  draft accepted) for scale; a PNG at `path` as `plot`'s."""
+  plt = _pyplot()
+  fig, ax = plt.subplots(figsize=(6, 4))
+  lines = tokens_per_loop_lines(points)
   ks = sorted({k for line in lines.values() for k, _ in line})
   ax.plot(ks, [k + 1 for k in ks], color='gray', linestyle='--', label='k + 1 (all accepted)')
   for name, line in lines.items():
-    line.sort()
     ax.plot([k for k, _ in line], [t for _, t in line], marker='o', label=name)
   ax.set_xlabel('k')
   ax.set_ylabel('tokens per loop')
