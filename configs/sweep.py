@@ -3,16 +3,17 @@
 Arguments: root (family; default checkpoints/reference), sweep (k | draft | temperature | drafter
 | drafter_k | lenience), draft (the draft model of every sweep but `draft`; default the family's
 best, `spsjax.config_args.best_draft`), drafts (the draft sweep's checkpoints, '+'-separated;
-default all three topologies), k (of the draft, temperature and lenience sweeps), prompts (HumanEval
-prompts, one timed call each), max_new_tokens (128 as in the paper), temperature (of every sweep
-but `temperature`), seed, results, runlocal; ks and thresholds ('+'-separated) for the drafter
+default all three topologies), k (of the draft, temperature and lenience sweeps), prompts
+(HumanEval prompts), batch (prompts per timed call, default 1; the first prompts // batch
+batches), max_new_tokens (128 as in the paper), temperature (of every sweep but `temperature`),
+seed, results, runlocal; ks and thresholds ('+'-separated) for the drafter
 sweep: model, prompt lookup and hybrid drafters at each k, then dynamic k (a model draft that stops
 below each confidence threshold) at the largest k, and the ragged ones (lookup, dynamic k) again
 with `trim_score` (the target scores only the positions proposed). drafter_k: the draft model
 and the head checkpoints named by feature (an EAGLE head) and heads (parallel heads) at each k of
 ks (draft=none: the heads only), with a figure of tokens per loop against k, a line per
 drafter. The k, drafter and drafter_k sweeps end with k = 'auto' points (`bench.auto_k`, up to
-the largest k; auto=0: none), each calibrated on the first prompt (cached on disk). The lenience
+the largest k; auto=0: none), each calibrated on the first batch (cached on disk). The lenience
 sweep is LOSSY below 1 and reports each point's total variation from the target's law.
 hf_target, hf_draft: Hugging Face checkpoint directories in place of root's target and draft (the
 draft sweep then has that one draft).
@@ -80,7 +81,7 @@ def _values(name, text, kind, valid, what):
 
 
 def get_config(arg=None):
-  a = parse_arg(arg, root=REFERENCE_ROOT, sweep='k', draft='', k=4, prompts=16,
+  a = parse_arg(arg, root=REFERENCE_ROOT, sweep='k', draft='', k=4, prompts=16, batch=1,
                 max_new_tokens=128, temperature=0.8, seed=0, results='', runlocal=False,
                 drafts='+'.join(DRAFTS), data=1, model_axis=1, draft_weights='int8',
                 ks='2+4+6', thresholds='0.1+0.2+0.4', hf_target='', hf_draft='', feature='',
@@ -106,11 +107,14 @@ def get_config(arg=None):
                     drafts, ks, thresholds, heads, a.auto)
   if a.runlocal:
     c.points = c.points[:2]
-  c.prompts = 2 if a.runlocal else a.prompts
+  c.batch = a.batch  # Prompts per timed call.
+  c.prompts = 2 * a.batch if a.runlocal else a.prompts
+  if not 1 <= c.batch <= c.prompts:
+    raise ValueError(f'batch must be in [1, prompts = {c.prompts}], got {c.batch}.')
   c.max_new_tokens = 16 if a.runlocal else a.max_new_tokens
   c.top_p = 0.95  # HumanEval's nucleus, as in the paper.
   c.seed = a.seed
-  c.mesh = dict(data=a.data, model=a.model_axis)  # Batch 1 per call: data must be 1.
+  c.mesh = dict(data=a.data, model=a.model_axis)  # data must divide batch.
   c.results = a.results or os.path.join(
       'results', f'sweep_{a.sweep}_' + os.path.basename(os.path.normpath(a.hf_target or a.root)))
   return c

@@ -34,7 +34,8 @@ def main(argv):
   family = c.target if load.is_hf(c.target) else c.root  # What the output names the models by.
   target, drafts, tok, _ = load.load_family(c.root, c.target, names, mesh=mesh,
                                             draft_weights=c.draft_weights)
-  print0(f'{family}: sweep of {c.sweep} over {len(c.points)} points, {c.prompts} prompts, '
+  print0(f'{family}: sweep of {c.sweep} over {len(c.points)} points, {c.prompts} prompts in '
+         f'calls of {c.batch}, '
          + (f'mesh {dict(mesh.shape)}' if mesh else 'one device'))
   texts = [p['prompt'] for p in humaneval.read_problems()[:c.prompts]]
   max_k = max(p['k'] for p in c.points)
@@ -51,8 +52,9 @@ def main(argv):
     sampling_config = SamplingConfig(temperature=p['temperature'], top_p=c.top_p)
     draft = drafts[p['draft']] if drafter.needs_model else None
     policy = None
-    if p['auto']:  # Calibrated on the first prompt (or read from the disk cache).
-      costs, path = auto_k.calibrated(target, draft, *prompts_lib.for_call(prompts, lengths, [0]),
+    if p['auto']:  # Calibrated on the first batch (or read from the disk cache).
+      first = prompts_lib.for_call(prompts, lengths, list(range(c.batch)))
+      costs, path = auto_k.calibrated(target, draft, *first,
                                       k_max=p['k'], drafter=drafter,
                                       sampling_config=sampling_config)
       policy = auto_k.Policy(costs)
@@ -61,12 +63,12 @@ def main(argv):
     point = sweep.run_point(p['label'], target, draft, p['draft'], prompts,
                             lengths, k=p['k'], sampling_config=sampling_config, drafter=drafter,
                             lenience=p['lenience'], trim_score=p['trim_score'],
-                            policy=policy, **kw)
+                            policy=policy, batch=c.batch, **kw)
     points.append(point)
     lossy = (f', LOSSY: lenience {point.lenience}, total variation from p {point.tv:.4f} per '
              'draft slot' if point.lenience < 1 else '')
     print0(f'{c.sweep}={point.label}: {point.mean_seconds * 1e3:.1f} ± '
-           f'{point.std_seconds * 1e3:.1f} ms per {c.max_new_tokens} tokens (ArS in turn '
+           f'{point.std_seconds * 1e3:.1f} ms per call (ArS in turn '
            f'{point.ars_seconds * 1e3:.1f}: {point.speedup:.2f}x), tokens/loop/(k+1) '
            f'{point.accepted_fraction:.3f}, alpha {point.alpha:.3f}, drafts/loop '
            f'{point.drafted_per_loop:.2f}, c {point.c:.3f}, '
@@ -76,7 +78,7 @@ def main(argv):
   print0(table)
   storage.write_text(storage.join(c.results, 'points.md'), table + '\n')
   sweep.plot(points, storage.join(c.results, 'figure1.png'),
-             f'{family}: {c.prompts} HumanEval prompts, {c.max_new_tokens} tokens, batch 1',
+             f'{family}: {c.prompts} HumanEval prompts, {c.max_new_tokens} tokens, batch {c.batch}',
              c.sweep)
   written = 'points.csv, points.md and figure1.png'
   if c.sweep == 'drafter_k':

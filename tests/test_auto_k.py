@@ -30,6 +30,11 @@ def test_the_policy_picks_the_highest_predicted_rate():
   assert auto_k.choose(COSTS, 0.3).k == 1  # 1.3 for 1.2.
   with pytest.raises(ValueError, match='k must be in'):
     COSTS.loop(5)
+  # A k = 1 loop timed below an ArS step (noise: it runs the target once, and drafts) costs a
+  # step, so a useless draft still gets ArS.
+  noisy = dataclasses.replace(COSTS, loop_1=0.9, loop_max=1.5)
+  assert noisy.loop(1) == 1.0 and noisy.loop(2) == pytest.approx(1.1)
+  assert auto_k.choose(noisy, 0.0).k == 0
   with pytest.raises(ValueError, match='positive times'):
     auto_k.LoopCosts(batch=1, k_max=2, ars_step=0.0, loop_1=1.0, loop_max=1.0)
 

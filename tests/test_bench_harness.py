@@ -326,6 +326,28 @@ def test_sweep_point_csv_and_plot(family, tmp_path):
   del tok
 
 
+def test_sweep_point_in_batches(family):
+  """batch = 2 over 3 prompts: one timed call of prompts 0 and 1 (the last left out), its counts
+  those of that call made here; a batch larger than the prompts is refused."""
+  target, draft, _ = family
+  prompts = np.array([[5, 6, 7], [8, 9, 10], [11, 12, 13]], np.int32)
+  lengths = np.array([3, 2, 3], np.int32)
+  cfg = sampling.SamplingConfig(temperature=0.8)
+  point = sweep.run_point('2', target, draft, 'd', prompts, lengths, k=2, sampling_config=cfg,
+                          max_new_tokens=8, seed=0, batch=2)
+  out = sampling.speculative_sample(
+      target, draft, *prompts_lib.for_call(prompts, lengths, [0, 1]),
+      jax.random.fold_in(jax.random.fold_in(jax.random.key(0), 0), 1), k=2, max_new_tokens=8,
+      sampling=cfg)
+  loops = int(np.sum(out.num_loops))
+  assert point.tokens_per_loop == pytest.approx((2 * 8 - 2) / loops)
+  assert point.loop_seconds * loops == pytest.approx(point.mean_seconds)  # One call.
+  assert point.std_seconds == 0.0 and point.speedup > 0
+  with pytest.raises(ValueError, match='batch must be'):
+    sweep.run_point('2', target, draft, 'd', prompts, lengths, k=2, sampling_config=cfg,
+                    max_new_tokens=8, seed=0, batch=4)
+
+
 def test_sweep_point_with_k_auto(family):
   """A k = 'auto' point: each SpS call runs at the policy's k (here ArS for the first call, whose
   prior sees no acceptance, then k = 2 once the policy is told alpha is high), the call's counts

@@ -162,6 +162,8 @@ def _one_line_error(run, *parts):
      ["ks must be '+'-separated integers >= 1, got '2+x'."]),
     (['experiments/sweep.py', '--config=configs/sweep.py:sweep=k,feature=feature'],
      ['feature= and heads= name head checkpoints for sweep=drafter_k, not sweep=k.']),
+    (['experiments/sweep.py', '--config=configs/sweep.py:sweep=k,batch=8,prompts=4'],
+     ['batch must be in [1, prompts = 4], got 8.']),
     (['experiments/peer_benchmark.py', '--config=configs/peer.py:hf_target=/nope'],
      ['hf_target=/nope is not a Hugging Face checkpoint directory (no config.json)']),
     (['experiments/sweep.py', '--config=configs/nope.py'],

@@ -64,12 +64,14 @@ class LoopCosts:
       raise ValueError(f'Need k_max >= 1 and positive times, got {self}.')
 
   def loop(self, k: int) -> float:
-    """Seconds of one SpS loop at k (1 <= k <= k_max), linear between the two measured."""
+    """Seconds of one SpS loop at k (1 <= k <= k_max), linear between the two measured, and at
+    least an ArS step (a loop runs the target once and drafts: less is timing noise)."""
     if not 1 <= k <= self.k_max:
       raise ValueError(f'k must be in [1, {self.k_max}], got {k}.')
     if self.k_max == 1:
-      return self.loop_1
-    return self.loop_1 + (k - 1) * (self.loop_max - self.loop_1) / (self.k_max - 1)
+      return max(self.loop_1, self.ars_step)
+    return max(self.loop_1 + (k - 1) * (self.loop_max - self.loop_1) / (self.k_max - 1),
+               self.ars_step)
 
 
 def alpha_for(tokens_per_loop: float, k: int) -> float:

@@ -1,12 +1,12 @@
 """Figure 1 of Chen et al. (2023): SpS time for a fixed number of tokens, acceptance and loop time
 as a function of a swept setting (k, the draft, the temperature).
 
-Each point samples `max_new_tokens` tokens (no eos, so every call makes the same number) at batch 1
-for a list of prompts, each prompt one timed call (compile apart). Recorded per point: mean and
-standard deviation of the time per sequence, mean tokens per loop divided by k + 1, time per loop
-(wall time / loops), the draft's cost per step c (`decode.measure_costs`: a draft step over a
-target step, measured right after the point; the draft-topology sweep compares shapes at equal
-c), and the ArS time of the same prompts with the same sampling settings, timed
+Each point samples `max_new_tokens` tokens (no eos, so every call makes the same number) per row
+of a list of prompts, each batch of them (1 by default) one timed call (compile apart). Recorded
+per point: mean and standard deviation of the time per call, mean tokens per loop divided by
+k + 1, time per loop (wall time / loops), the draft's cost per step c (`decode.measure_costs`: a
+draft step over a target step, measured right after the point; the draft-topology sweep compares
+shapes at equal c), and the ArS time of the same prompts with the same sampling settings, timed
 call by call in turn with SpS (`timing.time_interleaved`): a baseline measured minutes apart from a
 point would carry this machine's drift (tens of percent) into its speedup.
 """
@@ -35,13 +35,13 @@ class Point:
   k: int  # 0 for the ArS baseline.
   draft: str
   temperature: float
-  mean_seconds: float  # Per sequence of max_new_tokens tokens.
+  mean_seconds: float  # Per call (max_new_tokens tokens per row).
   std_seconds: float
   tokens_per_loop: float
   loop_seconds: float  # Wall time / loops (nan for ArS).
   acceptance_rate: float  # Accepted drafts / drafted tokens.
   alpha: float  # Per-draft acceptance (`theory.alpha_from_counts`).
-  ars_seconds: float  # ArS per sequence on the same prompts, timed in turn with this point.
+  ars_seconds: float  # ArS per call on the same prompts, timed in turn with this point.
   c: float = float('nan')  # Draft step / target step (nan for ArS; 0 for a drafter without model).
   drafter: str = ''  # e.g. 'ModelDrafter(stop_below=0.0)'; '' for ArS.
   drafted_per_loop: float = float('nan')  # Drafts proposed per loop (k unless ragged).
@@ -71,19 +71,23 @@ def run_point(label: str, target: models.Model, draft: models.Model | None, draf
               sampling_config: sampling.SamplingConfig, max_new_tokens: int, seed: int,
               mesh: Mesh | None = None, drafter: drafters.Drafter = drafters.ModelDrafter(),
               lenience: float = 1.0, trim_score: bool = False,
-              policy: auto_k.Policy | None = None) -> Point:
+              policy: auto_k.Policy | None = None, batch: int = 1) -> Point:
   """Times SpS with `drafter` (or only ArS when it needs a draft model and `draft` is None) on
-  every prompt, one call per prompt, with ArS on the same prompts in turn (on `mesh`, if given,
+  the prompts, one call per `batch` of them (the N // batch first batches), with ArS on the same
+  prompts in turn (on `mesh`, if given,
   with the models placed on it beforehand). With lenience < 1 (LOSSY) and a draft model, the
   point also carries the mean total variation of a draft slot's law from p along the outputs.
   With `policy` (k = 'auto', k its k_max), each SpS call runs at the k the policy picks (0: ArS),
   compiled before it is timed like any new shape."""
   ars_only = draft is None and drafter.needs_model
+  if not 1 <= batch <= len(prompts_NxP):
+    raise ValueError(f'batch must be in [1, {len(prompts_NxP)}] (the prompts), got {batch}.')
   tv = [0.0, 0]
+  rows = lambda i: list(range(i * batch, (i + 1) * batch))  # Call i's prompts.
 
   def run(method, i):
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), i), method == 'SpS')
-    args = prompts_lib.for_call(prompts_NxP, lengths_N, [i]) + (key,)
+    args = prompts_lib.for_call(prompts_NxP, lengths_N, rows(i)) + (key,)
     call_k = policy.pending.k if policy is not None and method == 'SpS' else k
     if method == 'ArS' or not call_k:
       return sampling.autoregressive_sample(target, *args, max_new_tokens=max_new_tokens,
@@ -97,18 +101,18 @@ def run_point(label: str, target: models.Model, draft: models.Model | None, draf
     if method == 'SpS' and policy is not None:
       policy.observe(out)
     if method == 'SpS' and lenience < 1 and draft is not None:
-      prompts_1xP, lengths_1 = prompts_lib.for_call(prompts_NxP, lengths_N, [i])
-      total, count = acceptance.lenient_tv(target, draft, sampling_config, lenience, prompts_1xP,
-                                           lengths_1, out, mesh)
+      prompts_BxP, lengths_B = prompts_lib.for_call(prompts_NxP, lengths_N, rows(i))
+      total, count = acceptance.lenient_tv(target, draft, sampling_config, lenience, prompts_BxP,
+                                           lengths_B, out, mesh)
       tv[0] += total
       tv[1] += count
 
   methods = ('ArS',) if ars_only else ('ArS', 'SpS')
   # One compiled program per padded width (`prompts.for_call`), compiled before it is timed.
-  width = lambda i: prompts_lib.for_call(prompts_NxP, lengths_N, [i])[0].shape[1]
+  width = lambda i: prompts_lib.for_call(prompts_NxP, lengths_N, rows(i))[0].shape[1]
   bucket = width if policy is None else lambda i: (width(i), policy.next().k)
   timings = timing.time_interleaved(
-      {m: functools.partial(run, m) for m in methods}, len(prompts_NxP), bucket=bucket,
+      {m: functools.partial(run, m) for m in methods}, len(prompts_NxP) // batch, bucket=bucket,
       ks={'SpS': k}, on_output=on_output)
   result = timings[methods[-1]]
   seconds = [c.seconds for c in result.calls]
@@ -117,7 +121,7 @@ def run_point(label: str, target: models.Model, draft: models.Model | None, draf
   draft_cost = float('nan') if ars_only else 0.0
   if draft is not None:
     capacity = prompts_NxP.shape[1] + max_new_tokens + k
-    draft_cost = decode.measure_costs(target, draft, k, batch=1, capacity=capacity,
+    draft_cost = decode.measure_costs(target, draft, k, batch=batch, capacity=capacity,
                                       mesh=mesh).c
   return Point(label=label, k=0 if ars_only else k, draft=draft_name if draft else '',
                temperature=sampling_config.temperature, mean_seconds=float(np.mean(seconds)),
@@ -157,7 +161,7 @@ def markdown(points: Sequence[Point]) -> str:
   turn)."""
   fmt = lambda x, spec: '-' if np.isnan(x) else format(x, spec)
   lines = ['| point | k | draft | drafter | c | alpha | tokens/loop (measured / predicted) | '
-           'ms per loop | ms per sequence (std) | speedup | alpha per draft position |',
+           'ms per loop | ms per call (std) | speedup | alpha per draft position |',
            '|---|---|---|---|---|---|---|---|---|---|---|']
   for p in points:
     note = f' (LOSSY: lenience {p.lenience}, TV {p.tv:.3f})' if p.lenience < 1 else ''
@@ -202,7 +206,7 @@ def plot(points: Sequence[Point], path: str, title: str, x_label: str) -> None:
                    yerr=[p.std_seconds * 1e3 for p in points], marker='o', capsize=3, label='SpS')
   axes[0].plot(x, [p.ars_seconds * 1e3 for p in points], color='gray', linestyle='--',
                marker='.', label='ArS (timed in turn)')
-  axes[0].set_ylabel('ms per sequence')
+  axes[0].set_ylabel('ms per call')
   axes[0].legend()
   axes[1].plot(x, [p.accepted_fraction for p in points], marker='o')
   axes[1].set_ylabel('tokens per loop / (k + 1)')
