@@ -44,11 +44,12 @@ train-demo: $(VENV)/.installed
 # The reference pair Table 1 measures, in checkpoints/reference, one run after the other: the target
 # (2000 steps, ~50 min of both cores on a 2-core Zen 3), its best draft, the target's first layer
 # distilled for 3000 steps (draft_trunc_distill_3000, ~40 min there), and an EAGLE head over the
-# target's features (feature, 2000 steps, ~38 min on a 2-vCPU Xeon Cascade Lake). Every run
-# resumes from its last checkpoint and a finished one is skipped, so after an interruption the
-# same command continues where it stopped:  nohup make train-reference > train_reference.log 2>&1 &
+# target's features (feature, 2000 steps, ~38 min on a 2-vCPU Xeon Cascade Lake) and six parallel
+# heads (heads, 600 steps, ~33 min there). Every run resumes from its last checkpoint and a
+# finished one is skipped, so after an interruption the same command continues where it
+# stopped:  nohup make train-reference > train_reference.log 2>&1 &
 REFERENCE_RUNS := model=target model=draft_trunc,distill=1,steps=3000,name=draft_trunc_distill_3000 \
-	model=feature,steps=2000
+	model=feature,steps=2000 model=heads
 train-reference: $(VENV)/.installed
 	set -e; for run in $(REFERENCE_RUNS); do \
 	  $(PY) experiments/train.py --config=configs/train.py:size=reference,$$run; done
