@@ -119,6 +119,7 @@ def main(argv):
       raise app.UsageError('k=auto calibrates on one device; run it without a mesh.')
     costs, path = auto_k.calibrated(target, draft, prompts, lengths, k_max=c.k_max,
                                     drafter=drafter, sampling_config=sampling_config,
+                                    max_new_tokens=c.max_new_tokens,
                                     recalibrate=c.recalibrate)
     print0(f'k=auto: cost model {path}')
     policy.update(costs=costs, acceptance=auto_k.prior(costs), ks=[])

@@ -75,7 +75,8 @@ def main(argv):
         if c.k == 'auto':
           auto_costs, path = auto_k.calibrated(
               target, draft, *speedup.calibration_prompts(task, tok, target, draft, k_max, batch),
-              k_max=k_max, drafter=drafter, sampling_config=sampling_config)
+              k_max=k_max, drafter=drafter, sampling_config=sampling_config,
+              max_new_tokens=task.max_new_tokens)
           policy = auto_k.Policy(auto_costs)
           print0(f'{task_name} {decoding} batch {batch}: k=auto, cost model {path}\n'
                  + '\n'.join(auto_k.report(auto_costs, policy.acceptance)), flush=True)

@@ -39,6 +39,63 @@ def test_the_policy_picks_the_highest_predicted_rate():
     auto_k.LoopCosts(batch=1, k_max=2, ars_step=0.0, loop_1=1.0, loop_max=1.0)
 
 
+def test_fixed_costs_price_whole_calls():
+  """With the prefills in, a call's prediction is its whole time: a draft's prefill can outweigh
+  what its loops save on a short call, and not on a long one."""
+  calls = dict(ars_fixed=30.0, sps_fixed=40.0)
+  short = dataclasses.replace(COSTS, new_tokens=24, **calls)
+  alpha = 0.5  # At k = 1: 1.5 tokens per 1.2-step loop, 25% more tokens per second decoding.
+  assert auto_k.choose(COSTS, alpha).k == 1
+  assert short.call(0, alpha) == 30.0 + 24 * 1.0
+  assert short.call(1, alpha) == pytest.approx(40.0 + 24 / 1.5 * 1.2)
+  assert auto_k.choose(short, alpha).k == 0  # 54 s against 59.2 s.
+  long = dataclasses.replace(short, new_tokens=512)
+  choice = auto_k.choose(long, alpha)
+  assert choice.k == 1 and choice.predicted_speedup == pytest.approx(
+      long.call(0, alpha) / long.call(1, alpha))
+  with pytest.raises(ValueError, match='fixed costs'):
+    dataclasses.replace(COSTS, sps_fixed=-1.0)
+
+
+def test_measure_splits_steps_loops_and_fixed_costs(monkeypatch):
+  """`measure`'s arithmetic on made-up call times: a call of n tokens costs fixed + n steps
+  (ArS) or fixed + loops per row x loop (SpS); the calibration recovers each part."""
+  batch, n, k_max = 2, 48, 4
+  ars = (0.3, 0.006)  # (fixed, per step)
+  sps = {1: (0.35, 0.010, [30, 34]), k_max: (0.36, 0.016, [14, 16])}  # Loops per row at n.
+
+  def out(loops):
+    loops = np.array(loops)
+    return SampleOutput(tokens=None, num_generated=None, num_loops=loops,
+                        num_accepted=np.full(len(loops), n) - loops,
+                        num_full_loops=np.zeros(len(loops), np.int32))
+
+  def fake_calls(runs, repeats):
+    del repeats
+    assert set(runs) == {(k, m) for k in (0, 1, k_max) for m in (n, 1)}
+    timed = {}
+    for k, m in runs:
+      if k == 0:
+        timed[k, m] = (ars[0] + m * ars[1], SampleOutput(tokens=None, num_generated=None))
+      else:
+        fixed, loop, loops = sps[k]
+        loops = loops if m == n else [1] * batch
+        timed[k, m] = (fixed + np.mean(loops) * loop, out(loops))
+    return timed
+
+  monkeypatch.setattr(auto_k, '_fastest_calls', fake_calls)
+  costs = auto_k.measure(None, None, np.zeros((batch, 3), np.int32), np.array([3, 2]),
+                         k_max=k_max, max_new_tokens=n)
+  assert (costs.batch, costs.k_max, costs.new_tokens) == (batch, k_max, n)
+  np.testing.assert_allclose([costs.ars_fixed, costs.ars_step, costs.sps_fixed, costs.loop_1,
+                              costs.loop_max], [0.3, 0.006, 0.35, 0.010, 0.016], atol=1e-12)
+  assert costs.prior_loops == 30 and costs.alpha == pytest.approx(
+      auto_k.alpha_for((2 * n - 30 + 30) / 30, k_max))
+  with pytest.raises(ValueError, match='max_new_tokens >= 2'):
+    auto_k.measure(None, None, np.zeros((1, 3), np.int32), np.array([3]), k_max=2,
+                   max_new_tokens=1)
+
+
 def test_acceptance_inverts_tokens_per_loop():
   for alpha, k in ((0.0, 3), (0.42, 1), (0.8, 4), (0.97, 8)):
     assert auto_k.alpha_for(theory.expected_tokens_per_loop(alpha, k), k) == pytest.approx(
@@ -99,6 +156,7 @@ def test_calibration_is_measured_once_and_cached(pair, tmp_path, monkeypatch):
   costs, path = auto_k.calibrated(target, target, prompts, lengths, **kw)
   assert costs.batch == 2 and costs.k_max == 3 and costs.alpha == pytest.approx(1.0, abs=1e-6)
   assert costs.prior_loops > 0 and min(costs.ars_step, costs.loop_1, costs.loop_max) > 0
+  assert costs.new_tokens == 12 and min(costs.ars_fixed, costs.sps_fixed) >= 0
   assert auto_k.prior(costs).alpha == pytest.approx(1.0, abs=1e-6)
 
   def no_measuring(*args, **kwargs):

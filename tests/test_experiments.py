@@ -81,7 +81,7 @@ def test_sample_sps_on_random_models_with_k_auto(tmp_path):
   assert 'NOTE: randomly initialised' in run.stdout and run.stdout.count('--- row ') == 2
   cached = list((tmp_path / 'costs').glob('*.json'))
   assert len(cached) == 1 and f'k=auto: cost model {cached[0]}' in run.stdout, run.stdout
-  assert 'cost model, batch 2: ArS ' in run.stdout and 'k=2 ' in run.stdout
+  assert 'cost model, batch 2, 16 tokens per row: ArS ' in run.stdout and 'k=2 ' in run.stdout
   assert 'auto chooses k = ' in run.stdout and 'k=auto chose k = [' in run.stdout
 
 

@@ -5,22 +5,27 @@ Cost model (`LoopCosts`, per batch): the seconds of one ArS step and of one SpS 
 at k = k_max, each from whole calls of the real samplers (draft steps, scoring, acceptance and
 bookkeeping: what isolated `extend` timings miss; a draft step costs ~1.5x more in a loop than
 alone), a loop at another k interpolated linearly (k draft steps, and a scoring whose cost grows
-about linearly with its positions, barely at batch 1). Calibrating a batch compiles and times
-three programs (a few seconds at the reference sizes); the result is cached on disk per machine,
-JAX version, models, drafter and sampling settings (`cache_key`): costs depend on shapes, the
-prior's alpha on the weights too.
+about linearly with its positions, barely at batch 1); and each sampler's fixed cost per call
+(the prefills: SpS also prefills the draft). Calibration runs the workload's own prompts at its
+own `max_new_tokens`, and again at one new token: the difference gives a step or a loop at the
+workload's context lengths (attention over a batch's caches costs as much as the weights at
+batch 8), the short call the fixed cost. A policy's prediction is for whole calls, as measured.
+Calibrating a batch compiles and times six programs (seconds to tens of seconds at the reference
+sizes); the result is cached on disk per machine, JAX version, models, drafter and sampling
+settings (`cache_key`): costs depend on shapes, the prior's alpha on the weights too.
 
 Acceptance (`Acceptance`): the alpha whose expected tokens per loop (`theory`) match each SpS
 call's, averaged over the calls so far by their loops, starting from the calibration's SpS call.
 Inverting tokens per loop, rather than counting trials, covers drafters that propose fewer than k
 drafts (prompt lookup) and the rows of a batch alike.
 
-Policy (`choose`): k* = argmax over k in 0 .. k_max of E[tokens per loop](alpha, k) / loop(k),
-against 1 / ars_step for k = 0. Each call is exact whatever its k: it is one ArS or one SpS call.
-ArS calls see no acceptances, so after `PROBE_EVERY` ArS calls in a row the next call probes at
-k = 1, the cheapest loop (`decide`): its counts are what can bring speculation back when the text
-turns easier for the draft. At worst (a useless draft) a probe costs one call at ~0.5-0.85x ArS
-in `PROBE_EVERY` + 1, i.e. 0.5-1.5%.
+Policy (`choose`): k* = argmax over k in 0 .. k_max of the predicted tokens per second of a call,
+N / (sps_fixed + N / E[tokens per loop](alpha, k) * loop(k)), against N / (ars_fixed +
+N * ars_step) for k = 0 (N = `new_tokens`). Each call is exact whatever its k: it is one ArS
+or one SpS call. ArS calls see no acceptances, so after `PROBE_EVERY` ArS calls in a row the next
+call probes at k = 1, the cheapest loop (`decide`): its counts are what can bring speculation back
+when the text turns easier for the draft. At worst (a useless draft) a probe costs one call at
+~0.5-0.85x ArS in `PROBE_EVERY` + 1, i.e. 0.5-1.5%.
 """
 
 import dataclasses
@@ -58,10 +63,15 @@ class LoopCosts:
   loop_max: float  # One SpS loop at k = k_max.
   alpha: float = 0.0  # The calibration's SpS call at k_max (`Acceptance`): the prior.
   prior_loops: int = 0
+  new_tokens: int = 1  # Per row in a call: what the fixed costs are spread over.
+  ars_fixed: float = 0.0  # An ArS call's cost beside its steps (the prefill).
+  sps_fixed: float = 0.0  # An SpS call's beside its loops (the target's and draft's prefills).
 
   def __post_init__(self):
     if self.k_max < 1 or min(self.ars_step, self.loop_1, self.loop_max) <= 0:
       raise ValueError(f'Need k_max >= 1 and positive times, got {self}.')
+    if self.new_tokens < 1 or min(self.ars_fixed, self.sps_fixed) < 0:
+      raise ValueError(f'Need new_tokens >= 1 and fixed costs >= 0, got {self}.')
 
   def loop(self, k: int) -> float:
     """Seconds of one SpS loop at k (1 <= k <= k_max), linear between the two measured, and at
@@ -72,6 +82,14 @@ class LoopCosts:
       return max(self.loop_1, self.ars_step)
     return max(self.loop_1 + (k - 1) * (self.loop_max - self.loop_1) / (self.k_max - 1),
                self.ars_step)
+
+  def call(self, k: int, alpha: float) -> float:
+    """Predicted seconds of a call of `new_tokens` per row: ArS (k = 0), or SpS at k whose
+    loops make E[tokens per loop](alpha, k) each."""
+    if k == 0:
+      return self.ars_fixed + self.new_tokens * self.ars_step
+    loops = self.new_tokens / theory.expected_tokens_per_loop(alpha, k)
+    return self.sps_fixed + loops * self.loop(k)
 
 
 def alpha_for(tokens_per_loop: float, k: int) -> float:
@@ -128,9 +146,7 @@ class Choice:
 def choose(costs: LoopCosts, alpha: float) -> Choice:
   """The k in 0 .. k_max with the highest predicted tokens per second (ties: the smaller k)."""
   alpha = min(max(alpha, 0.0), 1.0)
-  rates = [1.0 / costs.ars_step] + [
-      theory.expected_tokens_per_loop(alpha, k) / costs.loop(k)
-      for k in range(1, costs.k_max + 1)]
+  rates = [costs.new_tokens / costs.call(k, alpha) for k in range(costs.k_max + 1)]
   return Choice(k=int(np.argmax(rates)), alpha=alpha, rates=tuple(rates))
 
 
@@ -170,7 +186,8 @@ def cache_key(target: models.Model, draft: models.Model | None, drafter: drafter
     return dict(config=repr(m.config), packed=models.packed_dtype(m),
                 output_copy='output' in m.params, weights=f'{checksum:.6e}')
   device = jax.devices()[0]
-  what = dict(cpu=_cpu(), device=f'{device.platform}:{device.device_kind}:{jax.device_count()}',
+  what = dict(model='whole calls, fixed costs',  # What `measure` measures.
+              cpu=_cpu(), device=f'{device.platform}:{device.device_kind}:{jax.device_count()}',
               jax=jax.__version__, target=shape(target), draft=shape(draft),
               drafter=repr(drafter), sampling=repr(sampling_config), batch=batch, k_max=k_max,
               max_new_tokens=max_new_tokens)
@@ -190,44 +207,43 @@ def _fastest_calls(runs: dict, repeats: int) -> dict:
   return {name: (best[name], outs[name]) for name in runs}
 
 
-def _last_tokens(prompts_BxP: np.ndarray, lengths_B: np.ndarray, n: int):
-  """Each row's last n prompt tokens (all, if fewer), left-aligned: a short prefill."""
-  width = min(n, prompts_BxP.shape[1])
-  out = np.zeros((len(lengths_B), width), np.int32)
-  new_lengths = np.minimum(lengths_B, width).astype(np.int32)
-  for b, (length, keep) in enumerate(zip(lengths_B, new_lengths)):
-    out[b, :keep] = prompts_BxP[b, length - keep:length]
-  return out, new_lengths
-
-
 def measure(target: models.Model, draft: models.Model | None, prompts_BxP, lengths_B, *,
             k_max: int, drafter: drafters.Drafter = drafters.ModelDrafter(),
             sampling_config: sampling.SamplingConfig = sampling.SamplingConfig(),
             max_new_tokens: int = 48, repeats: int = 5, seed: int = 0) -> LoopCosts:
-  """Times ArS, and SpS at k = 1 and k_max, on these prompts (their rows are the batch; no eos,
-  every row makes `max_new_tokens`; each the fastest of `repeats` calls, taking turns, after
-  one that compiles). Each row keeps its last 16 prompt tokens, so that its prefill costs about
-  a step and is counted as one: ArS step = call / tokens per row, loop = (call - ArS step) /
-  loops per row."""
-  if k_max < 1:
-    raise ValueError(f'k_max must be >= 1, got {k_max}.')
+  """Times ArS, and SpS at k = 1 and k_max, on these prompts (their rows are the batch; no eos),
+  each at `max_new_tokens` and at one new token (each the fastest of `repeats` calls, all taking
+  turns, after one that compiles). A step or loop is the two calls' difference over the steps or
+  loops per row between them; the fixed cost, the one-token call less its step or loop."""
+  if k_max < 1 or max_new_tokens < 2:
+    raise ValueError(f'Need k_max >= 1 and max_new_tokens >= 2, got {k_max}, {max_new_tokens}.')
   key = jax.random.key(seed)
   batch = len(lengths_B)
-  prompts_BxP, lengths_B = _last_tokens(np.asarray(prompts_BxP), np.asarray(lengths_B), 16)
-  runs = {0: lambda: sampling.autoregressive_sample(
-      target, prompts_BxP, lengths_B, key, max_new_tokens=max_new_tokens,
-      sampling=sampling_config)}
-  for k in sorted({1, k_max}):
-    runs[k] = lambda k=k: sampling.speculative_sample(
-        target, draft, prompts_BxP, lengths_B, key, k=k, max_new_tokens=max_new_tokens,
-        sampling=sampling_config, drafter=drafter)
+  prompts_BxP, lengths_B = np.asarray(prompts_BxP), np.asarray(lengths_B)
+  runs = {}
+  for n in (max_new_tokens, 1):
+    runs[0, n] = lambda n=n: sampling.autoregressive_sample(
+        target, prompts_BxP, lengths_B, key, max_new_tokens=n, sampling=sampling_config)
+    for k in sorted({1, k_max}):
+      runs[k, n] = lambda k=k, n=n: sampling.speculative_sample(
+          target, draft, prompts_BxP, lengths_B, key, k=k, max_new_tokens=n,
+          sampling=sampling_config, drafter=drafter)
   timed = _fastest_calls(runs, repeats)
-  step = timed[0][0] / max_new_tokens
-  loops = {k: max(seconds - step, 1e-9) / max(float(np.sum(out.num_loops)) / batch, 1.0)
-           for k, (seconds, out) in timed.items() if k}
-  counts = Acceptance().observe(timed[k_max][1], k_max)
-  return LoopCosts(batch=batch, k_max=k_max, ars_step=step, loop_1=loops[1],
-                   loop_max=loops[k_max], alpha=counts.alpha, prior_loops=counts.loops)
+
+  def per_row(k, n):  # Steps (k = 0) or loops per row of a call.
+    out = timed[k, n][1]
+    return n if k == 0 else float(np.sum(out.num_loops)) / batch
+
+  unit, fixed = {}, {}
+  for k in sorted({0, 1, k_max}):
+    long, short = timed[k, max_new_tokens][0], timed[k, 1][0]
+    between = per_row(k, max_new_tokens) - per_row(k, 1)
+    unit[k] = max(long - short, 1e-9) / max(between, 1.0)
+    fixed[k] = max(short - per_row(k, 1) * unit[k], 0.0)
+  counts = Acceptance().observe(timed[k_max, max_new_tokens][1], k_max)
+  return LoopCosts(batch=batch, k_max=k_max, ars_step=unit[0], loop_1=unit[1],
+                   loop_max=unit[k_max], alpha=counts.alpha, prior_loops=counts.loops,
+                   new_tokens=max_new_tokens, ars_fixed=fixed[0], sps_fixed=fixed[1])
 
 
 def calibrated(target: models.Model, draft: models.Model | None, prompts_BxP, lengths_B, *,
@@ -319,8 +335,9 @@ def report(costs: LoopCosts, acceptance: Acceptance) -> list[str]:
   choice = choose(costs, acceptance.alpha)
   per_k = ', '.join(f'k={k} {costs.loop(k) * 1e3:.2f} ms ({choice.rates[k] / choice.rates[0]:.2f}x)'
                     for k in range(1, costs.k_max + 1))
-  return [f'cost model, batch {costs.batch}: ArS {costs.ars_step * 1e3:.3f} ms/token; per loop '
-          f'(predicted speedup at alpha {choice.alpha:.3f}, over {acceptance.loops} loops): '
-          f'{per_k}',
+  return [f'cost model, batch {costs.batch}, {costs.new_tokens} tokens per row: ArS '
+          f'{costs.ars_step * 1e3:.3f} ms/token + {costs.ars_fixed * 1e3:.1f} ms per call, SpS '
+          f'{costs.sps_fixed * 1e3:.1f} ms per call + per loop (predicted speedup per call at '
+          f'alpha {choice.alpha:.3f}, over {acceptance.loops} loops): {per_k}',
           f'auto chooses k = {choice.k}' + (' (ArS)' if choice.k == 0 else '')
           + f': predicted {choice.predicted_speedup:.2f}x ArS']
