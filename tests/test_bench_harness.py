@@ -291,6 +291,10 @@ def test_sweep_point_csv_and_plot(family, tmp_path):
   loops = sum(int(o.num_loops[0]) for o in outs)
   assert point.tokens_per_loop == pytest.approx((2 * 8 - 2) / loops)  # The prefill's token aside.
   assert point.accepted_fraction == pytest.approx(point.tokens_per_loop / 3)
+  # An auto point (k its k_max) counts at the k its calls ran at, if one.
+  ran = lambda ks: dataclasses.replace(point, k=8, auto_ks=ks).accepted_fraction
+  assert ran((2, 2)) == pytest.approx(point.tokens_per_loop / 3)
+  assert np.isnan(ran((2, 4))) and np.isnan(ran((0, 0)))
   assert point.acceptance_rate == pytest.approx(
       sum(int(o.num_accepted[0]) for o in outs) / (2 * loops))
   assert point.loop_seconds * loops == pytest.approx(2 * point.mean_seconds)  # Same two calls.

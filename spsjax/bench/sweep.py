@@ -62,8 +62,11 @@ class Point:
 
   @property
   def accepted_fraction(self) -> float:
-    """Mean tokens per loop / (k + 1): the middle panel of Figure 1."""
-    return self.tokens_per_loop / (self.k + 1) if self.k else float('nan')
+    """Mean tokens per loop / (k + 1): the middle panel of Figure 1 (an auto point's k is the
+    one its calls ran at; nan for ArS, or if they ran at several)."""
+    k = self.k if not self.auto_ks else (
+        self.auto_ks[0] if len(set(self.auto_ks)) == 1 else 0)
+    return self.tokens_per_loop / (k + 1) if k else float('nan')
 
 
 def run_point(label: str, target: models.Model, draft: models.Model | None, draft_name: str,
