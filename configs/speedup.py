@@ -5,7 +5,8 @@ Arguments: root (family directory; default checkpoints/reference), draft (checkp
 draft; default the family's best: draft_trunc_distill_3000 for the reference family,
 draft_wide_distill for demo, draft_wide for tiny; random: a useless draft, `load.random_draft`),
 k (or auto: `spsjax.bench.auto_k`, each row calibrated on its first prompts, each call at k in
-0 .. k_max, 0 being ArS), k_max, humaneval /
+0 .. k_max, 0 being ArS), k_max, recalibrate (auto: measure the costs again rather than read
+them from the disk cache), humaneval /
 docstrings / code (number of examples of each task; 0: all; code is `code_completion`, held-out
 functions cut in half), batches ('+'-separated, e.g. 1+8), seed, results (output
 directory; default results/speedup_<family>), runlocal (a few examples, for a smoke run), demo
@@ -34,7 +35,8 @@ def get_config(arg=None):
   a = parse_arg(arg, root=REFERENCE_ROOT, draft='', k='4', k_max=8, humaneval=164,
                 docstrings=200, code=200, batches='1+8', seed=0, results='', runlocal=False, demo=False,
                 data=1, model_axis=1, draft_weights='int8', drafter='model', max_ngram=3,
-                min_ngram=1, stop_below=0.0, lenience=1.0, hf_target='', hf_draft='')
+                min_ngram=1, stop_below=0.0, lenience=1.0, hf_target='', hf_draft='',
+                recalibrate=False)
   if a.demo:
     a.humaneval, a.docstrings, a.code, a.batches = 8, 8, 8, '1'
   c = ml_collections.ConfigDict()
@@ -53,6 +55,7 @@ def get_config(arg=None):
     raise ValueError(f'k_max must be >= 1, got {a.k_max}.')
   c.k = a.k if a.k == 'auto' else int(a.k)
   c.k_max = a.k_max  # k=auto: each row calibrates, then each call runs at k in 0 .. k_max.
+  c.recalibrate = a.recalibrate
   c.seed = a.seed
   c.batches = [int(b) for b in a.batches.split('+') if b]
   nums = dict(humaneval=4 if a.runlocal else a.humaneval,

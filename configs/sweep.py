@@ -13,8 +13,9 @@ with `trim_score` (the target scores only the positions proposed). drafter_k: th
 and the head checkpoints named by feature (an EAGLE head) and heads (parallel heads) at each k of
 ks (draft=none: the heads only), with a figure of tokens per loop against k, a line per
 drafter. The k, drafter and drafter_k sweeps end with k = 'auto' points (`bench.auto_k`, up to
-the largest k; auto=0: none), each calibrated on the first batch (cached on disk). The lenience
-sweep is LOSSY below 1 and reports each point's total variation from the target's law.
+the largest k; auto=0: none), each calibrated on the first batch (cached on disk; recalibrate:
+measured again). The lenience sweep is LOSSY below 1 and reports each point's total variation
+from the target's law.
 hf_target, hf_draft: Hugging Face checkpoint directories in place of root's target and draft (the
 draft sweep then has that one draft).
 The swept points are `points(sweep, ...)` below: a list of overrides, one per point.
@@ -85,7 +86,7 @@ def get_config(arg=None):
                 max_new_tokens=128, temperature=0.8, seed=0, results='', runlocal=False,
                 drafts='+'.join(DRAFTS), data=1, model_axis=1, draft_weights='int8',
                 ks='2+4+6', thresholds='0.1+0.2+0.4', hf_target='', hf_draft='', feature='',
-                heads='', auto=True)
+                heads='', auto=True, recalibrate=False)
   drafts = (a.hf_draft,) if a.hf_draft else tuple(d for d in a.drafts.split('+') if d)
   ks = _values('ks', a.ks, int, lambda k: k >= 1, 'integers >= 1')
   thresholds = _values('thresholds', a.thresholds, float, lambda t: 0 < t <= 1,
@@ -108,6 +109,7 @@ def get_config(arg=None):
   if a.runlocal:
     c.points = c.points[:2]
   c.batch = a.batch  # Prompts per timed call.
+  c.recalibrate = a.recalibrate  # auto points: measure the costs again.
   c.prompts = 2 * a.batch if a.runlocal else a.prompts
   if not 1 <= c.batch <= c.prompts:
     raise ValueError(f'batch must be in [1, prompts = {c.prompts}], got {c.batch}.')

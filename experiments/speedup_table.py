@@ -76,7 +76,7 @@ def main(argv):
           auto_costs, path = auto_k.calibrated(
               target, draft, *speedup.calibration_prompts(task, tok, target, draft, k_max, batch),
               k_max=k_max, drafter=drafter, sampling_config=sampling_config,
-              max_new_tokens=task.max_new_tokens)
+              max_new_tokens=task.max_new_tokens, recalibrate=c.recalibrate)
           policy = auto_k.Policy(auto_costs)
           print0(f'{task_name} {decoding} batch {batch}: k=auto, cost model {path}\n'
                  + '\n'.join(auto_k.report(auto_costs, policy.acceptance)), flush=True)

@@ -57,7 +57,8 @@ def main(argv):
       costs, path = auto_k.calibrated(target, draft, *first,
                                       k_max=p['k'], drafter=drafter,
                                       sampling_config=sampling_config,
-                                      max_new_tokens=c.max_new_tokens)
+                                      max_new_tokens=c.max_new_tokens,
+                                      recalibrate=c.recalibrate)
       policy = auto_k.Policy(costs)
       print0(f'{p["label"]}: cost model {path}\n' + '\n'.join(
           auto_k.report(costs, policy.acceptance)))

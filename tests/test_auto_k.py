@@ -226,6 +226,8 @@ def test_the_sweeps_end_with_auto_points():
   labels = lambda arg: [(p['label'], p['k'], p['auto']) for p in config.get_config(arg).points]
   assert labels('sweep=k')[-2:] == [('8', 8, False), ('auto', 8, True)]
   assert not any(auto for *_, auto in labels('sweep=k,auto=0'))
+  assert config.get_config('sweep=k,recalibrate=1').recalibrate
+  assert not config.get_config('sweep=k').recalibrate
   assert labels('sweep=drafter_k,draft=d,feature=f,ks=2+5')[-2:] == [('d auto', 5, True),
                                                                       ('f auto', 5, True)]
   assert labels('sweep=drafter_k,draft=none,heads=h,ks=3') == [('h k=3', 3, False),
