@@ -11,8 +11,9 @@ own `max_new_tokens`, and again at one new token: the difference gives a step or
 workload's context lengths (a batch's attention reads its caches once per step or score, so the
 loop / step ratio falls as they grow), the short call the fixed cost. A policy's prediction is
 for whole calls, as measured. Calibrating a batch compiles and times six programs (seconds to
-tens of seconds at the reference sizes); the result is cached on disk per machine, JAX version, models, drafter and sampling
-settings (`cache_key`): costs depend on shapes, the prior's alpha on the weights too.
+tens of seconds at the reference sizes); the result is cached on disk per machine, JAX version,
+models, drafter and sampling settings (`cache_key`): costs depend on shapes, the prior's alpha on
+the weights too.
 
 Acceptance (`Acceptance`): the alpha whose expected tokens per loop (`theory`) match each SpS
 call's, averaged over the calls so far by their loops, starting from the calibration's SpS call.
