@@ -90,9 +90,12 @@ def main(argv):
 
   report.copy = report.attempt('copy bandwidth', lambda: decode.copy_bandwidth(
       (16 if small else 1024) * 2**20, repeats=repeats))
+  if report.copy:
+    log(f'copy bandwidth {report.copy.best:.0f} GB/s')
   for i, name in enumerate(names):
     # Batch 1 and the ceilings first: what a run cut short should still have.
     target = accelerator.random_model(presets.get(name), _DTYPE.value, seed=2 * i)
+    log(f'{name}: random weights ready')  # Where a slow start goes: init or the first step.
     for j, batch in enumerate(batches):
       row = report.attempt(f'{name} batch {batch}', lambda: accelerator.decode_figures(
           target, name, batch=batch, blocks=[k + 1 for k in ks], prompt_len=prompt_len,
