@@ -12,6 +12,8 @@ each k, and the perfect-draft ceiling at batch 1 (`spsjax.bench.accelerator`). T
 absl, etils): no datasets, tokenizers or config files.
 """
 
+import os
+import shlex
 import sys
 import time
 
@@ -73,7 +75,11 @@ def main(argv):
     raise app.UsageError(f'--exactness takes {", ".join(accelerator.LAWS)}; got {unknown}.')
   device = accelerator.device_description()
   print(f'{device}; {"small" if small else "full"} run', flush=True)
-  report = accelerator.Report(device=device, command='python ' + ' '.join(sys.argv))
+  # The XLA flags the figures ran under are part of the command that reproduces them.
+  xla_flags = os.environ.get('XLA_FLAGS', '').strip()
+  command = (f'XLA_FLAGS={shlex.quote(xla_flags)} ' if xla_flags else '') + 'python ' + ' '.join(
+      sys.argv)
+  report = accelerator.Report(device=device, command=command)
   write = lambda: storage.write_text(_OUT.value, report.markdown())
   start = time.perf_counter()
   log = lambda text: print(f'[{time.perf_counter() - start:6.1f} s] {text}', flush=True)

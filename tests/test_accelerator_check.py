@@ -3,6 +3,7 @@ passes, the report has its tables, and the binary needs nothing a stock accelera
 (the packages it must not import are blocked while it runs)."""
 
 import os
+import shlex
 import subprocess
 import sys
 
@@ -36,6 +37,7 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   report = out.read_text()
   assert report.startswith('# Accelerator check: 1 x cpu (cpu), JAX ')
+  assert f'`XLA_FLAGS={shlex.quote(xla_env.flags())} python ' in report  # What it ran under.
   checks = [line for line in report.splitlines() if line.startswith('| float32')
             or line.startswith('| bfloat16') or line.startswith('| one compiled')]
   assert len(checks) == 4 and all('| pass |' in line for line in checks), checks
