@@ -8,10 +8,12 @@ Exactness on XLA's ops (SpS against the enumerated law in float32 and against Ar
 greedy SpS == greedy ArS), one compiled program per generation, and per model preset and batch:
 ArS time per token and per step, the weights' read rate against the copy bandwidth, s(k + 1) for
 each k, and the perfect-draft ceiling at batch 1 (`spsjax.bench.accelerator`). The report goes to
-`--out` and stdout. Imports only what a stock accelerator image has (jax, flax, numpy, scipy,
+`--out` and stdout, with the wall time and the part of it spent compiling, by program (each log
+line has both too). Imports only what a stock accelerator image has (jax, flax, numpy, scipy,
 absl, etils): no datasets, tokenizers or config files.
 """
 
+import dataclasses
 import os
 import shlex
 import sys
@@ -21,7 +23,7 @@ from absl import app, flags
 import jax
 
 from spsjax import storage
-from spsjax.bench import accelerator, decode
+from spsjax.bench import accelerator, decode, timing
 from spsjax.models import presets
 
 _SMALL = flags.DEFINE_bool('small', None, 'Tiny sizes (a smoke run); default: on a CPU only.')
@@ -44,49 +46,56 @@ def _ints(values, default):
   return [int(v) for v in values] if values else list(default)
 
 
-def _ceilings(report, name, target, i, ks, prompt_len, max_new, repeats, log):
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """What a run measures, from the flags and the backend's defaults."""
+  small: bool
+  presets: tuple[str, ...]
+  batches: tuple[int, ...]
+  ks: tuple[int, ...]
+  ceiling_ks: tuple[int, ...]
+  rows: int
+  repeats: int
+  prompt_len: int
+  max_new: int
+
+
+def _plan() -> _Plan:
+  small = jax.default_backend() == 'cpu' if _SMALL.value is None else _SMALL.value
+  plan = _Plan(
+      small=small, presets=tuple(_PRESETS.value or (['tiny_target'] if small
+                                                    else ['llama1b', 'bench150m'])),
+      batches=tuple(sorted(_ints(_BATCHES.value, (1, 8) if small else (1, 8, 32)))),
+      ks=tuple(_ints(_KS.value, (1, 4) if small else range(1, 9))),
+      ceiling_ks=tuple(_ints(_CEILING_KS.value, (4,) if small else (4, 8))),
+      rows=_ROWS.value or (20_000 if small else 100_000), repeats=_REPEATS.value or (
+          2 if small else 7), prompt_len=16 if small else 128, max_new=16 if small else 128)
+  for name in plan.presets:
+    presets.get(name)  # Unknown names fail before anything runs.
+  if unknown := set(_EXACTNESS.value) - set(accelerator.LAWS):
+    raise app.UsageError(f'--exactness takes {", ".join(accelerator.LAWS)}; got {unknown}.')
+  return plan
+
+
+def _ceilings(plan, report, name, target, i, log):
   draft_name = name.replace('_target', '_draft') if name.endswith('_target') else f'{name}_draft'
   if draft_name not in presets.PRESETS:
     return
   draft = accelerator.random_model(presets.get(draft_name), _DTYPE.value, seed=2 * i + 1)
-  for k in ks:
+  for k in plan.ceiling_ks:
     c = report.attempt(f'{name} perfect-draft ceiling k={k}', lambda: accelerator.ceilings(
-        target, draft, ks=[k], prompt_len=prompt_len, max_new_tokens=max_new,
-        repeats=repeats)[0])
+        target, draft, ks=[k], prompt_len=plan.prompt_len, max_new_tokens=plan.max_new,
+        repeats=plan.repeats)[0])
     if c:
       report.ceiling_rows.append((f'{name} / {draft_name}', c))
       log(f'{name} ceiling k={k}: {c.speedup:.2f}x whole calls')
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  small = jax.default_backend() == 'cpu' if _SMALL.value is None else _SMALL.value
-  names = _PRESETS.value or (['tiny_target'] if small else ['llama1b', 'bench150m'])
-  batches = sorted(_ints(_BATCHES.value, (1, 8) if small else (1, 8, 32)))
-  ks = _ints(_KS.value, (1, 4) if small else range(1, 9))
-  ceiling_ks = _ints(_CEILING_KS.value, (4,) if small else (4, 8))
-  rows = _ROWS.value or (20_000 if small else 100_000)
-  repeats = _REPEATS.value or (2 if small else 7)
-  prompt_len, max_new = (16, 16) if small else (128, 128)
-  for name in names:
-    presets.get(name)  # Unknown names fail before anything runs.
-  if unknown := set(_EXACTNESS.value) - set(accelerator.LAWS):
-    raise app.UsageError(f'--exactness takes {", ".join(accelerator.LAWS)}; got {unknown}.')
-  device = accelerator.device_description()
-  print(f'{device}; {"small" if small else "full"} run', flush=True)
-  # The XLA flags the figures ran under are part of the command that reproduces them.
-  xla_flags = os.environ.get('XLA_FLAGS', '').strip()
-  command = (f'XLA_FLAGS={shlex.quote(xla_flags)} ' if xla_flags else '') + 'python ' + ' '.join(
-      sys.argv)
-  report = accelerator.Report(device=device, command=command)
-  write = lambda: storage.write_text(_OUT.value, report.markdown())
-  start = time.perf_counter()
-  log = lambda text: print(f'[{time.perf_counter() - start:6.1f} s] {text}', flush=True)
-
+def _measure(plan, report, write, log):
+  """The checks, then per preset the decode figures and the ceilings, into `report`."""
   if _EXACTNESS.value:
     for dtype in _EXACTNESS.value:
-      report.checks += accelerator.exactness_checks(dtype, rows=rows)
+      report.checks += accelerator.exactness_checks(dtype, rows=plan.rows)
       write()
     report.checks.append(accelerator.guarded('one compiled program per generation',
                                                accelerator.one_program_check))
@@ -95,17 +104,17 @@ def main(argv):
     write()
 
   report.copy = report.attempt('copy bandwidth', lambda: decode.copy_bandwidth(
-      (16 if small else 1024) * 2**20, repeats=repeats))
+      (16 if plan.small else 1024) * 2**20, repeats=plan.repeats))
   if report.copy:
     log(f'copy bandwidth {report.copy.best:.0f} GB/s')
-  for i, name in enumerate(names):
+  for i, name in enumerate(plan.presets):
     # Batch 1 and the ceilings first: what a run cut short should still have.
     target = accelerator.random_model(presets.get(name), _DTYPE.value, seed=2 * i)
     log(f'{name}: random weights ready')  # Where a slow start goes: init or the first step.
-    for j, batch in enumerate(batches):
+    for j, batch in enumerate(plan.batches):
       row = report.attempt(f'{name} batch {batch}', lambda: accelerator.decode_figures(
-          target, name, batch=batch, blocks=[k + 1 for k in ks], prompt_len=prompt_len,
-          max_new_tokens=max_new, repeats=repeats))
+          target, name, batch=batch, blocks=[k + 1 for k in plan.ks],
+          prompt_len=plan.prompt_len, max_new_tokens=plan.max_new, repeats=plan.repeats))
       if row:
         report.rows.append(row)
         log(f'{name} batch {batch}: ArS {row.ars_step * 1e3:.3f} ms/step, weights '
@@ -113,10 +122,38 @@ def main(argv):
             + ', '.join(f'{T}: {s:.2f}' for T, s in sorted(row.s.items())))
       write()
       if j == 0:
-        _ceilings(report, name, target, i, ceiling_ks, prompt_len, max_new, repeats, log)
+        _ceilings(plan, report, name, target, i, log)
         write()
-  for error in report.errors:
-    log(f'ERROR {error}')
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  plan = _plan()
+  device = accelerator.device_description()
+  print(f'{device}; {"small" if plan.small else "full"} run', flush=True)
+  # The XLA flags the figures ran under are part of the command that reproduces them.
+  xla_flags = os.environ.get('XLA_FLAGS', '').strip()
+  command = (f'XLA_FLAGS={shlex.quote(xla_flags)} ' if xla_flags else '') + 'python ' + ' '.join(
+      sys.argv)
+  report = accelerator.Report(device=device, command=command)
+  start = time.perf_counter()
+  # Where the wall time goes: on an accelerator most of it is compiling, not the timed calls.
+  with timing.CompileClock() as compiling:
+
+    def write():
+      report.time_spent = (f'Wall time {time.perf_counter() - start:.0f} s; '
+                           f'{compiling.summary()}.')
+      storage.write_text(_OUT.value, report.markdown())
+
+    def log(text):
+      print(f'[{time.perf_counter() - start:6.1f} s, compiling {compiling.seconds:6.1f} s] '
+            f'{text}', flush=True)
+
+    _measure(plan, report, write, log)
+    for error in report.errors:
+      log(f'ERROR {error}')
+    write()
   print(report.markdown(), flush=True)
   if report.errors or not all(c.passed for c in report.checks):
     sys.exit(1)

@@ -3,6 +3,7 @@ passes, the report has its tables, and the binary needs nothing a stock accelera
 (the packages it must not import are blocked while it runs)."""
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -38,6 +39,12 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
   report = out.read_text()
   assert report.startswith('# Accelerator check: 1 x cpu (cpu), JAX ')
   assert f'`XLA_FLAGS={shlex.quote(xla_env.flags())} python ' in report  # What it ran under.
+  # Where the time went: compiling most of it, the samplers' programs among the slowest.
+  spent = re.search(r'Wall time (\d+) s; compiling ([\d.]+) s, (\d+) programs \(tracing [\d.]+ s, '
+                    r'lowering [\d.]+ s, XLA [\d.]+ s; slowest: (.*)\)\.', report)
+  assert spent, report[:1000]
+  assert 0 < float(spent[2]) <= int(spent[1]) + 1 and int(spent[3]) >= 10, spent[0]
+  assert 'jit(run) ' in spent[4], spent[0]
   checks = [line for line in report.splitlines() if line.startswith('| float32')
             or line.startswith('| bfloat16') or line.startswith('| one compiled')]
   assert len(checks) == 4 and all('| pass |' in line for line in checks), checks

@@ -6,6 +6,7 @@ import dataclasses
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -93,6 +94,24 @@ def fixture_family():
       c, jax.random.key(seed))))(models.TransformerConfig(
           vocab_size=tok.vocab_size, max_seq_len=96, num_heads=2, d_ff=64, **kw))
   return make(0, d_model=32, num_layers=2), make(1, d_model=32, num_layers=1), tok
+
+
+def test_compile_clock_counts_each_compile_while_open_by_program_name():
+  def clocked_program(x):
+    return jnp.sin(x) * 2
+
+  f = jax.jit(clocked_program)
+  with timing.CompileClock() as clock:
+    f(jnp.ones(3, jnp.float32))
+    f(jnp.ones(3, jnp.float32))  # Compiled already: not counted again.
+    f(jnp.ones(4, jnp.float32))  # A new shape: a new program.
+  assert clock.programs['jit(clocked_program)'] == 2
+  assert clock.program_seconds['jit(clocked_program)'] > 0
+  assert all(clock.phases[p] > 0 for p in ('tracing', 'lowering', 'XLA')), clock.phases
+  assert clock.seconds == pytest.approx(sum(clock.phases.values()))
+  assert 'jit(clocked_program) 2 x in' in clock.summary(top=10)
+  f(jnp.ones(5, jnp.float32))  # Closed: no longer counting.
+  assert clock.programs['jit(clocked_program)'] == 2
 
 
 def test_rows_and_table_on_a_tiny_docstring_task(family, tmp_path):

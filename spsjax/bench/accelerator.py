@@ -298,6 +298,7 @@ class Report:
   rows: list[DecodeRow] = dataclasses.field(default_factory=list)
   ceiling_rows: list[tuple[str, ceiling.Ceiling]] = dataclasses.field(default_factory=list)
   errors: list[str] = dataclasses.field(default_factory=list)
+  time_spent: str = ''  # Where the run's wall time went (compiling, the rest).
 
   def attempt(self, what: str, measure: Callable[[], T]) -> T | None:
     """`measure()`, or None with the exception recorded in `errors` (the run goes on)."""
@@ -310,14 +311,17 @@ class Report:
 
   def markdown(self) -> str:
     return markdown(device=self.device, copy=self.copy, checks=self.checks, rows=self.rows,
-                    ceiling_rows=self.ceiling_rows, command=self.command, errors=self.errors)
+                    ceiling_rows=self.ceiling_rows, command=self.command, errors=self.errors,
+                    time_spent=self.time_spent)
 
 
 def markdown(*, device: str, copy: decode.CopyBandwidth | None, checks: Sequence[Check],
              rows: Sequence[DecodeRow], ceiling_rows: Sequence[tuple[str, ceiling.Ceiling]],
-             command: str, errors: Sequence[str] = ()) -> str:
+             command: str, errors: Sequence[str] = (), time_spent: str = '') -> str:
   """The one-screen report."""
   lines = [f'# Accelerator check: {device}', '', f'`{command}`', '']
+  if time_spent:
+    lines += [time_spent, '']
   if errors:
     lines += ['Errors (the run went on without these figures):', '']
     lines += [f'- `{e}`' for e in errors]

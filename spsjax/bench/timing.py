@@ -9,6 +9,7 @@ Invariant: a timed call never includes compilation (each bucket is warmed first)
 host wall time around one whole generation, the figure a user waits for.
 """
 
+import collections
 import dataclasses
 import statistics
 import time
@@ -153,6 +154,55 @@ class Timing:
         acceptance_rate=self.acceptance_rate, alpha=self.alpha,
         loops_by_proposed=list(self.loops_by_proposed), proposed_per_loop=self.proposed_per_loop,
         alpha_per_position=list(self.alpha_per_position))
+
+
+class CompileClock:
+  """Seconds JAX spends making executables while the clock is open (a context manager), by
+  phase and by program name, from JAX's own monitoring events: tracing to a jaxpr, lowering to
+  MLIR, and XLA's compile (on a GPU its autotuning too). A program read from the persistent
+  compilation cache counts as compiled, its read timed inside XLA's compile event.
+
+  What a benchmark's wall time is made of when most of it is not the timed calls: on an
+  accelerator each new shape costs seconds of compiling and the calls themselves milliseconds.
+  """
+  PHASES = {'/jax/core/compile/jaxpr_trace_duration': 'tracing',
+            '/jax/core/compile/jaxpr_to_mlir_module_duration': 'lowering',
+            '/jax/core/compile/backend_compile_duration': 'XLA'}
+
+  def __init__(self):
+    self.phases = dict.fromkeys(self.PHASES.values(), 0.0)
+    self.programs = collections.Counter()  # XLA compiles by program name.
+    self.program_seconds = collections.Counter()
+
+  def _listen(self, event: str, duration_secs: float, **kwargs) -> None:
+    phase = self.PHASES.get(event)
+    if phase is None:
+      return
+    self.phases[phase] += duration_secs
+    if phase == 'XLA':
+      name = str(kwargs.get('fun_name', '?'))
+      self.programs[name] += 1
+      self.program_seconds[name] += duration_secs
+
+  def __enter__(self) -> 'CompileClock':
+    jax.monitoring.register_event_duration_secs_listener(self._listen)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    jax.monitoring.unregister_event_duration_listener(self._listen)
+
+  @property
+  def seconds(self) -> float:
+    return sum(self.phases.values())
+
+  def summary(self, top: int = 3) -> str:
+    """One line: the total, the phases, and the programs that took longest to compile."""
+    names = sorted(self.program_seconds, key=self.program_seconds.get, reverse=True)[:top]
+    slowest = ', '.join(f'{n} {self.programs[n]} x in {self.program_seconds[n]:.1f} s'
+                        for n in names)
+    return (f'compiling {self.seconds:.1f} s, {sum(self.programs.values())} programs ('
+            + ', '.join(f'{p} {s:.1f} s' for p, s in self.phases.items())
+            + (f'; slowest: {slowest}' if slowest else '') + ')')
 
 
 def medians(fns: Mapping[Hashable, Callable[[], object]], *, repeats: int,

@@ -61,10 +61,12 @@ def unsharded_dims(config: TransformerConfig, mesh: Mesh,
 def init_params(config: TransformerConfig, rng: jax.Array, *, mesh: Mesh | None = None,
                 rules: sharding.Rules = sharding.DEFAULT_RULES) -> dict:
   """Random parameters; with `mesh`, created already sharded (no full copy on one device)."""
-  init = lambda key: nn.unbox(_boxed_init(config, key))
+  def random_params(key):  # The name of its program in compile logs.
+    return nn.unbox(_boxed_init(config, key))
+
   if mesh is None:
-    return jax.jit(init)(rng)
-  return jax.jit(init, out_shardings=param_shardings(config, mesh, rules))(rng)
+    return jax.jit(random_params)(rng)
+  return jax.jit(random_params, out_shardings=param_shardings(config, mesh, rules))(rng)
 
 
 def truncated_params(config: TransformerConfig, params, to: TransformerConfig) -> dict:
