@@ -8,6 +8,12 @@ import shlex
 import subprocess
 import sys
 
+import jax
+import numpy as np
+
+from spsjax import models
+from spsjax.bench import accelerator
+from spsjax.models import presets
 from tests import xla_env
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,8 +65,21 @@ def test_a_gpu_trace_counts_one_dispatch_and_the_loop_conditions_copies():
   """A trace of `one_program_check` recorded on an H100 (JAX 0.11.2): the GPU names executions
   by host `Execute` events, and each while-loop iteration copies its condition to the host."""
   import gzip  # pylint: disable=import-outside-toplevel
-  from spsjax.bench import accelerator  # pylint: disable=import-outside-toplevel
   with gzip.open(os.path.join(_ROOT, 'tests', 'data', 'h100_sps_generation.xplane.pb.gz')) as f:
     xspace = f.read()
   assert accelerator.executions(xspace) == {'jit_run': 1}
   assert accelerator.device_to_host_copies(xspace) == 7  # The condition, read for 6 loops + 1.
+
+
+def test_random_weights_have_the_models_tree_and_are_random():
+  model = accelerator.random_model(presets.get('tiny_target'), 'bfloat16', seed=0)
+  assert model.config.dtype == 'bfloat16'
+  shapes = jax.eval_shape(lambda key: models.init_params(model.config, key), jax.random.key(0))
+  assert jax.tree.structure(shapes) == jax.tree.structure(model.params)
+  leaves = jax.tree.leaves(model.params)
+  assert [(x.shape, x.dtype) for x in leaves] == [(x.shape, x.dtype)
+                                                 for x in jax.tree.leaves(shapes)]
+  matrices = [np.asarray(x, np.float32) for x in leaves if x.ndim > 1]
+  assert all(0.015 < m.std() < 0.025 for m in matrices)
+  assert len({m.ravel()[:8].tobytes() for m in matrices}) == len(matrices)  # Each leaf its own.
+  assert all((np.asarray(x, np.float32) == 1).all() for x in leaves if x.ndim == 1)

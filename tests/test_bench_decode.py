@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from spsjax import models
-from spsjax.bench import ceiling, decode
+from spsjax.bench import ceiling, decode, timing
 from spsjax.sampling import SamplingConfig
 from tests import xla_env
 
@@ -76,6 +76,20 @@ def test_decode_benchmark_rejects_bad_batches_before_measuring(flags, message):
   assert run.returncode == 1, run.stderr
   assert run.stderr.strip().endswith(f'decode_benchmark.py: error: {message}'), run.stderr
   assert 'copy of' not in run.stdout  # Nothing was measured first.
+
+
+def test_costs_measured_again_at_the_same_shapes_compile_nothing():
+  config = models.TransformerConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4,
+                                    num_kv_heads=2, d_ff=64, max_seq_len=64)
+  model = zero_model(config)
+  decode.extend_seconds(model, (1, 3), 12, repeats=1)
+  with timing.CompileClock() as clock:
+    decode.extend_seconds(model, (3, 1), 12, repeats=1)
+    decode.measure_costs(model, None, 2, batch=1, capacity=12, repeats=1)  # T = 1 and 3 again.
+  assert clock.programs['jit(_extend_steps)'] == 0, clock.programs
+  with timing.CompileClock() as clock:
+    decode.extend_seconds(model, (1,), 13, repeats=1)  # Another cache size: another program.
+  assert clock.programs['jit(_extend_steps)'] == 1, clock.programs
 
 
 def test_copy_bandwidth_small():

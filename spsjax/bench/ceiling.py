@@ -81,9 +81,12 @@ class Ceiling:
 
 
 def measure(target: models.Model, draft: models.Model, *, k: int = 4, prompt_len: int = 64,
-            max_new_tokens: int = 128, repeats: int = 5, mesh: Mesh | None = None) -> Ceiling:
+            max_new_tokens: int = 128, repeats: int = 5, mesh: Mesh | None = None,
+            capacity: int | None = None) -> Ceiling:
   """ArS and SpS of a perfect pair (from `perfect_pair`, packed or not) at batch 1, temperature 1
-  (on `mesh`, if given: the pair is placed on it before anything is timed)."""
+  (on `mesh`, if given: the pair is placed on it before anything is timed). c and s are measured
+  at a cache of `capacity` slots (default: prompt, new tokens and k; another run's capacity
+  reuses its compiled `extend` programs)."""
   target, draft = (common.place_params(m, mesh) for m in (target, draft))
   prompts_BxP = (jnp.arange(prompt_len, dtype=jnp.int32)[None, :] * 7 + 1) % target.config.vocab_size
   lengths_B = jnp.full((1,), prompt_len, jnp.int32)
@@ -103,7 +106,7 @@ def measure(target: models.Model, draft: models.Model, *, k: int = 4, prompt_len
   timings = timing.time_interleaved(runs, repeats, bucket=lambda i: 0, ks={'sps': k})
   median = {name: statistics.median(c.seconds for c in t.calls) for name, t in timings.items()}
   costs = decode.measure_costs(target, draft, k, batch=1,
-                                capacity=prompt_len + max_new_tokens + k, mesh=mesh)
+                                capacity=capacity or prompt_len + max_new_tokens + k, mesh=mesh)
   return Ceiling(k=k, max_new_tokens=max_new_tokens, **median,
                  tokens_per_loop=timings['sps'].tokens_per_loop, c=costs.c, s=costs.s)
 

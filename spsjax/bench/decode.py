@@ -86,6 +86,11 @@ def _extend_steps(config, steps, params, cache, tokens_BxT, lengths_B):
   return jax.lax.fori_loop(0, steps, one, (cache, jnp.zeros(tokens_BxT.shape[:1], jnp.float32)))
 
 
+# One jitted program per (config, steps) and shapes, kept across calls: measuring the same
+# model's costs again (each row of a table, each ceiling) compiles nothing new. Donates the cache.
+_extend_program = jax.jit(_extend_steps, static_argnums=(0, 1), donate_argnums=3)
+
+
 def extend_seconds(model: models.Model, blocks: Sequence[int], capacity: int, *, repeats: int,
                    batch: int = 1, steps: int = 8, mesh: Mesh | None = None,
                    rules: sharding.Rules = sharding.DEFAULT_RULES
@@ -107,7 +112,7 @@ def extend_seconds(model: models.Model, blocks: Sequence[int], capacity: int, *,
   if max(blocks) > capacity:
     raise ValueError(f'A block of {max(blocks)} tokens does not fit in the cache capacity '
                      f'{capacity}.')
-  run = jax.jit(functools.partial(_extend_steps, config, steps), donate_argnums=1)
+  run = functools.partial(_extend_program, config, steps)
   lengths_B = jnp.full((batch,), capacity - max(blocks), jnp.int32)
   cache = models.init_cache(config, batch, capacity)
   tokens = {T: jnp.ones((batch, T), jnp.int32) for T in blocks}
@@ -315,6 +320,9 @@ def _head_steps(steps, k, head, target, cache, features_BxD, tokens_B, lengths_B
   return jax.lax.fori_loop(0, steps, one, (cache, jnp.zeros(tokens_B.shape, jnp.float32)))
 
 
+_head_program = jax.jit(_head_steps, static_argnums=(0, 1), donate_argnums=4)  # As `_extend_program`.
+
+
 def head_step_seconds(head: models.Model, target: models.Model, k: int, capacity: int, *,
                       repeats: int, batch: int = 1, steps: int = 8,
                       mesh: Mesh | None = None) -> float:
@@ -322,7 +330,7 @@ def head_step_seconds(head: models.Model, target: models.Model, k: int, capacity
   drafter count them): one pair through an EAGLE head and the target's output layer at a
   nearly full cache, or parallel heads' pass of k drafts; timed as `extend_seconds` times."""
   head, target = (common.place_params(m, mesh) for m in (head, target))
-  run = jax.jit(functools.partial(_head_steps, steps, k), donate_argnums=2)
+  run = functools.partial(_head_program, steps, k)
   cache = models.init_cache(head.config, batch, capacity)
   lengths_B = jnp.full((batch,), capacity - 1, jnp.int32)
   features_BxD = jnp.ones((batch, head.config.d_model), head.config.jnp_dtype)
