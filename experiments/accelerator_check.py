@@ -34,7 +34,7 @@ _DTYPE = flags.DEFINE_enum('dtype', 'bfloat16', ['bfloat16', 'float32'], 'Timed 
 _BATCHES = flags.DEFINE_list('batches', None, 'Batch sizes (default 1, 8, 32; small: 1, 8).')
 _KS = flags.DEFINE_list('ks', None, 'Lookaheads k of s(k + 1) (default 1..8; small: 1, 4).')
 _CEILING_KS = flags.DEFINE_list('ceiling_ks', None, 'k of the perfect-draft ceiling (default '
-                                '4, 8; small: 4).')
+                                '4, 8; small: 4; empty: no ceiling).')
 _ROWS = flags.DEFINE_integer('rows', None, 'Rows of each law check (default 100,000; small: '
                              '20,000).')
 _REPEATS = flags.DEFINE_integer('repeats', None, 'Timed calls per figure (default 7; small 2).')
@@ -68,19 +68,30 @@ class _Plan:
 
 def _plan() -> _Plan:
   small = jax.default_backend() == 'cpu' if _SMALL.value is None else _SMALL.value
-  plan = _Plan(
+  try:
+    plan = _make_plan(small)
+  except ValueError as e:
+    raise app.UsageError(f'--batches, --ks and --ceiling_ks take integers: {e}') from e
+  if min(plan.batches + plan.ks + plan.ceiling_ks) < 1:
+    raise app.UsageError('--batches, --ks and --ceiling_ks take positive integers.')
+  if unknown := [name for name in plan.presets if name not in presets.PRESETS]:
+    raise app.UsageError(f'Unknown --presets {unknown}; known: '
+                         f'{", ".join(sorted(presets.PRESETS))}.')
+  if unknown := set(_EXACTNESS.value) - set(accelerator.LAWS):
+    raise app.UsageError(f'--exactness takes {", ".join(accelerator.LAWS)}; got {unknown}.')
+  return plan
+
+
+def _make_plan(small: bool) -> _Plan:
+  return _Plan(
       small=small, presets=tuple(_PRESETS.value or (['tiny_target'] if small
                                                     else ['llama1b', 'bench150m'])),
       batches=tuple(sorted(_ints(_BATCHES.value, (1, 8) if small else (1, 8, 32)))),
       ks=tuple(_ints(_KS.value, (1, 4) if small else range(1, 9))),
-      ceiling_ks=tuple(_ints(_CEILING_KS.value, (4,) if small else (4, 8))),
+      ceiling_ks=tuple((4,) if small else (4, 8)) if _CEILING_KS.value is None else tuple(
+          int(k) for k in _CEILING_KS.value),
       rows=_ROWS.value or (20_000 if small else 100_000), repeats=_REPEATS.value or (
           2 if small else 7), prompt_len=16 if small else 128, max_new=16 if small else 128)
-  for name in plan.presets:
-    presets.get(name)  # Unknown names fail before anything runs.
-  if unknown := set(_EXACTNESS.value) - set(accelerator.LAWS):
-    raise app.UsageError(f'--exactness takes {", ".join(accelerator.LAWS)}; got {unknown}.')
-  return plan
 
 
 def _ceilings(plan, report, name, target, i, log):

@@ -10,6 +10,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from spsjax import models
 from spsjax.bench import accelerator
@@ -59,6 +60,19 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
   assert [row.split('|')[3].strip() for row in decode_rows] == ['1']
   assert 's(5)' in report
   assert '| tiny_target / tiny_draft | 4 |' in report
+
+
+@pytest.mark.parametrize('flag,message', [
+    ('--ks=0', 'positive integers'), ('--ceiling_ks=four', 'take integers'),
+    ('--batches=1,-8', 'positive integers'), ('--presets=nope', 'nope'),
+    ('--exactness=float16', 'exactness takes')])
+def test_bad_flags_are_usage_errors_before_anything_runs(flag, message):
+  result = subprocess.run(
+      [sys.executable, os.path.join(_ROOT, 'experiments', 'accelerator_check.py'), flag,
+       '--out=/dev/null'], cwd=_ROOT, capture_output=True, text=True,
+      env=xla_env.subprocess_env(PYTHONPATH=_ROOT), timeout=120, check=False)
+  assert result.returncode == 1 and message in result.stderr, result.stderr[-2000:]
+  assert 'Traceback' not in result.stderr and 'small run' not in result.stdout
 
 
 def test_a_gpu_trace_counts_one_dispatch_and_the_loop_conditions_copies():
