@@ -1,7 +1,7 @@
 """Transformer models: config, parameters, the reference forward and the functional KV cache."""
 
 from spsjax.models.api import (Model, extend, extend_with_features, features, init_params, logits,
-                               num_params, param_shardings, prefill, truncated_params,
+                               num_params, param_shapes, param_shardings, prefill, truncated_params,
                                unsharded_dims)
 from spsjax.models import feature_head
 from spsjax.models.config import TransformerConfig
@@ -15,6 +15,6 @@ __all__ = [
     'feature_head', 'features', 'for_decoding',
     'init_cache', 'init_params', 'is_packed', 'logits', 'num_params', 'output_logits', 'pack',
     'packable',
-    'packed_dtype', 'param_shardings', 'prefill', 'truncated_params', 'unpack',
+    'packed_dtype', 'param_shapes', 'param_shardings', 'prefill', 'truncated_params', 'unpack',
     'unsharded_dims',
 ]

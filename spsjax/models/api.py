@@ -58,6 +58,11 @@ def unsharded_dims(config: TransformerConfig, mesh: Mesh,
                                        mlp=config.d_ff, vocab=config.vocab_size), mesh, rules)
 
 
+def param_shapes(config: TransformerConfig) -> dict:
+  """The parameter tree of `init_params` as jax.ShapeDtypeStructs (nothing is computed)."""
+  return jax.eval_shape(lambda key: init_params(config, key), jax.random.key(0))
+
+
 def init_params(config: TransformerConfig, rng: jax.Array, *, mesh: Mesh | None = None,
                 rules: sharding.Rules = sharding.DEFAULT_RULES) -> dict:
   """Random parameters; with `mesh`, created already sharded (no full copy on one device)."""

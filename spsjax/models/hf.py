@@ -32,7 +32,7 @@ import safetensors.numpy
 from safetensors import safe_open
 
 from spsjax import sharding, storage
-from spsjax.models.api import Model, init_params, param_shardings
+from spsjax.models.api import Model, param_shapes, param_shardings
 from spsjax.models.config import TransformerConfig
 from spsjax.models.packing import unpack
 
@@ -248,7 +248,7 @@ def load(path: str, *, mesh: Mesh | None = None, rules: sharding.Rules = shardin
   hf = read_config(path)
   config = config_from_hf(hf, dtype)
   layout = _layout(config)
-  abstract = jax.eval_shape(lambda key: init_params(config, key), jax.random.key(0))
+  abstract = param_shapes(config)
   shardings = param_shardings(config, mesh, rules) if mesh is not None else None
   params, seen = {}, set()
   for stored, array in _tensors(path):

@@ -68,7 +68,7 @@ def load_model(workdir: str, *, step: int | None = None, mesh: Mesh | None = Non
                               jax.random.key(0))
       shardings = models.feature_head.param_shardings(head, config, mesh, rules)
     else:
-      shapes = jax.eval_shape(lambda key: models.init_params(config, key), jax.random.key(0))
+      shapes = models.param_shapes(config)
       shardings = models.param_shardings(config, mesh, rules)
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, shardings)

@@ -21,12 +21,12 @@ import time
 import jax
 import jax.numpy as jnp
 
-from spsjax.models import TransformerConfig, init_params
+from spsjax.models import TransformerConfig, param_shapes
 
 
 def _multiplying_params(config: TransformerConfig) -> int:
   """Parameters that take part in a matrix product per token."""
-  shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+  shapes = param_shapes(config)
   matrices = sum(x.size for x in jax.tree.leaves(shapes) if x.ndim >= 2)  # Norm scales are not.
   embedding = config.vocab_size * config.d_model
   head = embedding if config.tie_embeddings else 0  # An untied head is among the matrices.
