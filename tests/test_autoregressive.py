@@ -9,6 +9,7 @@ import pytest
 
 from spsjax import models, sharding
 from spsjax.sampling import PAD_ID, SamplingConfig, autoregressive, autoregressive_sample
+from tests import xla_env
 from tests.stats import (exact_sequence_law, g_test_pvalue, scaled_model, sequence_counts,
                          truncated_at_eos)
 
@@ -111,7 +112,7 @@ def test_output_law_is_the_models_law(tiny, setting, path):
   mesh = sharding.make_mesh(1, 1, jax.devices()[:1]) if path == 'xla' else None
   prompts, lengths = _alternating_prompts(ROWS)
   out = autoregressive_sample(tiny, prompts, lengths, jax.random.key(7), max_new_tokens=NEW,
-                              sampling=sampling, mesh=mesh)
+                              sampling=sampling, mesh=mesh, compiler_options=xla_env.LAW_RUN)
   tokens = np.asarray(out.tokens)
   assert (np.asarray(out.num_generated) == NEW).all()
   laws = [exact_sequence_law(tiny, prompt, NEW, sampling) for prompt in PROMPTS]
@@ -134,7 +135,7 @@ def test_eos_at_temperature_above_0(tiny):
     assert 0.2 < 1 - law[np.ix_(other, other, other)].sum() < 0.8
   prompts, lengths = _alternating_prompts(ROWS)
   out = autoregressive_sample(tiny, prompts, lengths, jax.random.key(8), max_new_tokens=NEW,
-                              sampling=sampling, eos_id=eos_id)
+                              sampling=sampling, eos_id=eos_id, compiler_options=xla_env.LAW_RUN)
   tokens, n = np.asarray(out.tokens), np.asarray(out.num_generated)
   positions = np.arange(NEW)[None, :]
   np.testing.assert_array_equal(tokens == PAD_ID, positions >= n[:, None])
@@ -145,6 +146,16 @@ def test_eos_at_temperature_above_0(tiny):
     pvalue = g_test_pvalue(sequence_counts(tokens[i::2], V_SMALL, pad=True),
                            truncated_at_eos(law, eos_id))
     assert pvalue > P_MIN, f'prompt {prompt}: G-test p-value {pvalue:.2e}'
+
+
+def test_compiler_options_reach_the_program(model):
+  """XLA's options go to the program's compile: an unknown one fails it, a known one runs."""
+  prompts, lengths = np.ones((2, 3), np.int32), np.array([3, 2], np.int32)
+  sample = lambda options: autoregressive_sample(model, prompts, lengths, jax.random.key(0),
+                                                 max_new_tokens=2, compiler_options=options)
+  with pytest.raises(jax.errors.JaxRuntimeError, match="No such compile option: 'xla_no_such'"):
+    sample({'xla_no_such': 1})
+  assert np.asarray(sample({'xla_cpu_enable_fast_math': False}).num_generated).tolist() == [2, 2]
 
 
 def test_rows_are_independent(model):

@@ -7,7 +7,8 @@ their outputs stay PAD_ID. No host round trip inside the program.
 """
 
 import dataclasses
-import functools
+from collections.abc import Mapping
+from typing import Any
 
 import flax.struct
 import jax
@@ -73,7 +74,7 @@ class Loop(common.LoopSettings):
         self.rules)
     return self._emit(state.replace(cache=cache), logits_Bx1xV[:, 0])
 
-  @functools.partial(jax.jit, static_argnames=('self',))
+  @common.program
   def run(self, model: Model, prompts_BxP, prompt_lengths_B, rng) -> common.SampleOutput:
     """The whole generation as one program: `init`, then `body` in a `lax.while_loop`."""
     prompts_BxP = common.clean_padding(prompts_BxP, prompt_lengths_B)
@@ -86,28 +87,32 @@ class Loop(common.LoopSettings):
 
 def prepare(model: Model, prompts, prompt_lengths, *, max_new_tokens: int,
             sampling: SamplingConfig = SamplingConfig(), eos_id: int | None = None,
-            mesh: Mesh | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES):
+            mesh: Mesh | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES,
+            compiler_options: Mapping[str, Any] | None = None):
   """Checks the inputs and places them: (loop, (model, prompts, prompt_lengths)); the program is
   `loop.run(*args, rng)` (the profiler and tests lower it too)."""
   common.check_inputs(model, prompts, prompt_lengths, max_new_tokens=max_new_tokens,
                       eos_id=eos_id, mesh=mesh)
   args = common.place(model, prompts, prompt_lengths, mesh, rules)
   return Loop(max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, mesh=mesh,
-              rules=rules), args
+              rules=rules, compiler_options=common.compiler_options(compiler_options)), args
 
 
 def autoregressive_sample(model: Model, prompts, prompt_lengths, rng: jax.Array, *,
                           max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
                           eos_id: int | None = None, mesh: Mesh | None = None,
-                          rules: sharding.Rules = sharding.DEFAULT_RULES) -> common.SampleOutput:
+                          rules: sharding.Rules = sharding.DEFAULT_RULES,
+                          compiler_options: Mapping[str, Any] | None = None
+                          ) -> common.SampleOutput:
   """Samples up to `max_new_tokens` per row from `model`; one compiled program per shape bucket.
 
   `rng` is one JAX key, typed (`jax.random.key`) or legacy (`jax.random.PRNGKey`): the same seed
   gives the same tokens. A row stops after emitting `eos_id` or `max_new_tokens` tokens.
   Recompiles only when the padded prompt width P, the batch size, `max_new_tokens`, the sampling
-  settings, eos or mesh change.
+  settings, eos, mesh or `compiler_options` (XLA's options for the program, `jax.jit`'s) change.
   """
   common.check_rng(rng)
   loop, args = prepare(model, prompts, prompt_lengths, max_new_tokens=max_new_tokens,
-                       sampling=sampling, eos_id=eos_id, mesh=mesh, rules=rules)
+                       sampling=sampling, eos_id=eos_id, mesh=mesh, rules=rules,
+                       compiler_options=compiler_options)
   return loop.run(*args, rng)

@@ -5,6 +5,9 @@ output holds generated tokens only, `PAD_ID` after each row's end.
 """
 
 import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import flax.struct
 import jax
@@ -41,11 +44,39 @@ class LoopSettings:
   eos_id: int | None = None
   mesh: Mesh | None = None
   rules: sharding.Rules = sharding.DEFAULT_RULES
+  # XLA options of the program (`jax.jit`'s compiler_options), as sorted (name, value) pairs.
+  compiler_options: tuple[tuple[str, Any], ...] = ()
 
   @property
   def native_kernel(self) -> bool:
     """Whether the native sampling kernel computes the distributions (one device: no mesh)."""
     return self.mesh is None
+
+
+def compiler_options(options: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
+  """`LoopSettings.compiler_options` of a mapping of XLA option names to values (None: none)."""
+  if options is None:
+    return ()
+  if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+    raise ValueError(f'compiler_options must map XLA option names to values, got {options!r}.')
+  return tuple(sorted(options.items()))
+
+
+def program(method: Callable) -> Callable:
+  """Jits a loop's `run(self, *args)` with `self` static and `self.compiler_options` as XLA's
+  options: one `jax.jit` per set of options, each caching its programs as jit does. The result
+  has jit's `lower(self, *args)` and `__wrapped__` (the method itself)."""
+
+  @functools.cache
+  def jitted(options):
+    return jax.jit(method, static_argnums=0, compiler_options=dict(options) or None)
+
+  @functools.wraps(method)
+  def run(self, *args):
+    return jitted(self.compiler_options)(self, *args)
+
+  run.lower = lambda self, *args: jitted(self.compiler_options).lower(self, *args)
+  return run
 
 
 def local_rows(x) -> dict[int, np.ndarray]:

@@ -29,7 +29,7 @@ costs more than the positions it saves (docs/sampling.md).
 """
 
 import dataclasses
-import functools
+from collections.abc import Mapping
 from typing import Any
 
 import flax.struct
@@ -246,7 +246,7 @@ class Loop(common.LoopSettings):
     no statistic."""
     return ~jnp.all(state.done_B)
 
-  @functools.partial(jax.jit, static_argnames=('self',))
+  @common.program
   def run(self, target: Model, draft: Model | None, prompts_BxP, prompt_lengths_B,
           rng) -> common.SampleOutput:
     """The whole generation as one program: prefill, then `body` in a `lax.while_loop`."""
@@ -281,7 +281,7 @@ def prepare(target: Model, draft: Model | None, prompts, prompt_lengths, *, k: i
             draft_sampling: SamplingConfig | None = None, eos_id: int | None = None,
             mesh: Mesh | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES,
             drafter: Drafter = drafters.ModelDrafter(), lenience: float = 1.0,
-            trim_score: bool = False):
+            trim_score: bool = False, compiler_options: Mapping[str, Any] | None = None):
   """Checks the inputs and places them: (loop, (target, draft, prompts, prompt_lengths)).
 
   `loop.run(*args, rng)` is the program `speculative_sample` runs (the profiler lowers it too).
@@ -296,7 +296,8 @@ def prepare(target: Model, draft: Model | None, prompts, prompt_lengths, *, k: i
     draft = common.place_params(draft, mesh, rules)
   loop = Loop(k=k, max_new_tokens=max_new_tokens, sampling=sampling,
               draft_sampling=draft_sampling or sampling, eos_id=eos_id, mesh=mesh, rules=rules,
-              drafter=drafter, lenience=float(lenience), trim_score=bool(trim_score))
+              drafter=drafter, lenience=float(lenience), trim_score=bool(trim_score),
+              compiler_options=common.compiler_options(compiler_options))
   return loop, (target, draft, prompts, prompt_lengths)
 
 
@@ -306,7 +307,8 @@ def speculative_sample(target: Model, draft: Model | None, prompts, prompt_lengt
                        draft_sampling: SamplingConfig | None = None, eos_id: int | None = None,
                        mesh: Mesh | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES,
                        drafter: Drafter = drafters.ModelDrafter(), lenience: float = 1.0,
-                       trim_score: bool = False) -> common.SampleOutput:
+                       trim_score: bool = False,
+                       compiler_options: Mapping[str, Any] | None = None) -> common.SampleOutput:
   """Samples from `target` with `drafter` proposing up to k tokens per loop (by default the
   `draft` model, k per loop); the output law is the target's. `rng` is one JAX key, typed
   (`jax.random.key`) or legacy (`jax.random.PRNGKey`): the same seed gives the same tokens.
@@ -316,10 +318,12 @@ def speculative_sample(target: Model, draft: Model | None, prompts, prompt_lengt
   drafter without a model (`drafters.PromptLookup`) takes draft=None. `lenience` < 1 (opt-in)
   accepts more drafts and is LOSSY: the output law is then no longer the target's
   (`rejection.lenient_law`). `trim_score` (ragged drafters only) scores only the positions the
-  loop's longest proposal needs.
+  loop's longest proposal needs. `compiler_options` are XLA's options for the program (`jax.jit`'s),
+  e.g. {'xla_backend_optimization_level': 3}.
   """
   common.check_rng(rng)
   loop, args = prepare(target, draft, prompts, prompt_lengths, k=k, max_new_tokens=max_new_tokens,
                        sampling=sampling, draft_sampling=draft_sampling, eos_id=eos_id, mesh=mesh,
-                       rules=rules, drafter=drafter, lenience=lenience, trim_score=trim_score)
+                       rules=rules, drafter=drafter, lenience=lenience, trim_score=trim_score,
+                       compiler_options=compiler_options)
   return loop.run(*args, rng)
