@@ -18,6 +18,7 @@ from spsjax.sampling.feature_drafters import FeatureDrafter, HeadsDrafter
 from tests import xla_env
 from tests.stats import scaled_model
 from tests.test_speculative import check_interleaved_law, interleaved
+from tests.test_target_features import REFERENCE_WIDTH, full_features
 
 GREEDY = SamplingConfig(temperature=0.0)
 P_MIN = 1e-5  # Each G-test fails a correct sampler with this probability.
@@ -72,12 +73,11 @@ def test_cached_head_equals_its_full_forward(pair48, packed):
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, 48, size=(3, 9)), jnp.int32)
   features = jnp.asarray(rng.normal(size=(3, 9, 32)), jnp.float32)
-  want_logits, want_features = feature_head.feature_head_forward(ref_head, ref_target, features,
-                                                                 tokens)
+  want_logits, want_features = _head_forward(ref_head, ref_target, features, tokens)
   cache = models.init_cache(head.config, 3, 12)
-  _, got_a, cache = feature_head.extend_head(head_run, target, cache, features[:, :4],
-                                             tokens[:, :4])
-  got_logits, got_b, _ = feature_head.extend_head(
+  extend_head = jax.jit(feature_head.extend_head)
+  _, got_a, cache = extend_head(head_run, target, cache, features[:, :4], tokens[:, :4])
+  got_logits, got_b, _ = extend_head(
       head_run, target, cache, features[:, 4:], tokens[:, 4:],
       logits_at_BxL=jnp.array([[0, 4]] * 3, jnp.int32))
   np.testing.assert_allclose(np.concatenate([got_a, got_b], 1), want_features, rtol=2e-4,
@@ -86,19 +86,40 @@ def test_cached_head_equals_its_full_forward(pair48, packed):
                              atol=2e-4)
 
 
+_head_forward = jax.jit(feature_head.feature_head_forward)
+
+
+def _padded(rows, width=REFERENCE_WIDTH - 1) -> jax.Array:
+  """`rows` (a sequence of tokens, or of feature vectors) as one batch row of `width` positions,
+  zeros after them: the reference forwards are causal, so the positions of `rows` never see the
+  padding, and one program serves every length."""
+  rows = np.asarray(rows)
+  out = np.zeros((1, width, *rows.shape[1:]), rows.dtype)
+  out[0, :len(rows)] = rows
+  return jnp.asarray(out)
+
+
 def _reference_laws(target, head, kind, seq, k, sampling):
   """The laws a loop's k drafts come from after committed tokens `seq`, from uncached forwards
-  over the target's true features: the EAGLE head's first two (the second after the first
-  draft, `draft0`, which the caller passes by calling twice), or all k parallel heads'."""
-  features = models.features(target.config, target.params, jnp.asarray(seq[None], jnp.int32))
+  over the target's true features: the EAGLE head's first two (the second after the first draft,
+  with the head's own prediction at the last position as one more pair), or all k parallel
+  heads'. Returns a function of the first draft for the EAGLE head's second."""
+  features_CxD = full_features(target, seq)[:len(seq)]
   c = len(seq)
+  law = lambda logits_1xV: np.asarray(probabilities(logits_1xV, sampling))[0]
   if kind == 'heads':
-    logits, _ = feature_head.parallel_heads(head, target, features[:, c - 2],
+    logits, _ = feature_head.parallel_heads(head, target, jnp.asarray(features_CxD[None, c - 2]),
                                             jnp.asarray(seq[-1:], jnp.int32), num=k)
-    return [np.asarray(probabilities(logits[:, i], sampling))[0] for i in range(k)]
-  logits, predicted = feature_head.feature_head_forward(head, target, features[:, :c - 1],
-                                                        jnp.asarray(seq[None, 1:], jnp.int32))
-  return np.asarray(probabilities(logits[:, -1], sampling))[0], predicted[:, -1]
+    return [law(logits[:, i]) for i in range(k)]
+  logits, predicted = _head_forward(head, target, _padded(features_CxD[:c - 1]),
+                                    _padded(seq[1:].astype(np.int32)))
+
+  def second(draft0):
+    pairs = np.concatenate([features_CxD[:c - 1], np.asarray(predicted)[0, c - 2:c - 1]])
+    tokens = np.append(seq[1:], draft0).astype(np.int32)
+    return law(_head_forward(head, target, _padded(pairs), _padded(tokens))[0][:, c - 1])
+
+  return law(logits[:, c - 2]), second
 
 
 @pytest.mark.parametrize('kind,packed', [('feature', False), ('feature', True), ('heads', True)])
@@ -130,18 +151,10 @@ def test_each_loops_drafts_come_from_the_head_on_the_targets_features(pair48, ki
         for i, want in enumerate(_reference_laws(pair48, head, kind, seq, k, sampling)):
           np.testing.assert_allclose(q[b, i], want, rtol=1e-4, atol=1e-5)
         continue
-      want0, _ = _reference_laws(pair48, head, kind, seq, k, sampling)
+      want0, second = _reference_laws(pair48, head, kind, seq, k, sampling)
       np.testing.assert_allclose(q[b, 0], want0, rtol=1e-4, atol=1e-5)
-      # Slot 1: the head's own prediction at the last position, with draft 0, as one more pair.
-      features = models.features(pair48.config, pair48.params, jnp.asarray(seq[None], jnp.int32))
-      c = len(seq)
-      _, predicted = feature_head.feature_head_forward(head, pair48, features[:, :c - 1],
-                                                       jnp.asarray(seq[None, 1:], jnp.int32))
-      pairs = jnp.concatenate([features[:, :c - 1], predicted[:, -1:]], axis=1)
-      tokens = jnp.asarray(np.append(seq[1:], proposal.tokens_BxK[b, 0])[None], jnp.int32)
-      logits, _ = feature_head.feature_head_forward(head, pair48, pairs, tokens)
-      want1 = np.asarray(probabilities(logits[:, -1], sampling))[0]
-      np.testing.assert_allclose(q[b, 1], want1, rtol=1e-4, atol=1e-5)
+      np.testing.assert_allclose(q[b, 1], second(int(proposal.tokens_BxK[b, 0])), rtol=1e-4,
+                                 atol=1e-5)
     state = body(*args, state)
   assert int(np.sum(state.num_accepted_B)) > 0  # Loops after accepted drafts were compared too.
 

@@ -265,6 +265,7 @@ def _check_cache(model, cache, committed_rows, want_lengths):
   _, fresh = _prefill(model.config, model.params, jnp.asarray(padded), jnp.asarray(lengths), width)
   for layer in range(model.config.num_layers):
     for got, want in ((cache.k[layer], fresh.k[layer]), (cache.v[layer], fresh.v[layer])):
+      got, want = np.asarray(got), np.asarray(want)  # Slicing jax.Arrays compiles per shape.
       for b, length in enumerate(lengths):
         np.testing.assert_allclose(got[b, :length], want[b, :length], rtol=1e-4, atol=1e-5)
 
@@ -283,8 +284,9 @@ def _run_checking_caches(target, draft, loop, prompts, lengths, rng):
     state = body(target, draft, prompts_j, lengths_j, state)
     accepted.append(np.where(active, np.asarray(state.num_accepted_B) - before, -1))
     rows, target_want, draft_want = [], [], []
+    tokens_BxW, num_generated_B = np.asarray(state.tokens_BxW), np.asarray(state.num_generated_B)
     for b in range(len(lengths)):
-      gen = np.asarray(state.tokens_BxW[b, :int(state.num_generated_B[b])])
+      gen = tokens_BxW[b, :num_generated_B[b]]
       committed = np.concatenate([prompts[b, :lengths[b]], gen])
       rows.append(committed)
       c = len(committed)

@@ -3,6 +3,7 @@
 and absent from the program of every drafter that does not read them."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,24 @@ def _ragged(seed, batch=5, width=7):
   lengths = rng.integers(1, width + 1, size=batch).astype(np.int32)
   prompts = rng.integers(0, 48, size=(batch, width)).astype(np.int32)
   return prompts, lengths
+
+
+REFERENCE_WIDTH = 32
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _features(config, params, tokens_BxT):
+  return models.features(config, params, tokens_BxT)
+
+
+def full_features(model: models.Model, seq) -> np.ndarray:
+  """float[REFERENCE_WIDTH, D]: `models.features` over the tokens `seq` padded to REFERENCE_WIDTH
+  (one program for every length; the forward is causal, so the positions of `seq` never see the
+  padding)."""
+  assert len(seq) <= REFERENCE_WIDTH, len(seq)
+  tokens = np.zeros((1, REFERENCE_WIDTH), np.int32)
+  tokens[0, :len(seq)] = seq
+  return np.asarray(_features(model.config, model.params, jnp.asarray(tokens)))[0]
 
 
 @pytest.mark.parametrize('packed', [False, True])
@@ -77,18 +96,17 @@ def test_the_loop_hands_the_scored_positions_features_to_the_drafter(pair, packe
   loop, args = speculative.prepare(target, draft, prompts, lengths, k=4, max_new_tokens=30,
                                    sampling=SamplingConfig(temperature=0.7), drafter=_Spy(),
                                    trim_score=trim_score)
-  state = loop.init(*args, jax.random.key(0))
+  state, body = jax.jit(loop.init)(*args, jax.random.key(0)), jax.jit(loop.body)
   accepted = []
   for _ in range(3):
     before = np.asarray(state.num_generated_B)
-    state = jax.jit(loop.body)(*args, state)
+    state = body(*args, state)
     n_B = np.asarray(state.num_generated_B) - before - 1  # Accepted drafts (no eos, no limit).
     got = np.asarray(state.draft_state[1])
+    tokens_BxW, num_generated_B = np.asarray(state.tokens_BxW), np.asarray(state.num_generated_B)
     for b in range(len(lengths)):
-      seq = np.concatenate([prompts[b, :lengths[b]],
-                            np.asarray(state.tokens_BxW)[b, :state.num_generated_B[b]]])
-      want = np.asarray(models.features(pair[0].config, pair[0].params,
-                                        jnp.asarray(seq[None], jnp.int32)))[0]
+      want = full_features(pair[0], np.concatenate([prompts[b, :lengths[b]],
+                                                    tokens_BxW[b, :num_generated_B[b]]]))
       base = lengths[b] + before[b] - 1
       np.testing.assert_allclose(got[b, :n_B[b] + 1], want[base:base + n_B[b] + 1],
                                  rtol=2e-4, atol=2e-4)
