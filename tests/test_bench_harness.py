@@ -15,7 +15,7 @@ from spsjax.bench import auto_k, comparison, decode, speedup, sweep, table1, the
 from spsjax.data import prompts as prompts_lib
 from spsjax.eval import acceptance, likelihood, metrics
 from spsjax.sampling import drafters
-from tests import data_helpers, stats
+from tests import data_helpers, forwards, stats
 
 
 STRICT_LEVEL = 1e-3  # Family-wise level of the negative control's exact half.
@@ -206,8 +206,7 @@ def test_logprob_column_is_the_target_s_log_softmax_of_each_generated_token(fami
   got = likelihood.mean_logprobs(target, prompts, lengths, out)
   for row, want_tokens in enumerate(([5, 6, 7, 3, 4], [8, 9, 10, 11, 7, 8, 9])):
     L, n = int(lengths[row]), int(out.num_generated[row])
-    logp = jax.nn.log_softmax(models.logits(target.config, target.params,
-                                            np.array([want_tokens], np.int32))[0])
+    logp = np.asarray(jax.nn.log_softmax(forwards.logits(target, want_tokens)))
     want = np.mean([logp[L - 1 + j, want_tokens[L + j]] for j in range(n)])
     assert got[row] == pytest.approx(float(want), abs=1e-5)
   del tok

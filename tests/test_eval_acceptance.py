@@ -2,13 +2,12 @@
 numpy from each model's logits on the generated sequences."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from spsjax import models, sampling
 from spsjax.eval import acceptance, tasks
-from tests import data_helpers
+from tests import data_helpers, forwards
 
 PROMPTS = ('def add(a, b):\n    """', 'def f():\n    return', 'x = 1\n', 'import os\n',
            'class A:\n    def')
@@ -32,11 +31,11 @@ def _expected(target, draft, samples, laws):
   """Mean over generated positions of sum_x min(p, q), both laws from float64 `laws(logits)`."""
   betas = []
   for prompts_BxP, lengths_B, out in samples.calls:
+    tokens_BxN, num_generated_B = np.asarray(out.tokens), np.asarray(out.num_generated)
     for b in range(prompts_BxP.shape[0]):
-      L, n = int(lengths_B[b]), int(out.num_generated[b])
-      seq = np.concatenate([prompts_BxP[b, :L], np.asarray(out.tokens)[b, :n]])[None]
-      p, q = (laws(models.logits(m.config, m.params, jnp.asarray(seq))[0])
-              for m in (target, draft))
+      L, n = int(lengths_B[b]), int(num_generated_B[b])
+      seq = np.concatenate([prompts_BxP[b, :L], tokens_BxN[b, :n]])
+      p, q = (laws(forwards.logits(m, seq)) for m in (target, draft))
       betas += list(np.minimum(p, q).sum(-1)[L - 1:L - 1 + n])
   return float(np.mean(betas)), len(betas)
 
@@ -69,11 +68,11 @@ def test_greedy_alpha_is_how_often_the_draft_picks_the_target_s_token(family):
   alpha, count = acceptance.samples_alpha(target, draft, samples)
   agree = []
   for prompts_BxP, lengths_B, out in samples.calls:
+    tokens_BxN, num_generated_B = np.asarray(out.tokens), np.asarray(out.num_generated)
     for b in range(prompts_BxP.shape[0]):
-      L, n = int(lengths_B[b]), int(out.num_generated[b])
-      generated = np.asarray(out.tokens)[b, :n]
-      seq = np.concatenate([prompts_BxP[b, :L], generated])[None]
-      picks = np.argmax(np.asarray(models.logits(draft.config, draft.params, jnp.asarray(seq))[0]),
+      L, n = int(lengths_B[b]), int(num_generated_B[b])
+      generated = tokens_BxN[b, :n]
+      picks = np.argmax(forwards.logits(draft, np.concatenate([prompts_BxP[b, :L], generated])),
                         -1)
       agree += list(picks[L - 1:L - 1 + n] == generated)
   assert count == len(agree) and alpha == pytest.approx(np.mean(agree), abs=1e-6)
@@ -111,11 +110,11 @@ def test_lenient_alpha_and_total_variation(family):
   tv, tv_count = acceptance.lenient_tv(target, draft, cfg, 0.5, prompts_BxP, lengths_B, out)
   want_beta, want_tv = [], []
   laws = _softmax(0.9)
+  tokens_BxN, num_generated_B = np.asarray(out.tokens), np.asarray(out.num_generated)
   for b in range(prompts_BxP.shape[0]):
-    L, n = int(lengths_B[b]), int(out.num_generated[b])
-    seq = np.concatenate([prompts_BxP[b, :L], np.asarray(out.tokens)[b, :n]])[None]
-    p, q = (laws(models.logits(m.config, m.params, jnp.asarray(seq))[0])[L - 1:L - 1 + n]
-            for m in (target, draft))
+    L, n = int(lengths_B[b]), int(num_generated_B[b])
+    seq = np.concatenate([prompts_BxP[b, :L], tokens_BxN[b, :n]])
+    p, q = (laws(forwards.logits(m, seq))[L - 1:L - 1 + n] for m in (target, draft))
     accepted = np.minimum(q, p / 0.5)
     residual = np.maximum(p - q, 0)
     law = accepted + (1 - accepted.sum(-1, keepdims=True)) * residual / residual.sum(

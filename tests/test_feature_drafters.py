@@ -15,10 +15,9 @@ from spsjax.models import feature_head
 from spsjax.sampling import (SamplingConfig, autoregressive_sample, drafters, probabilities,
                              speculative, speculative_sample)
 from spsjax.sampling.feature_drafters import FeatureDrafter, HeadsDrafter
-from tests import xla_env
+from tests import forwards, xla_env
 from tests.stats import scaled_model
 from tests.test_speculative import check_interleaved_law, interleaved
-from tests.test_target_features import REFERENCE_WIDTH, full_features
 
 GREEDY = SamplingConfig(temperature=0.0)
 P_MIN = 1e-5  # Each G-test fails a correct sampler with this probability.
@@ -89,7 +88,7 @@ def test_cached_head_equals_its_full_forward(pair48, packed):
 _head_forward = jax.jit(feature_head.feature_head_forward)
 
 
-def _padded(rows, width=REFERENCE_WIDTH - 1) -> jax.Array:
+def _padded(rows, width=forwards.WIDTH - 1) -> jax.Array:
   """`rows` (a sequence of tokens, or of feature vectors) as one batch row of `width` positions,
   zeros after them: the reference forwards are causal, so the positions of `rows` never see the
   padding, and one program serves every length."""
@@ -104,7 +103,7 @@ def _reference_laws(target, head, kind, seq, k, sampling):
   over the target's true features: the EAGLE head's first two (the second after the first draft,
   with the head's own prediction at the last position as one more pair), or all k parallel
   heads'. Returns a function of the first draft for the EAGLE head's second."""
-  features_CxD = full_features(target, seq)[:len(seq)]
+  features_CxD = forwards.features(target, seq)
   c = len(seq)
   law = lambda logits_1xV: np.asarray(probabilities(logits_1xV, sampling))[0]
   if kind == 'heads':

@@ -3,7 +3,6 @@
 and absent from the program of every drafter that does not read them."""
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +11,7 @@ import pytest
 
 from spsjax import models
 from spsjax.sampling import SamplingConfig, drafters, speculative
+from tests import forwards
 
 _CONFIG = models.TransformerConfig(vocab_size=48, d_model=32, num_layers=2, num_heads=4,
                                    num_kv_heads=2, d_ff=64, max_seq_len=64)
@@ -30,24 +30,6 @@ def _ragged(seed, batch=5, width=7):
   lengths = rng.integers(1, width + 1, size=batch).astype(np.int32)
   prompts = rng.integers(0, 48, size=(batch, width)).astype(np.int32)
   return prompts, lengths
-
-
-REFERENCE_WIDTH = 32
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _features(config, params, tokens_BxT):
-  return models.features(config, params, tokens_BxT)
-
-
-def full_features(model: models.Model, seq) -> np.ndarray:
-  """float[REFERENCE_WIDTH, D]: `models.features` over the tokens `seq` padded to REFERENCE_WIDTH
-  (one program for every length; the forward is causal, so the positions of `seq` never see the
-  padding)."""
-  assert len(seq) <= REFERENCE_WIDTH, len(seq)
-  tokens = np.zeros((1, REFERENCE_WIDTH), np.int32)
-  tokens[0, :len(seq)] = seq
-  return np.asarray(_features(model.config, model.params, jnp.asarray(tokens)))[0]
 
 
 @pytest.mark.parametrize('packed', [False, True])
@@ -105,8 +87,8 @@ def test_the_loop_hands_the_scored_positions_features_to_the_drafter(pair, packe
     got = np.asarray(state.draft_state[1])
     tokens_BxW, num_generated_B = np.asarray(state.tokens_BxW), np.asarray(state.num_generated_B)
     for b in range(len(lengths)):
-      want = full_features(pair[0], np.concatenate([prompts[b, :lengths[b]],
-                                                    tokens_BxW[b, :num_generated_B[b]]]))
+      want = forwards.features(pair[0], np.concatenate([prompts[b, :lengths[b]],
+                                                        tokens_BxW[b, :num_generated_B[b]]]))
       base = lengths[b] + before[b] - 1
       np.testing.assert_allclose(got[b, :n_B[b] + 1], want[base:base + n_B[b] + 1],
                                  rtol=2e-4, atol=2e-4)
