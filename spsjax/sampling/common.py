@@ -57,8 +57,10 @@ def compiler_options(options: Mapping[str, Any] | None) -> tuple[tuple[str, Any]
   """`LoopSettings.compiler_options` of a mapping of XLA option names to values (None: none)."""
   if options is None:
     return ()
-  if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
-    raise ValueError(f'compiler_options must map XLA option names to values, got {options!r}.')
+  if not isinstance(options, Mapping) or not all(
+      isinstance(k, str) and isinstance(v, (str, bool, int, float)) for k, v in options.items()):
+    raise ValueError(f'compiler_options must map XLA option names to values (str, bool, int or '
+                     f'float), got {options!r}.')
   return tuple(sorted(options.items()))
 
 
