@@ -184,3 +184,21 @@ def test_truncated_params_are_the_first_layers():
   for bad in (dataclasses.replace(config, num_layers=3), dataclasses.replace(short, d_ff=48)):
     with pytest.raises(ValueError, match='truncated copy'):
       models.truncated_params(config, params, bad)
+
+
+def test_init_params_compiles_once_per_config():
+  """A second initialisation of the same config (another key) reuses the first's program: no
+  tracing, no compile (a fresh program per call compiled every leaf's draw again); another config
+  compiles its own; the draws follow the key."""
+  from spsjax.bench import timing  # pylint: disable=import-outside-toplevel
+  config = dataclasses.replace(_config(2), d_ff=88)  # A config no other test initialises.
+  first = models.init_params(config, jax.random.key(0))
+  with timing.CompileClock() as clock:
+    again = models.init_params(config, jax.random.key(0))
+    other_key = models.init_params(config, jax.random.key(1))
+  assert clock.phases == dict.fromkeys(clock.phases, 0.0), clock.phases
+  jax.tree.map(np.testing.assert_array_equal, first, again)
+  assert not np.array_equal(first['layer_0']['mlp']['w_in'], other_key['layer_0']['mlp']['w_in'])
+  with timing.CompileClock() as clock:
+    models.init_params(dataclasses.replace(config, d_ff=80), jax.random.key(0))
+  assert clock.programs['jit(random_params)'] == 1

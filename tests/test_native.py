@@ -56,52 +56,80 @@ def test_loader_takes_the_library_built_for_this_interpreter(tmp_path, monkeypat
   assert library.path_to_load(str(tmp_path)) == '/elsewhere/k.so'
 
 
+# Packing jitted: op by op it compiled half a dozen small programs per shape.
+_pack = jax.jit(native.pack, static_argnames=('in_dims', 'tied_to', 'dtype'))
+
+
+def _normal(seed, shape, scale=1.0):
+  """float32 normals from numpy: inputs and references made without compiling anything."""
+  return (scale * np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
+
+
+def _matmuls(packed, cases, isa, use_kernel=True):
+  """`native.matmul(x, packed, **options)` for each (x, options) of `cases`, all in one jitted
+  program: one compile for a test's row counts and prologues instead of one per product."""
+  arrays = [(x, o['norm'][0] if 'norm' in o else None, o.get('residual'), o.get('counts'))
+            for x, o in cases]
+  statics = [(o.get('gated', False), o['norm'][1] if 'norm' in o else None) for _, o in cases]
+
+  @jax.jit
+  def run(packed, arrays):
+    return [native.matmul(x, packed, norm=None if eps is None else (scale, eps), gated=gated,
+                          residual=residual, counts=counts, isa=isa, use_kernel=use_kernel)
+            for (x, scale, residual, counts), (gated, eps) in zip(arrays, statics, strict=True)]
+  return [np.asarray(got) for got in run(packed, arrays)]
+
+
+def _np_rms_norm(x, scale, eps):
+  x = x.astype(np.float64)
+  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def _np_silu_gate(gate, x):
+  gate = gate.astype(np.float64)
+  return gate / (1 + np.exp(-gate)) * x
+
+
 @pytest.mark.parametrize('isa', ISAS)
 # Inner widths that are not whole vectors (37, 13: the tail loops), and 1000 x 70 on threads.
 @pytest.mark.parametrize('d_in,d_out', [(96, 160), (40, 37), (1024, 48), (37, 20), (13, 5),
                                         (1000, 70)])
-@pytest.mark.parametrize('rows', [1, 3, 5, 8, 9, 16, 17, 67, 300])
-def test_packed_matmul_equals_dot(isa, d_in, d_out, rows):
-  w_IxF = jax.random.normal(jax.random.key(0), (d_in, d_out))
-  x_RxI = jax.random.normal(jax.random.key(rows), (rows, d_in))
-  packed = native.pack(w_IxF)
-  got = jax.jit(lambda x, p: native.matmul(x, p, isa=isa, use_kernel=True))(x_RxI, packed)
-  want = jnp.dot(x_RxI, w_IxF, precision='highest')
-  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.sqrt(d_in))
-
-
-@jax.jit  # One program per shape: op by op, these compiled a dozen small ones per shape.
-def _prologue_wants(x_RxI, gate_in_Rx2xI, scale_I, residual_RxF, w_IxF):
-  """The XLA ops' rms_norm(x) @ w, silu_gate @ w, x @ w + residual, silu_gate @ w + residual."""
-  dot = lambda a, b: jnp.dot(a, b, precision='highest')
-  gated_RxI = native.silu_gate(gate_in_Rx2xI[:, 0], gate_in_Rx2xI[:, 1])
-  return (dot(native.rms_norm(x_RxI, scale_I, 1e-5), w_IxF), dot(gated_RxI, w_IxF),
-          residual_RxF + dot(x_RxI, w_IxF), residual_RxF + dot(gated_RxI, w_IxF))
+def test_packed_matmul_equals_dot(isa, d_in, d_out):
+  """1 to 300 rows (one program for all), against a float64 product."""
+  w_IxF = _normal(0, (d_in, d_out))
+  xs = [_normal(rows, (rows, d_in)) for rows in (1, 3, 5, 8, 9, 16, 17, 67, 300)]
+  gots = _matmuls(_pack(w_IxF), [(x, {}) for x in xs], isa)
+  for x_RxI, got in zip(xs, gots, strict=True):
+    np.testing.assert_allclose(got, x_RxI.astype(np.float64) @ w_IxF, rtol=2e-5,
+                               atol=2e-5 * np.sqrt(d_in), err_msg=f'{len(x_RxI)} rows')
 
 
 @pytest.mark.parametrize('isa', ISAS)
 @pytest.mark.parametrize('d_in,d_out', [(96, 160), (40, 37), (128, 600)])
-@pytest.mark.parametrize('rows', [1, 5, 9, 16, 24, 700])  # 700 x 128: the prologue on threads.
-def test_packed_matmul_prologues_and_residual(isa, d_in, d_out, rows):
-  """rms_norm(x) @ w, silu_gate(x) @ w, and + residual, against the same XLA ops."""
-  keys = jax.random.split(jax.random.key(rows), 4)
-  w_IxF = jax.random.normal(keys[0], (d_in, d_out))
-  packed = native.pack(w_IxF)
-  x_RxI = 3 * jax.random.normal(keys[1], (rows, d_in))
-  scale_I = 1 + jax.random.normal(keys[2], (d_in,))
-  residual_RxF = jax.random.normal(keys[3], (rows, d_out))
-  # Gates far in both tails too: the kernel's sigmoid must not overflow.
-  gate_in_Rx2xI = jnp.stack([x_RxI.at[:, 0].set(-100.0).at[:, 1].set(100.0), x_RxI[::-1]], axis=1)
-  wants = _prologue_wants(x_RxI, gate_in_Rx2xI, scale_I, residual_RxF, w_IxF)
-  options = (dict(norm=(scale_I, 1e-5)), dict(gated=True), dict(residual=residual_RxF),
-             dict(gated=True, residual=residual_RxF))
-  cases = zip((x_RxI, gate_in_Rx2xI, x_RxI, gate_in_Rx2xI), options, wants, strict=True)
-  for x, options, want in cases:
-    for use_kernel in (True, False):
-      got = jax.jit(lambda x, p, o=options, k=use_kernel: native.matmul(
-          x, p, isa=isa, use_kernel=k, **o))(x, packed)
+def test_packed_matmul_prologues_and_residual(isa, d_in, d_out):
+  """rms_norm(x) @ w, silu_gate(x) @ w, and + residual, against float64 arithmetic, for 1 to 700
+  rows (700 x 128: the prologue on threads); the XLA path (the same for every isa) with the
+  baseline's."""
+  w_IxF = _normal(0, (d_in, d_out))
+  scale_I = 1 + _normal(1, (d_in,))
+  cases, wants = [], []
+  for rows in (1, 5, 9, 16, 24, 700):
+    x_RxI = _normal(rows, (rows, d_in), scale=3.0)
+    residual_RxF = _normal(rows + 1, (rows, d_out))
+    gate_RxI = x_RxI.copy()  # Gates far in both tails too: the sigmoid must not overflow.
+    gate_RxI[:, 0], gate_RxI[:, 1] = -100.0, 100.0
+    gate_in_Rx2xI = np.stack([gate_RxI, x_RxI[::-1]], axis=1)
+    gated_RxF = _np_silu_gate(gate_RxI, x_RxI[::-1]) @ w_IxF
+    cases += [(x_RxI, dict(norm=(scale_I, 1e-5))), (gate_in_Rx2xI, dict(gated=True)),
+              (x_RxI, dict(residual=residual_RxF)),
+              (gate_in_Rx2xI, dict(gated=True, residual=residual_RxF))]
+    wants += [_np_rms_norm(x_RxI, scale_I, 1e-5) @ w_IxF, gated_RxF,
+              residual_RxF + x_RxI.astype(np.float64) @ w_IxF, residual_RxF + gated_RxF]
+  for use_kernel in (True, False) if isa == 'baseline' else (True,):
+    gots = _matmuls(_pack(w_IxF), cases, isa, use_kernel)
+    for got, (x, options), want in zip(gots, cases, wants, strict=True):
       np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(d_in),
-                                 err_msg=f'{sorted(options)} kernel={use_kernel}')
+                                 err_msg=f'{len(x)} rows, {sorted(options)}, kernel={use_kernel}')
 
 
 @pytest.mark.parametrize('isa', ISAS)
@@ -115,31 +143,27 @@ def test_packed_matmul_skips_padding_rows(isa, B, T, counts):
   """With counts, rows t < counts[b] of x [B, T, I] are the product's and the others, padding,
   come out as their residual (or zeros), for every prologue."""
   d_in, d_out = 128, 100
-  keys = jax.random.split(jax.random.key(T), 4)
-  w_IxF = jax.random.normal(keys[0], (d_in, d_out))
-  packed = native.pack(w_IxF)
-  x_BxTxI = jax.random.normal(keys[1], (B, T, d_in))
-  gate_in_BxTx2xI = jnp.stack([x_BxTxI, x_BxTxI[:, ::-1]], axis=2)
-  scale_I = 1 + jax.random.normal(keys[2], (d_in,))
-  residual_BxTxF = jax.random.normal(keys[3], (B, T, d_out))
-  dot = lambda a: jnp.einsum('BTI,IF->BTF', a, w_IxF, precision='highest')
-  cases = [
-      (x_BxTxI, {}, dot(x_BxTxI)),
-      (x_BxTxI, dict(norm=(scale_I, 1e-5), residual=residual_BxTxF),
-       residual_BxTxF + dot(native.rms_norm(x_BxTxI, scale_I, 1e-5))),
-      (gate_in_BxTx2xI, dict(gated=True, residual=residual_BxTxF),
-       residual_BxTxF + dot(native.silu_gate(x_BxTxI, x_BxTxI[:, ::-1]))),
-  ]
-  for x, options, want in cases:
-    got = jax.jit(lambda x, p, c, o=options: native.matmul(
-        x, p, counts=c, isa=isa, use_kernel=True, **o))(x, packed, jnp.array(counts, jnp.int32))
+  w_IxF = _normal(0, (d_in, d_out))
+  x_BxTxI = _normal(T, (B, T, d_in))
+  scale_I = 1 + _normal(1, (d_in,))
+  residual_BxTxF = _normal(2, (B, T, d_out))
+  counts_B = np.array(counts, np.int32)
+  cases = [(x_BxTxI, dict(counts=counts_B)),
+           (x_BxTxI, dict(norm=(scale_I, 1e-5), residual=residual_BxTxF, counts=counts_B)),
+           (np.stack([x_BxTxI, x_BxTxI[:, ::-1]], axis=2),
+            dict(gated=True, residual=residual_BxTxF, counts=counts_B))]
+  wants = [x_BxTxI.astype(np.float64) @ w_IxF,
+           residual_BxTxF + _np_rms_norm(x_BxTxI, scale_I, 1e-5) @ w_IxF,
+           residual_BxTxF + _np_silu_gate(x_BxTxI, x_BxTxI[:, ::-1]) @ w_IxF]
+  for got, (_, options), want in zip(_matmuls(_pack(w_IxF), cases, isa), cases, wants,
+                                     strict=True):
     for b, count in enumerate(counts):
       np.testing.assert_allclose(got[b, :count], want[b, :count], rtol=1e-4,
                                  atol=1e-4 * np.sqrt(d_in), err_msg=f'{sorted(options)}')
       padding = residual_BxTxF[b, count:] if 'residual' in options else 0.0
       np.testing.assert_array_equal(got[b, count:], padding)
   with pytest.raises(ValueError, match='counts'):
-    native.matmul(x_BxTxI, packed, counts=jnp.array([1, 2], jnp.int32))
+    native.matmul(x_BxTxI, _pack(w_IxF), counts=jnp.array([1, 2], jnp.int32))
 
 
 def test_packed_matmul_leading_and_output_dims_and_xla_path():
@@ -168,65 +192,65 @@ def test_packed_matmul_of_no_rows():
       assert got.shape == (0, 5), (options, use_kernel)
 
 
-@jax.jit  # One program per shape, not one per op.
-def _norm_dot_residual(x_RxI, scale_I, w_IxF, residual_RxF):
-  """residual + rms_norm(x) @ w in XLA's ops."""
-  return residual_RxF + jnp.dot(native.rms_norm(x_RxI, scale_I, 1e-6), w_IxF, precision='highest')
+_unpack = jax.jit(native.unpack)
+LOW_PRECISION_ROWS = (1, 5, 9, 16, 24, 700)  # 700: the prologue on threads.
+
+
+def _check_low_precision_products(packed, dense_IxF, isa):
+  """residual + rms_norm(x) @ w on both paths, and silu_gate(x) @ w on the kernel's, equal
+  float64 arithmetic on `dense_IxF` (the packed weights as float32), for LOW_PRECISION_ROWS."""
+  d_in, d_out = dense_IxF.shape
+  scale_I = np.linspace(0.5, 1.5, d_in, dtype=np.float32)
+  cases, wants = [], []
+  for rows in LOW_PRECISION_ROWS:
+    x_RxI, residual_RxF = _normal(rows, (rows, d_in)), _normal(9, (rows, d_out))
+    cases.append((x_RxI, dict(norm=(scale_I, 1e-6), residual=residual_RxF)))
+    wants.append(residual_RxF + _np_rms_norm(x_RxI, scale_I, 1e-6) @ dense_IxF)
+  for use_kernel in (True, False):
+    for got, (x, _), want in zip(_matmuls(packed, cases, isa, use_kernel), cases, wants):
+      np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.sqrt(d_in),
+                                 err_msg=f'{len(x)} rows, kernel={use_kernel}')
+  gated = [_normal(7 + rows, (rows, 2, d_in)) for rows in LOW_PRECISION_ROWS]
+  gots = _matmuls(packed, [(g, dict(gated=True)) for g in gated], isa)
+  for got, g in zip(gots, gated):
+    np.testing.assert_allclose(got, _np_silu_gate(g[:, 0], g[:, 1]) @ dense_IxF, rtol=2e-5,
+                               atol=2e-5 * np.sqrt(d_in), err_msg=f'{len(g)} rows, gated')
 
 
 @pytest.mark.parametrize('isa', ISAS)
-@pytest.mark.parametrize('rows', [1, 5, 9, 16, 24, 700])  # 700: the prologue on threads.
 @pytest.mark.parametrize('d_in,d_out', [(40, 37), (1001, 70)])  # 1001 x 70: panels on threads.
-def test_bfloat16_panels_multiply_in_float32(isa, rows, d_in, d_out):
+def test_bfloat16_panels_multiply_in_float32(isa, d_in, d_out):
   """bfloat16 panels: the kernel's product equals float32 arithmetic on the rounded weights, with
   the prologues and the residual too, and the XLA path gives the same."""
-  w_IxF = jax.random.normal(jax.random.key(0), (d_in, d_out))
-  x_RxI = jax.random.normal(jax.random.key(rows), (rows, d_in))
-  packed = native.pack(w_IxF, dtype='bfloat16')
+  w_IxF = _normal(0, (d_in, d_out))
+  packed = _pack(w_IxF, dtype='bfloat16')
   assert packed.panels_PxIxC.dtype == jnp.bfloat16
-  rounded_IxF = w_IxF.astype(jnp.bfloat16).astype(jnp.float32)
-  np.testing.assert_array_equal(native.unpack(packed), rounded_IxF)
+  rounded_IxF = np.asarray(jnp.asarray(w_IxF).astype(jnp.bfloat16).astype(jnp.float32))
+  np.testing.assert_array_equal(_unpack(packed), rounded_IxF)
   assert not np.array_equal(rounded_IxF, w_IxF)  # The rounding is real: a test that can fail.
-  scale = jnp.linspace(0.5, 1.5, d_in)
-  residual = jax.random.normal(jax.random.key(9), (rows, d_out))
-  want = _norm_dot_residual(x_RxI, scale, rounded_IxF, residual)
-  for use_kernel in (True, False):
-    got = jax.jit(lambda x, p, r, u=use_kernel: native.matmul(
-        x, p, norm=(scale, 1e-6), residual=r, isa=isa, use_kernel=u))(x_RxI, packed, residual)
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.sqrt(d_in))
+  _check_low_precision_products(packed, rounded_IxF, isa)
 
 
 @pytest.mark.parametrize('isa', ISAS)
-@pytest.mark.parametrize('rows', [1, 5, 9, 16, 24, 700])  # 700: the prologue on threads.
 @pytest.mark.parametrize('d_in,d_out', [(40, 37), (1001, 70)])  # 1001 x 70: panels on threads.
-def test_int8_panels_multiply_in_float32(isa, rows, d_in, d_out):
+def test_int8_panels_multiply_in_float32(isa, d_in, d_out):
   """int8 panels: each column quantized to 255 levels of its largest magnitude; the kernel's
   product equals float32 arithmetic on the quantized weights (prologues and residual too), on
   both paths."""
-  w_IxF = jax.random.normal(jax.random.key(0), (d_in, d_out)).at[:, 5].set(0.0)
-  x_RxI = jax.random.normal(jax.random.key(rows), (rows, d_in))
-  packed = native.pack(w_IxF, dtype='int8')
+  w_IxF = _normal(0, (d_in, d_out))
+  w_IxF[:, 5] = 0.0
+  packed = _pack(w_IxF, dtype='int8')
   panels = -(-d_out // native.PANEL)
   assert packed.panels_PxIxC.dtype == jnp.int8 and packed.scales_PxC.shape == (panels,
                                                                                native.PANEL)
-  quantized_IxF = native.unpack(packed)
-  step_F = jnp.max(jnp.abs(w_IxF), axis=0) / 127
+  quantized_IxF = np.asarray(_unpack(packed))
+  step_F = np.max(np.abs(w_IxF), axis=0) / 127
   assert np.all(np.abs(quantized_IxF - w_IxF) <= step_F[None, :] / 2 + 1e-6)  # Nearest level.
   np.testing.assert_array_equal(quantized_IxF[:, 5], 0.0)  # A zero column stays zero.
   assert not np.allclose(quantized_IxF, w_IxF, atol=1e-4)  # The quantization is real.
-  np.testing.assert_array_equal(jnp.max(jnp.abs(packed.panels_PxIxC), axis=1).reshape(-1)[:5],
-                                127)  # Each column's largest weight is the top level.
-  scale = jnp.linspace(0.5, 1.5, d_in)
-  residual = jax.random.normal(jax.random.key(9), (rows, d_out))
-  want = _norm_dot_residual(x_RxI, scale, quantized_IxF, residual)
-  for use_kernel in (True, False):
-    got = jax.jit(lambda x, p, r, u=use_kernel: native.matmul(
-        x, p, norm=(scale, 1e-6), residual=r, isa=isa, use_kernel=u))(x_RxI, packed, residual)
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.sqrt(d_in))
-  gated = jax.random.normal(jax.random.key(7), (rows, 2, d_in))
-  want = jnp.dot(native.silu_gate(gated[:, 0], gated[:, 1]), quantized_IxF, precision='highest')
-  got = native.matmul(gated, packed, gated=True, isa=isa, use_kernel=True)
-  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.sqrt(d_in))
+  top = np.max(np.abs(np.asarray(packed.panels_PxIxC, np.int32)), axis=1).reshape(-1)
+  np.testing.assert_array_equal(top[:5], 127)  # Each column's largest weight is the top level.
+  _check_low_precision_products(packed, quantized_IxF, isa)
 
 
 def test_pack_rejects_what_it_cannot_do():
@@ -253,29 +277,45 @@ def test_pack_rejects_what_it_cannot_do():
     native.matmul(jnp.zeros((2, 4)), native.pack(jnp.zeros((4, 4))), isa='sse9', use_kernel=True)
 
 
+ATTENTION_SHAPES = [  # (T, K, G, H, S): queries, kv heads, queries per kv head, head dim, cache.
+    (1, 2, 3, 64, 40), (5, 2, 3, 64, 40), (4, 1, 6, 24, 40), (3, 3, 1, 36, 40), (16, 2, 4, 8, 40),
+    (20, 2, 3, 16, 40),
+    (2, 2, 2, 10, 40),  # H = 10: not whole vectors.
+    (5, 1, 4, 64, 3000),  # A long cache, filled to the end.
+    (40, 2, 2, 16, 300)]  # A prefill: blocks of positions.
+
+
 # One program per shape: op by op, the reference compiled ~1 s of small programs per shape.
 _attention_reference = jax.jit(attention.reference, static_argnums=4)
 
 
+@functools.cache
+def _attention_case():
+  """Inputs (qkv, keys, values, starts) of every ATTENTION_SHAPES case, batch 3, and the XLA
+  reference's outputs and caches for them (one program for all)."""
+  B, cases = 3, []
+  for i, (T, K, G, H, S) in enumerate(ATTENTION_SHAPES):
+    keys, values = _normal(3 * i, (B, S, K, H)), _normal(3 * i + 1, (B, S, K, H))
+    qkv = _normal(3 * i + 2, (B, T, K * G + 2 * K, H), scale=3.0)  # Peaked softmaxes.
+    cases.append((qkv, keys, values, np.array([0, 17, S - T], np.int32)))
+  wants = jax.jit(lambda cases: [attention.reference(*c, 500.0) for c in cases])(cases)
+  return cases, jax.tree.map(np.asarray, wants)
+
+
 @pytest.mark.parametrize('isa', ISAS)
-@pytest.mark.parametrize('T,K,G,H,S', [(1, 2, 3, 64, 40), (5, 2, 3, 64, 40), (4, 1, 6, 24, 40),
-                                       (3, 3, 1, 36, 40), (16, 2, 4, 8, 40), (20, 2, 3, 16, 40),
-                                       (2, 2, 2, 10, 40),  # H = 10: not whole vectors.
-                                       (5, 1, 4, 64, 3000),  # A long cache, filled to the end.
-                                       (40, 2, 2, 16, 300)])  # A prefill: blocks of positions.
-def test_cached_attention_equals_reference(isa, T, K, G, H, S):
-  """Rotation, cache writes and attention: the kernel's outputs and both caches, every slot."""
-  B = 3
-  keys = jax.random.normal(jax.random.key(0), (B, S, K, H))
-  values = jax.random.normal(jax.random.key(1), (B, S, K, H))
-  qkv = 3 * jax.random.normal(jax.random.key(2), (B, T, K * G + 2 * K, H))  # Peaked softmaxes.
-  starts = jnp.array([0, 17, S - T], jnp.int32)
-  assert attention.use_kernel(qkv, keys)
-  kernel = jax.jit(lambda *a: attention._kernel(*a, 500.0, isa))  # pylint: disable=protected-access
-  got = kernel(qkv, keys, values, starts, jnp.zeros((0,), jnp.int32))
-  want = _attention_reference(qkv, keys, values, starts, 500.0)
-  for g, w in zip(got, want, strict=True):
-    np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+def test_cached_attention_equals_reference(isa):
+  """Rotation, cache writes and attention: the kernel's outputs and both caches, every slot, for
+  every shape of ATTENTION_SHAPES (one program for all)."""
+  cases, wants = _attention_case()
+  for qkv, keys, _, _ in cases:
+    assert attention.use_kernel(qkv, keys)
+  no_counts = np.zeros((0,), np.int32)
+  gots = jax.jit(lambda cases: [attention._kernel(*c, no_counts, 500.0, isa)  # pylint: disable=protected-access
+                                for c in cases])(cases)
+  for shape, got, want in zip(ATTENTION_SHAPES, gots, wants, strict=True):
+    for name, g, w in zip(('outputs', 'keys', 'values'), got, want, strict=True):
+      np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5,
+                                 err_msg=f'{name}, (T, K, G, H, S) = {shape}')
 
 
 @pytest.mark.parametrize('isa', ISAS)
@@ -283,14 +323,14 @@ def test_cached_attention_skips_padding_positions(isa):
   """With counts (a prefill of right-padded prompts) row b's first counts[b] positions are the
   reference's; the padding's outputs are zeros and its cache slots keep what they held."""
   B, S, T, K, G, H = 3, 40, 20, 2, 3, 16
-  keys = jax.random.normal(jax.random.key(0), (B, S, K, H))
-  values = jax.random.normal(jax.random.key(1), (B, S, K, H))
-  qkv = 3 * jax.random.normal(jax.random.key(2), (B, T, K * G + 2 * K, H))
-  starts, counts = jnp.array([0, 5, 20], jnp.int32), [T, 7, 0]
-  got_out, got_k, got_v = jax.jit(lambda *a: attention.cached_attention(
+  keys, values = _normal(0, (B, S, K, H)), _normal(1, (B, S, K, H))
+  qkv = _normal(2, (B, T, K * G + 2 * K, H), scale=3.0)
+  starts, counts = np.array([0, 5, 20], np.int32), [T, 7, 0]
+  got_out, got_k, got_v = jax.tree.map(np.asarray, jax.jit(lambda *a: attention.cached_attention(
       *a[:4], rope_base=500.0, counts_B=a[4], isa=isa))(qkv, keys, values, starts,
-                                                       jnp.array(counts, jnp.int32))
-  want_out, want_k, want_v = attention.reference(qkv, keys, values, starts, 500.0)
+                                                       np.array(counts, np.int32)))
+  want_out, want_k, want_v = jax.tree.map(
+      np.asarray, _attention_reference(qkv, keys, values, starts, 500.0))
   for b, (start, count) in enumerate(zip(np.asarray(starts), counts)):
     np.testing.assert_allclose(got_out[b, :count], want_out[b, :count], rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(got_out[b, count:], 0.0)
@@ -307,7 +347,7 @@ def test_cached_attention_writes_in_place_or_copies():
   values = jax.random.normal(jax.random.key(1), (B, S, K, H))
   qkv = jax.random.normal(jax.random.key(2), (B, 3, K * G + 2 * K, H))
   starts = jnp.array([2, 9], jnp.int32)
-  want = attention.reference(qkv, keys, values, starts, 10_000.0)
+  want = _attention_reference(qkv, keys, values, starts, 10_000.0)
   call = lambda *a: attention.cached_attention(*a, rope_base=10_000.0)
   kept = jax.jit(call)(qkv, keys, values, starts)
   keys_copy, values_copy = jnp.copy(keys), jnp.copy(values)
@@ -461,62 +501,78 @@ def assert_same_support_but_at_top_p(probs_RxV, want_RxV, before_top_p_RxV, top_
   return same_R
 
 
-# Jitted once for the module: a program per shape, setting and isa, whichever test calls it.
 @functools.partial(jax.jit, static_argnums=(2, 3))
-def _native_probabilities(logits, uniforms, config, isa):
-  return native.probabilities_and_draw(logits, uniforms, temperature=config.temperature,
-                                       top_k=config.top_k, top_p=config.top_p, isa=isa)
+def _native_probabilities(logits, uniforms, configs, isa):
+  """The kernel's (probabilities, draws) under each of `configs`: one program for all."""
+  return [native.probabilities_and_draw(logits, uniforms, temperature=c.temperature,
+                                        top_k=c.top_k, top_p=c.top_p, isa=isa) for c in configs]
 
 
-_draws = jax.jit(jax.vmap(processors.draw_with))
+@functools.partial(jax.jit, static_argnums=2)
+def _xla_probabilities(logits, uniforms, configs):
+  """`processors`' (probabilities, draws) under each of `configs`: one program for all."""
+  laws = [processors.probabilities(logits, c) for c in configs]
+  return [(probs, jax.vmap(processors.draw_with)(uniforms, probs)) for probs in laws]
 
 
-def _xla_probabilities(logits, uniforms, config):
-  probs = jax.jit(processors.probabilities, static_argnums=1)(logits, config)
-  return probs, _draws(uniforms, probs)
+def _probabilities(logits, uniforms, configs, isa):
+  """(probabilities, draws) as numpy, by the kernel of `isa` or by XLA ('xla')."""
+  if isa == 'xla':
+    out = _xla_probabilities(logits, uniforms, configs)
+  else:
+    out = _native_probabilities(logits, uniforms, configs, isa)
+  return jax.tree.map(np.asarray, out)
+
+
+PROBABILITY_CONFIGS = tuple(sampling.SamplingConfig(**s) for s in [
+    dict(temperature=1.0), dict(temperature=0.8, top_p=0.95),
+    dict(temperature=0.7, top_k=50, top_p=0.8), dict(temperature=1.3, top_k=3),
+    dict(temperature=0.0), dict(temperature=2.0, top_p=0.3)])
 
 
 @functools.lru_cache(maxsize=1)  # The isas of a case run one after another: made once for all.
-def _probabilities_case(settings_items, V):
-  """(config, logits, uniforms, XLA's probabilities and draws, the law before top-p) of a case of
-  `test_probabilities_kernel_equals_processors`."""
-  config = sampling.SamplingConfig(**dict(settings_items))
+def _probabilities_case(V):
+  """(logits, uniforms, XLA's (probabilities, draws) for each of PROBABILITY_CONFIGS, the law
+  before top-p of each) of a case of `test_probabilities_kernel_equals_processors`."""
   R = {37: 2000, 4100: 400, 50257: 48}[V]
-  logits = 3 * jax.random.normal(jax.random.key(0), (R, V))
-  logits = logits.at[:20, :10].set(4.0).at[20:40, 5:9].set(
-      jnp.max(logits[20:40], axis=1)[:, None])
-  logits = logits.at[R - 1].set(0.0)  # A flat row: the whole vocabulary ties.
-  uniforms = jax.random.uniform(jax.random.key(1), (R,)).at[:2].set([0.0, 1 - 2.0 ** -24])
-  want, want_tokens = _xla_probabilities(logits, uniforms, config)
-  # Jitted: op by op, top-p's blockwise cumsum took ~2 s a case.
-  before_top_p = jax.jit(processors.probabilities, static_argnums=1)(
-      logits, dataclasses.replace(config, top_p=1.0))
-  return (config, logits, uniforms,
-          *(np.asarray(x) for x in (uniforms, want, want_tokens, before_top_p)))
+  logits = 3 * _normal(0, (R, V))
+  logits[:20, :10] = 4.0
+  logits[20:40, 5:9] = np.max(logits[20:40], axis=1)[:, None]
+  logits[R - 1] = 0.0  # A flat row: the whole vocabulary ties.
+  uniforms = np.random.default_rng(1).uniform(size=R).astype(np.float32)
+  uniforms[:2] = [0.0, 1 - 2.0 ** -24]
+  wants = _probabilities(logits, uniforms, PROBABILITY_CONFIGS, 'xla')
+  cut = [c for c in PROBABILITY_CONFIGS if c.top_p < 1]
+  uncut = iter(_probabilities(logits, uniforms,
+                              tuple(dataclasses.replace(c, top_p=1.0) for c in cut), 'xla'))
+  before_top_p = [next(uncut)[0] if c in cut else want
+                  for c, (want, _) in zip(PROBABILITY_CONFIGS, wants)]
+  return logits, uniforms, wants, before_top_p
 
 
 @pytest.mark.parametrize('isa', ISAS)
-@pytest.mark.parametrize('settings', [dict(temperature=1.0), dict(temperature=0.8, top_p=0.95),
-                                      dict(temperature=0.7, top_k=50, top_p=0.8),
-                                      dict(temperature=1.3, top_k=3), dict(temperature=0.0),
-                                      dict(temperature=2.0, top_p=0.3)])
 @pytest.mark.parametrize('V', [50257, 4100, 37])
-def test_probabilities_kernel_equals_processors(isa, settings, V):
+def test_probabilities_kernel_equals_processors(isa, V):
   """Same distribution (support exactly, values to float rounding) and the same draws from the
   same uniforms as `spsjax.sampling.processors`, ties included (ranked by id), but where a
-  uniform falls within rounding of a CDF boundary. V = 4100: whole vectors and 64-token blocks
-  plus a tail; 37: a tail only."""
-  config, logits, uniforms, uniforms_np, want, want_tokens, before_top_p = _probabilities_case(
-      tuple(sorted(settings.items())), V)
+  uniform falls within rounding of a CDF boundary, for every setting of PROBABILITY_CONFIGS.
+  V = 4100: whole vectors and 64-token blocks plus a tail; 37: a tail only."""
+  logits, uniforms, wants, before_top_p = _probabilities_case(V)
   R = logits.shape[0]
-  probs, tokens = (np.asarray(x) for x in _native_probabilities(logits, uniforms, config, isa))
+  gots = _probabilities(logits, uniforms, PROBABILITY_CONFIGS, isa)
   rounding = 1e-5
-  same = assert_same_support_but_at_top_p(probs, want, before_top_p, config.top_p, rounding)
-  assert np.sum(~same) <= 1  # Only the flat row's ties can meet the cut.
-  np.testing.assert_allclose(probs[same], want[same], rtol=rounding, atol=1e-6)
-  assert_draws_agree_but_at_boundaries(tokens[same], want_tokens[same], uniforms_np[same],
-                                       want[same], tolerance=rounding / 2)
-  assert np.all(probs[np.arange(R), tokens] > 0)
+  for config, (probs, tokens), (want, want_tokens), before in zip(
+      PROBABILITY_CONFIGS, gots, wants, before_top_p, strict=True):
+    try:
+      same = assert_same_support_but_at_top_p(probs, want, before, config.top_p, rounding)
+      assert np.sum(~same) <= 1  # Only the flat row's ties can meet the cut.
+      np.testing.assert_allclose(probs[same], want[same], rtol=rounding, atol=1e-6)
+      assert_draws_agree_but_at_boundaries(tokens[same], want_tokens[same], uniforms[same],
+                                           want[same], tolerance=rounding / 2)
+      assert np.all(probs[np.arange(R), tokens] > 0)
+    except AssertionError as e:
+      e.add_note(f'with {config}')
+      raise
 
 
 def _odd_rows(V):
@@ -540,46 +596,44 @@ def _odd_rows(V):
   return rows
 
 
+ODD_CONFIGS = tuple(sampling.SamplingConfig(**s) for s in [
+    dict(temperature=1.0), dict(temperature=0.0), dict(temperature=0.7, top_k=5, top_p=0.9),
+    dict(temperature=1.2e-38, top_p=0.9), dict(temperature=8.5e37, top_p=0.5),
+    dict(temperature=1.0, top_k=2 ** 40, top_p=1e-30)])
+
+
 @pytest.mark.parametrize('isa', ISAS + ['xla'])
-@pytest.mark.parametrize('settings', [dict(temperature=1.0), dict(temperature=0.0),
-                                      dict(temperature=0.7, top_k=5, top_p=0.9),
-                                      dict(temperature=1.2e-38, top_p=0.9),
-                                      dict(temperature=8.5e37, top_p=0.5),
-                                      dict(temperature=1.0, top_k=2 ** 40, top_p=1e-30)])
 @pytest.mark.parametrize('V', [1, 2, 17, 4100])
-def test_odd_logits_have_one_defined_result(isa, settings, V):
-  """Any float32 row and any accepted setting: a row with a NaN or +inf logit or no logit above
-  -inf has no distribution (NaN everywhere, token 0) on every path; a -inf logit and one whose
-  scaled value's exp underflows have probability exactly 0 and are never drawn, whatever the
-  uniform (0 and the largest float below 1 included); every other row is a distribution."""
-  config = sampling.SamplingConfig(**settings)
+def test_odd_logits_have_one_defined_result(isa, V):
+  """Any float32 row and any accepted setting (ODD_CONFIGS): a row with a NaN or +inf logit or
+  no logit above -inf has no distribution (NaN everywhere, token 0) on every path; a -inf logit
+  and one whose scaled value's exp underflows have probability exactly 0 and are never drawn,
+  whatever the uniform (0 and the largest float below 1 included); every other row is a
+  distribution."""
   names, rows = zip(*_odd_rows(V).items())
   logits = np.stack(rows)
   R = len(names)
-  u_values = np.array([0.0, 0.5, 1 - 2.0 ** -24], np.float32)
-  for u in u_values:
-    uniforms = jnp.full((R,), u)
-    if isa == 'xla':
-      probs, tokens = _xla_probabilities(jnp.asarray(logits), uniforms, config)
-    else:
-      probs, tokens = _native_probabilities(jnp.asarray(logits), uniforms, config, isa)
-    probs, tokens = np.asarray(probs), np.asarray(tokens)
-    for r, name in enumerate(names):
-      defined = not (np.isnan(logits[r]).any() or np.isposinf(logits[r]).any()
-                     or np.isneginf(logits[r]).all())
-      if not defined:
-        assert np.isnan(probs[r]).all() and tokens[r] == 0, (name, probs[r][:4], tokens[r])
-        continue
-      assert not np.isnan(probs[r]).any(), name
-      assert np.sum(probs[r]) == pytest.approx(1.0, abs=1e-5), name
-      assert 0 <= tokens[r] < V and probs[r, tokens[r]] > 0, (name, tokens[r])
-      np.testing.assert_array_equal(probs[r][np.isneginf(logits[r])], 0.0, err_msg=name)
-      if name == 'huge_spread' and config.temperature == 1.0:
-        np.testing.assert_array_equal(probs[r][logits[r] <= logits[r].max() - 200.0], 0.0)
+  for u in (0.0, 0.5, 1 - 2.0 ** -24):
+    gots = _probabilities(logits, np.full((R,), u, np.float32), ODD_CONFIGS, isa)
+    for config, (probs, tokens) in zip(ODD_CONFIGS, gots, strict=True):
+      for r, name in enumerate(names):
+        where = (name, config, u)
+        defined = not (np.isnan(logits[r]).any() or np.isposinf(logits[r]).any()
+                       or np.isneginf(logits[r]).all())
+        if not defined:
+          assert np.isnan(probs[r]).all() and tokens[r] == 0, (where, probs[r][:4], tokens[r])
+          continue
+        assert not np.isnan(probs[r]).any(), where
+        assert np.sum(probs[r]) == pytest.approx(1.0, abs=1e-5), where
+        assert 0 <= tokens[r] < V and probs[r, tokens[r]] > 0, (where, tokens[r])
+        np.testing.assert_array_equal(probs[r][np.isneginf(logits[r])], 0.0, err_msg=str(where))
+        if name == 'huge_spread' and config.temperature == 1.0:
+          np.testing.assert_array_equal(probs[r][logits[r] <= logits[r].max() - 200.0], 0.0)
   if isa != 'xla':  # Both paths agree row by row (values to rounding).
-    want, _ = _xla_probabilities(jnp.asarray(logits), jnp.zeros((R,)), config)
-    np.testing.assert_array_equal(np.isnan(probs), np.isnan(want))
-    np.testing.assert_allclose(probs, want, rtol=1e-5, atol=1e-6)
+    wants = _probabilities(logits, np.zeros((R,), np.float32), ODD_CONFIGS, 'xla')
+    for config, (probs, _), (want, _) in zip(ODD_CONFIGS, gots, wants, strict=True):
+      np.testing.assert_array_equal(np.isnan(probs), np.isnan(want), err_msg=str(config))
+      np.testing.assert_allclose(probs, want, rtol=1e-5, atol=1e-6, err_msg=str(config))
 
 
 def test_sampling_config_refuses_what_float32_cannot_do():
@@ -638,11 +692,15 @@ def test_threefry_unrolled_on_cpu_draws_the_same_bits():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+ACCEPT_K = 3
+
+
 @functools.lru_cache(maxsize=1)  # The isas of a case run one after another: made once for all.
+@functools.partial(jax.jit, static_argnums=(0, 1))  # One program: op by op, ~40 small ones.
 def _accept_case(lenience, V):
-  """(K, p, q, drafts, num, row keys, `rejection.accept_and_resample`'s counts and tokens, the
+  """(p, q, drafts, num, row keys, `rejection.accept_and_resample`'s counts and tokens, the
   uniforms it drew from, those of the tokens) of a case of `test_accept_kernel_equals_rejection`."""
-  B, K = 2048 if V == 37 else 256, 3
+  B, K = 2048 if V == 37 else 256, ACCEPT_K
   keys = jax.random.split(jax.random.key(V), 6)
   p = jax.nn.softmax(2 * jax.random.normal(keys[0], (B, K + 1, V)), -1)
   q = jax.nn.softmax(jnp.log(p[:, :K]) + 0.7 * jax.random.normal(keys[1], (B, K, V)), -1)
@@ -654,7 +712,22 @@ def _accept_case(lenience, V):
   want_n, want_tokens = jax.vmap(functools.partial(rejection.accept_and_resample,
                                                    lenience=lenience))(row_keys, p, q, drafts, num)
   u, token_keys = jax.vmap(lambda key: rejection._split(key, K))(row_keys)  # pylint: disable=protected-access
-  return K, p, q, drafts, num, row_keys, want_n, want_tokens, u, processors.uniforms(token_keys)
+  return p, q, drafts, num, row_keys, want_n, want_tokens, u, processors.uniforms(token_keys)
+
+
+
+@jax.jit
+@jax.vmap
+def _token_laws(p, q, n, num):
+  """The law a row's token is drawn from after n accepted drafts: the residual max(p - q, 0)
+  where a draft was rejected and it has mass, else p."""
+  residual = jnp.maximum(p[n] - q[jnp.minimum(n, ACCEPT_K - 1)], 0)
+  return jnp.where((n < num) & (jnp.sum(residual) > 0), residual, p[n])
+
+
+@functools.partial(jax.jit, static_argnums=(6, 7))
+def _native_accept(p, q, drafts, num, u, u_tokens, lenience, isa):
+  return native.accept(p, q, drafts, num, u, u_tokens, lenience=lenience, isa=isa)
 
 
 @pytest.mark.parametrize('isa', ISAS)
@@ -665,19 +738,15 @@ def test_accept_kernel_equals_rejection(isa, lenience, V):
   same number of accepted drafts in every row, and the same tokens but at rounding boundaries,
   always of positive weight in the law they were drawn from. Rows cover every count of proposed
   drafts, p = q (no residual mass: p itself), one-hot p (greedy) and drafts q gave no mass to."""
-  K, p, q, drafts, num, row_keys, want_n, want_tokens, u, u_tokens = _accept_case(lenience, V)
-  n, tokens = jax.jit(lambda *a: native.accept(*a, lenience=lenience, isa=isa))(
-      p, q, drafts, num, u, u_tokens)
+  p, q, drafts, num, row_keys, want_n, want_tokens, u, u_tokens = _accept_case(lenience, V)
+  n, tokens = _native_accept(p, q, drafts, num, u, u_tokens, lenience, isa)
   np.testing.assert_array_equal(n, want_n)
-  assert len(set(np.asarray(n).tolist())) == K + 1  # Every count occurs.
-  laws = jax.jit(jax.vmap(lambda p, q, n, num: jnp.where(
-      (n < num) & (jnp.sum(jnp.maximum(p[n] - q[jnp.minimum(n, K - 1)], 0)) > 0),
-      jnp.maximum(p[n] - q[jnp.minimum(n, K - 1)], 0), p[n])))(p, q, n, num)
-  assert_draws_agree_but_at_boundaries(tokens, want_tokens, u_tokens, laws)
-  # And through the batched entry point the loop calls.
-  got = jax.jit(lambda *a: rejection.accept_and_resample_rows(
-      *a, lenience=lenience, native_kernel=True))(row_keys, p, q, drafts, num)
-  np.testing.assert_array_equal(got[0], want_n)
+  assert len(set(np.asarray(n).tolist())) == ACCEPT_K + 1  # Every count occurs.
+  assert_draws_agree_but_at_boundaries(tokens, want_tokens, u_tokens, _token_laws(p, q, n, num))
+  if isa == 'baseline':  # And through the batched entry point the loop calls (the best isa).
+    got = jax.jit(lambda *a: rejection.accept_and_resample_rows(
+        *a, lenience=lenience, native_kernel=True))(row_keys, p, q, drafts, num)
+    np.testing.assert_array_equal(got[0], want_n)
 
 
 @pytest.mark.parametrize('isa', ISAS + ['xla'])

@@ -63,15 +63,22 @@ def param_shapes(config: TransformerConfig) -> dict:
   return jax.eval_shape(lambda key: init_params(config, key), jax.random.key(0))
 
 
-def init_params(config: TransformerConfig, rng: jax.Array, *, mesh: Mesh | None = None,
-                rules: sharding.Rules = sharding.DEFAULT_RULES) -> dict:
-  """Random parameters; with `mesh`, created already sharded (no full copy on one device)."""
+@functools.lru_cache(maxsize=64)
+def _random_params_program(config: TransformerConfig, mesh: Mesh | None, rules: sharding.Rules):
+  """`init_params`' jitted program, one per config and placement: a fresh function per call
+  would trace and compile the whole initialisation again (seconds: every leaf's draw)."""
   def random_params(key):  # The name of its program in compile logs.
     return nn.unbox(_boxed_init(config, key))
 
   if mesh is None:
-    return jax.jit(random_params)(rng)
-  return jax.jit(random_params, out_shardings=param_shardings(config, mesh, rules))(rng)
+    return jax.jit(random_params)
+  return jax.jit(random_params, out_shardings=param_shardings(config, mesh, rules))
+
+
+def init_params(config: TransformerConfig, rng: jax.Array, *, mesh: Mesh | None = None,
+                rules: sharding.Rules = sharding.DEFAULT_RULES) -> dict:
+  """Random parameters; with `mesh`, created already sharded (no full copy on one device)."""
+  return _random_params_program(config, mesh, rules)(rng)
 
 
 def truncated_params(config: TransformerConfig, params, to: TransformerConfig) -> dict:

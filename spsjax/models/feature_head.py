@@ -128,9 +128,16 @@ def _boxed_init(kind_: str, config: TransformerConfig, rng: jax.Array):
   return _module(kind_, config).init(rng, *args)['params']
 
 
+@functools.lru_cache(maxsize=16)
+def _random_head_program(kind_: str, config: TransformerConfig):
+  """`init_head`'s jitted program, one per kind and config (not traced again per call)."""
+  return jax.jit(lambda key: nn.unbox(_boxed_init(kind_, config, key)))
+
+
 def init_head(kind_: str, config: TransformerConfig, rng: jax.Array) -> dict:
   """Random parameters of a head of `kind_` ('feature' or 'heads')."""
-  return jax.jit(lambda key: nn.unbox(_boxed_init(kind_, config, key)))(rng)
+  _module(kind_, config)  # An unknown kind is a ValueError before anything is cached.
+  return _random_head_program(kind_, config)(rng)
 
 
 @functools.lru_cache(maxsize=16)

@@ -68,12 +68,3 @@ def constrain(cache: KVCache, mesh: Mesh | None,
     return cache
   return jax.lax.with_sharding_constraint(cache, shardings(cache, mesh, rules))
 
-
-def write_rows(cache_BxSxNxH: jax.Array, new_BxTxNxH: jax.Array, starts_B: jax.Array) -> jax.Array:
-  """Writes each row's T new entries at that row's own offset."""
-
-  def one_row(row_SxNxH, new_TxNxH, start):
-    return jax.lax.dynamic_update_slice(row_SxNxH, new_TxNxH.astype(row_SxNxH.dtype),
-                                        (start, 0, 0))
-
-  return jax.vmap(one_row)(cache_BxSxNxH, new_BxTxNxH, starts_B)
