@@ -36,3 +36,7 @@ def features(model: models.Model, seq) -> np.ndarray:
 def logits(model: models.Model, seq) -> np.ndarray:
   """float32[len(seq), V]: `models.logits` of the tokens `seq`."""
   return _padded_forward(models.logits, model, seq)
+
+
+# `models.logits` of a batch [B, T], jitted: eagerly, each of its ops compiles a program of its own.
+full_logits = jax.jit(models.logits, static_argnums=0)

@@ -25,11 +25,13 @@ from spsjax.bench import speedup  # pylint: disable=wrong-import-position
 from spsjax.eval import tasks  # pylint: disable=wrong-import-position
 from spsjax.data.tokenizer import Tokenizer  # pylint: disable=wrong-import-position
 from spsjax.train import checkpoint  # pylint: disable=wrong-import-position
+from tests import data_helpers  # pylint: disable=wrong-import-position
 
-TARGET = models.TransformerConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4,
-                                  num_kv_heads=4, d_ff=64, max_seq_len=48)
-DRAFT = models.TransformerConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4,
-                                 num_kv_heads=4, d_ff=48, max_seq_len=48)
+# The test tokenizer's vocabulary: the table's models then have these configs too, and each
+# process compiles one initialisation per config and mesh for both.
+TARGET = models.TransformerConfig(vocab_size=data_helpers.SMALL_VOCAB, d_model=32, num_layers=2,
+                                  num_heads=4, num_kv_heads=4, d_ff=64, max_seq_len=48)
+DRAFT = dataclasses.replace(TARGET, num_layers=1, d_ff=48)
 PROMPTS = np.array([[5, 9, 3, 7, 1, 0], [2, 4, 6, 8, 10, 12]], np.int32)
 LENGTHS = np.array([5, 6], np.int32)
 MAX_NEW, K = 10, 3

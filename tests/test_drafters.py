@@ -113,7 +113,7 @@ SAMPLINGS = {'temperature_1': SamplingConfig(),
 
 
 @pytest.mark.parametrize('name,setting', [
-    ('lookup', 'temperature_1'), ('lookup', 'top_p_0.8'), ('lookup_trimmed', 'top_p_0.8'),
+    ('lookup', 'top_p_0.8'), ('lookup_trimmed', 'top_p_0.8'),
     ('hybrid', 'top_p_0.8'), ('dynamic_k', 'temperature_1'), ('dynamic_k', 'top_p_0.8'),
     ('dynamic_k_trimmed', 'temperature_1')])
 def test_output_law_is_target_law(tiny_pair, name, setting):

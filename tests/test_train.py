@@ -18,7 +18,7 @@ from spsjax import models, sampling, sharding
 from spsjax.data import python_code
 from spsjax.sampling import drafter_config
 from spsjax.train import checkpoint, experiment, head_losses, load, losses, trainer
-from tests import data_helpers, train_helpers, xla_env
+from tests import data_helpers, forwards, train_helpers, xla_env
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -171,11 +171,11 @@ def test_distillation_loss_is_zero_for_the_same_model(kind):
   config = train_helpers.CONFIG.model
   params = models.init_params(config, jax.random.key(0))
   tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, config.vocab_size)
-  logits = models.logits(config, params, tokens)
+  logits = forwards.full_logits(config, params, tokens)
   mask = jnp.ones(tokens.shape, bool)
   loss = lambda s, t: losses.distillation(s, t, mask, kind=kind)
   assert float(loss(logits, logits)) == pytest.approx(0.0, abs=1e-6)
-  other = models.logits(config, models.init_params(config, jax.random.key(2)), tokens)
+  other = forwards.full_logits(config, models.init_params(config, jax.random.key(2)), tokens)
   assert float(loss(logits, other)) > 1e-3
   # No gradient reaches the teacher, and the student's vanishes at the teacher (TV's subgradient
   # at 0 is 0 too).
@@ -292,10 +292,10 @@ def test_distillation_moves_the_student_towards_the_teacher(finished, tmp_path, 
       optimizer=dataclasses.replace(train_helpers.CONFIG.optimizer, total_steps=10))
   batch = jnp.asarray(next(train_helpers.held_out(data_helpers.small_tokenizer())()))
   mask = jnp.ones(batch[:, 1:].shape, bool)
-  teacher_logits = models.logits(teacher.config, teacher.params, batch[:, :-1])
+  teacher_logits = forwards.full_logits(teacher.config, teacher.params, batch[:, :-1])
 
   def divergence(params):  # Measured on held-out corpus text, whatever the training data.
-    return float(losses.distillation(models.logits(config.model, params, batch[:, :-1]),
+    return float(losses.distillation(forwards.full_logits(config.model, params, batch[:, :-1]),
                                      teacher_logits, mask, kind=kind))
 
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ('data', 'model'))
@@ -359,8 +359,8 @@ def test_a_draft_can_start_from_the_teachers_first_layers(finished, tmp_path):
   random_init = trainer.init_state(config, mesh).params
   assert max(float(jnp.abs(a - b).max()) for a, b in zip(
       jax.tree.leaves(random_init), jax.tree.leaves(teacher.params))) > 0.1
-  assert np.isfinite(np.asarray(models.logits(teacher.config, teacher.params,
-                                              jnp.zeros((1, 2), jnp.int32)))).all()
+  assert np.isfinite(np.asarray(forwards.full_logits(teacher.config, teacher.params,
+                                                     jnp.zeros((1, 2), jnp.int32)))).all()
   with pytest.raises(ValueError, match='need a teacher'):
     run(config, workdir=str(tmp_path / 'alone'))
   wider = dataclasses.replace(config, model=dataclasses.replace(config.model, d_model=48))

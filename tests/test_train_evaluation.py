@@ -11,6 +11,7 @@ import pytest
 from spsjax import models
 from spsjax.sampling import SamplingConfig
 from spsjax.train import evaluation
+from tests import forwards
 
 V = 40
 SETTINGS = {'greedy': SamplingConfig(temperature=0.0), 't1': SamplingConfig(),
@@ -57,8 +58,8 @@ def _expected(target, draft, batches):
     row = {}
     laws = {}
     for name, model in (('target', target), ('draft', draft)):
-      logits = np.asarray(models.logits(model.config, model.params, jnp.asarray(batch[:, :-1])),
-                          np.float64)
+      logits = np.asarray(forwards.full_logits(model.config, model.params,
+                                               jnp.asarray(batch[:, :-1])), np.float64)
       shifted = logits - logits.max(-1, keepdims=True)
       log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
       row[f'{name}_loss'] = -np.take_along_axis(log_probs, batch[:, 1:, None], -1).mean()

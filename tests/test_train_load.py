@@ -13,7 +13,7 @@ from spsjax import models, sharding
 from spsjax.data import tokenizer
 from spsjax.sampling import SamplingConfig, autoregressive_sample
 from spsjax.train import load, trainer
-from tests import data_helpers, train_helpers
+from tests import data_helpers, forwards, train_helpers
 
 
 def _save_run(workdir: str, model_config: models.TransformerConfig, seed: int,
@@ -106,10 +106,10 @@ def test_the_random_draft_is_useless_and_loads_beside_a_trained_target(family):
   useless = models.unpack(drafts[load.RANDOM_DRAFT])
   assert useless.config.num_layers == 1 and useless.config.d_model == target.config.d_model
   tokens = np.array([[5, 6, 7, 8, 9, 10, 11, 12]], np.int32)
-  q = jax.nn.softmax(models.logits(useless.config, useless.params, tokens), -1)
+  q = jax.nn.softmax(forwards.full_logits(useless.config, useless.params, tokens), -1)
   assert float(np.mean(np.max(q, -1))) > 0.5  # Sharp: a flat law would have 1 / V.
   unpacked = models.unpack(target)
-  p = jax.nn.softmax(models.logits(unpacked.config, unpacked.params, tokens), -1)
+  p = jax.nn.softmax(forwards.full_logits(unpacked.config, unpacked.params, tokens), -1)
   alpha = float(np.mean(np.sum(np.minimum(p, q), -1)))
   assert alpha < 2.0 / target.config.vocab_size ** 0.5, alpha
   mesh = sharding.make_mesh(2, 4)
