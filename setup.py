@@ -112,7 +112,8 @@ setuptools.setup(
     extras_require={
         # setuptools with its own bdist_wheel: tests/test_native_build.py installs with pip
         # without build isolation.
-        'test': ['pytest>=8.0', 'pytest-xdist>=3.5', 'chex>=0.1.90', 'scipy>=1.13',
+        # pytest-xdist 3.8 has `make test`'s --no-loadscope-reorder.
+        'test': ['pytest>=8.0', 'pytest-xdist>=3.8', 'chex>=0.1.90', 'scipy>=1.13',
                  'setuptools>=70.1'],
         # Only to rewrite the Hugging Face fixtures (tests/fixtures/make_hf_fixtures.py) and for
         # experiments/peer_benchmark.py. torch pinned to the CPU build this machine carries (a
