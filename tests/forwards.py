@@ -38,5 +38,6 @@ def logits(model: models.Model, seq) -> np.ndarray:
   return _padded_forward(models.logits, model, seq)
 
 
-# `models.logits` of a batch [B, T], jitted: eagerly, each of its ops compiles a program of its own.
-full_logits = jax.jit(models.logits, static_argnums=0)
+# `models.logits(config, params, tokens_BxT)` of a batch through `_forward`'s one jitted program
+# per config and shape: eagerly, each of its ops compiles a program of its own.
+full_logits = functools.partial(_forward, models.logits)
