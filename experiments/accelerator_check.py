@@ -94,7 +94,7 @@ def _make_plan(small: bool) -> _Plan:
           2 if small else 7), prompt_len=16 if small else 128, max_new=16 if small else 128)
 
 
-def _ceilings(plan, report, name, target, i, log):
+def _ceilings(plan, report, name, target, i, write, log):
   draft_name = name.replace('_target', '_draft') if name.endswith('_target') else f'{name}_draft'
   if draft_name not in presets.PRESETS:
     return
@@ -105,7 +105,9 @@ def _ceilings(plan, report, name, target, i, log):
         repeats=plan.repeats, capacity=plan.capacity)[0])
     if c:
       report.ceiling_rows.append((f'{name} / {draft_name}', c))
-      log(f'{name} ceiling k={k}: {c.speedup:.2f}x whole calls')
+      log(f'{name} ceiling k={k}: c {c.c:.3f}, s {c.s:.2f}, decoding {c.decode_speedup:.2f}x, '
+          f'whole calls {c.speedup:.2f}x')
+      write()  # Each row as it comes: a run cut short keeps it.
 
 
 def _measure(plan, report, write, log):
@@ -140,8 +142,7 @@ def _measure(plan, report, write, log):
             + ', '.join(f'{T}: {s:.2f}' for T, s in sorted(row.s.items())))
       write()
       if j == 0:
-        _ceilings(plan, report, name, target, i, log)
-        write()
+        _ceilings(plan, report, name, target, i, write, log)
 
 
 def main(argv):
