@@ -38,7 +38,8 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
   out = tmp_path / 'report.md'
   argv = [os.path.join(_ROOT, 'experiments', 'accelerator_check.py'), f'--out={out}',
           '--rows=6000', '--exactness=float32', '--batches=1', '--ks=4', '--ceiling_ks=4',
-          '--repeats=1']  # bfloat16's checks are the same code with another dtype.
+          '--repeats=1',  # bfloat16's checks are the same code with another dtype.
+          '--compile_threads=2']  # Each group's programs compiled side by side.
   code = _RUN_WITHOUT.format(absent=set(_ABSENT), argv=argv)
   result = subprocess.run([sys.executable, '-c', code], cwd=_ROOT, capture_output=True, text=True,
                           env=xla_env.subprocess_env(PYTHONPATH=_ROOT), timeout=600, check=False)
@@ -50,7 +51,9 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
   spent = re.search(r'Wall time (\d+) s; compiling ([\d.]+) s, (\d+) programs \(tracing [\d.]+ s, '
                     r'lowering [\d.]+ s, XLA [\d.]+ s; slowest: (.*)\)\.', report)
   assert spent, report[:1000]
-  assert 0 < float(spent[2]) <= int(spent[1]) + 1 and int(spent[3]) >= 10, spent[0]
+  # Two threads compiled side by side: their compile times add up to at most twice the wall.
+  assert 0 < float(spent[2]) <= 2 * (int(spent[1]) + 1) and int(spent[3]) >= 10, spent[0]
+  assert 'Compile times add up the threads that compiled side by side.' in report
   assert 'jit(run) ' in spent[4], spent[0]
   checks = [line for line in report.splitlines() if line.startswith('| float32')
             or line.startswith('| bfloat16') or line.startswith('| one compiled')]
@@ -64,6 +67,7 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
 
 @pytest.mark.parametrize('flag,message', [
     ('--batches=1,-8', 'positive integers'), ('--ceiling_ks=four', 'take integers'),
+    ('--compile_threads=0', 'positive integers'),
     ('--presets=nope', 'nope')])
 def test_bad_flags_are_usage_errors_before_anything_runs(flag, message):
   result = subprocess.run(

@@ -92,6 +92,16 @@ def test_costs_measured_again_at_the_same_shapes_compile_nothing():
   assert clock.programs['jit(_extend_steps)'] == 1, clock.programs
 
 
+def test_extend_programs_compiled_side_by_side_are_not_compiled_again():
+  config = models.TransformerConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4,
+                                    num_kv_heads=2, d_ff=64, max_seq_len=64)
+  with timing.CompileClock() as clock:  # Capacity 11: no other test's programs.
+    times, _, _ = decode.extend_seconds(zero_model(config), (1, 2, 3), 11, repeats=1,
+                                        compile_threads=3)
+  assert sorted(times) == [1, 2, 3] and all(t > 0 for t in times.values())
+  assert clock.programs['jit(_extend_steps)'] == 3, clock.programs
+
+
 def test_copy_bandwidth_small():
   copy = decode.copy_bandwidth(1 << 20, repeats=2)
   assert copy.nbytes == 1 << 20

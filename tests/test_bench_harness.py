@@ -114,6 +114,28 @@ def test_compile_clock_counts_each_compile_while_open_by_program_name():
   assert clock.programs['jit(clocked_program)'] == 2
 
 
+@pytest.mark.parametrize('threads', [1, 3])
+def test_warm_runs_every_call_once_and_raises_a_call_s_error(threads):
+  def warmed_program(x):
+    return jnp.cos(x) + 1
+
+  f = jax.jit(warmed_program)
+  ran = []
+  calls = [lambda n=n: ran.append(n) or f(jnp.ones(n, jnp.float32)) for n in (2, 3, 4, 5)]
+  with timing.CompileClock() as clock:
+    timing.warm(calls, threads=threads)
+    for call in calls:  # Compiled by warm: the calls find their programs.
+      call()
+  assert sorted(ran) == [2, 2, 3, 3, 4, 4, 5, 5]
+  assert clock.programs['jit(warmed_program)'] == 4
+
+  def broken():
+    raise ValueError('no program')
+
+  with pytest.raises(ValueError, match='no program'):
+    timing.warm([calls[0], broken], threads=threads)
+
+
 def test_rows_and_table_on_a_tiny_docstring_task(family, tmp_path):
   target, draft, tok = family
   task = speedup.Task('docstrings', ('def add(a, b):\n    """', 'def f():\n    """', 'x = 1\n'),

@@ -14,6 +14,7 @@ Three parts, each usable alone:
 `markdown` puts them on one screen.
 """
 
+import concurrent.futures
 import dataclasses
 import functools
 import tempfile
@@ -89,10 +90,12 @@ def _interleaved(rows: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def exactness_checks(dtype: str, *, rows: int, p_min: float = 1e-5, seed: int = 0,
-                     laws: Sequence[tuple[str, SamplingConfig, int]] | None = None) -> list[Check]:
+                     laws: Sequence[tuple[str, SamplingConfig, int]] | None = None,
+                     threads: int = 1) -> list[Check]:
   """The law checks (`LAWS`, each prompt its own G-test) and greedy SpS == greedy ArS, on XLA's
   ops in `dtype`. float32: against the enumerated law of the target; bfloat16: against ArS of
-  the same model. A correct sampler fails each law check with probability p_min."""
+  the same model. A correct sampler fails each law check with probability p_min. The law checks
+  run `threads` at a time (their programs compile side by side)."""
   mesh = one_device_mesh()
   target, draft = _tiny_pair(dtype)
   prompts, lengths = _interleaved(rows)
@@ -120,8 +123,11 @@ def exactness_checks(dtype: str, *, rows: int, p_min: float = 1e-5, seed: int = 
         f'G-test against {against}, {rows // 2:,} rows per prompt: p = '
         + ', '.join(f'{p:.2g}' for p in pvalues) + f' (fails below {p_min:g})')
 
-  checks = [guarded(_law_name(dtype, name, k), lambda: law_check(name, config, k))
-            for name, config, k in (LAWS[dtype] if laws is None else laws)]
+  jobs = [functools.partial(guarded, _law_name(dtype, name, k),
+                            functools.partial(law_check, name, config, k))
+          for name, config, k in (LAWS[dtype] if laws is None else laws)]
+  with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+    checks = list(pool.map(lambda job: job(), jobs))
   return checks + [guarded(f'{dtype} greedy SpS == greedy ArS', lambda: greedy_check(dtype, mesh))]
 
 
@@ -251,20 +257,23 @@ class DecodeRow:
 
 def decode_figures(model: models.Model, preset: str, *, batch: int, blocks: Sequence[int],
                    prompt_len: int, max_new_tokens: int, repeats: int,
-                   capacity: int | None = None) -> DecodeRow:
+                   capacity: int | None = None, compile_threads: int = 1) -> DecodeRow:
   """`extend` at 1 and each of `blocks` positions per row (at a cache of `capacity` slots,
-  default prompt, new tokens and the largest block), and ArS, at `batch` rows."""
+  default prompt, new tokens and the largest block), and ArS, at `batch` rows; each group's
+  programs compiled `compile_threads` at a time (`timing.warm`)."""
   capacity = capacity or prompt_len + max_new_tokens + max(blocks)
   times, _, _ = decode.extend_seconds(model, (1,) + tuple(blocks), capacity, repeats=repeats,
-                                      batch=batch)
+                                      batch=batch, compile_threads=compile_threads)
   prompts = (np.arange(batch * prompt_len, dtype=np.int32).reshape(batch, prompt_len) * 7
              + 1) % model.config.vocab_size
   lengths = np.full((batch,), prompt_len, np.int32)
   prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
   ars = lambda n: lambda i: sampling.autoregressive_sample(
       model, prompts, lengths, jax.random.key(i), max_new_tokens=n, sampling=SamplingConfig())
-  timed = timing.time_interleaved({'call': ars(max_new_tokens), 'prefill': ars(1)}, repeats,
-                                  bucket=lambda i: 0)
+  runs = {'call': ars(max_new_tokens), 'prefill': ars(1)}
+  if compile_threads > 1:
+    timing.warm([functools.partial(run, 0) for run in runs.values()], threads=compile_threads)
+  timed = timing.time_interleaved(runs, repeats, bucket=lambda i: 0)
   median = {name: float(np.median([c.seconds for c in t.calls])) for name, t in timed.items()}
   return DecodeRow(preset=preset, dtype=model.config.dtype, batch=batch,
                    num_params=models.num_params(model.params),
@@ -275,13 +284,14 @@ def decode_figures(model: models.Model, preset: str, *, batch: int, blocks: Sequ
 
 
 def ceilings(target: models.Model, draft: models.Model, *, ks: Sequence[int], prompt_len: int,
-             max_new_tokens: int, repeats: int, capacity: int | None = None
-             ) -> list[ceiling.Ceiling]:
+             max_new_tokens: int, repeats: int, capacity: int | None = None,
+             compile_threads: int = 1) -> list[ceiling.Ceiling]:
   """The perfect-draft ceiling (zero output layers: every draft accepted) at each k, batch 1;
   c and s at a cache of `capacity` slots (`decode_figures`' capacity reuses its programs)."""
   pair = ceiling.perfect_pair(target, draft)
   return [ceiling.measure(*pair, k=k, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                          repeats=repeats, capacity=capacity) for k in ks]
+                          repeats=repeats, capacity=capacity, compile_threads=compile_threads)
+          for k in ks]
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))

@@ -14,6 +14,7 @@ waits for.
 """
 
 import dataclasses
+import functools
 import statistics
 
 import jax
@@ -82,11 +83,12 @@ class Ceiling:
 
 def measure(target: models.Model, draft: models.Model, *, k: int = 4, prompt_len: int = 64,
             max_new_tokens: int = 128, repeats: int = 5, mesh: Mesh | None = None,
-            capacity: int | None = None) -> Ceiling:
+            capacity: int | None = None, compile_threads: int = 1) -> Ceiling:
   """ArS and SpS of a perfect pair (from `perfect_pair`, packed or not) at batch 1, temperature 1
   (on `mesh`, if given: the pair is placed on it before anything is timed). c and s are measured
   at a cache of `capacity` slots (default: prompt, new tokens and k; another run's capacity
-  reuses its compiled `extend` programs)."""
+  reuses its compiled `extend` programs). Its four programs compile `compile_threads` at a time
+  (`timing.warm`)."""
   target, draft = (common.place_params(m, mesh) for m in (target, draft))
   prompts_BxP = (jnp.arange(prompt_len, dtype=jnp.int32)[None, :] * 7 + 1) % target.config.vocab_size
   lengths_B = jnp.full((1,), prompt_len, jnp.int32)
@@ -103,6 +105,8 @@ def measure(target: models.Model, draft: models.Model, *, k: int = 4, prompt_len
 
   runs = {'ars': ars(max_new_tokens), 'sps': sps(max_new_tokens), 'ars_prefill': ars(1),
           'sps_prefill': sps(1)}
+  if compile_threads > 1:
+    timing.warm([functools.partial(run, 0) for run in runs.values()], threads=compile_threads)
   timings = timing.time_interleaved(runs, repeats, bucket=lambda i: 0, ks={'sps': k})
   median = {name: statistics.median(c.seconds for c in t.calls) for name, t in timings.items()}
   costs = decode.measure_costs(target, draft, k, batch=1,

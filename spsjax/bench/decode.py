@@ -91,9 +91,13 @@ def _extend_steps(config, steps, params, cache, tokens_BxT, lengths_B):
 _extend_program = jax.jit(_extend_steps, static_argnums=(0, 1), donate_argnums=3)
 
 
+def _compile_extend(config, steps, params, cache, tokens_BxT, lengths_B) -> None:
+  _extend_program.lower(config, steps, params, cache, tokens_BxT, lengths_B).compile()
+
+
 def extend_seconds(model: models.Model, blocks: Sequence[int], capacity: int, *, repeats: int,
                    batch: int = 1, steps: int = 8, mesh: Mesh | None = None,
-                   rules: sharding.Rules = sharding.DEFAULT_RULES
+                   rules: sharding.Rules = sharding.DEFAULT_RULES, compile_threads: int = 1
                    ) -> tuple[dict[int, float], int, bool]:
   """Median seconds of one `extend` appending T tokens per row, for each T in `blocks`.
 
@@ -104,7 +108,8 @@ def extend_seconds(model: models.Model, blocks: Sequence[int], capacity: int, *,
   writes at fixed lengths (capacity - max T), so it stays in bounds and attends over (almost) the
   whole cache. The blocks take turns within each repeat, so that a slow spell of the machine
   falls on all of them and their ratios stay comparable. On `mesh` the model is placed by its
-  logical rules (before timing), the cache sharded like the weights, the rows on `data`.
+  logical rules (before timing), the cache sharded like the weights, the rows on `data`. With
+  `compile_threads` > 1 the blocks' programs compile first, that many at a time (`timing.warm`).
   """
   sharding.check_batch(batch, mesh)
   model = common.place_params(model, mesh, rules)
@@ -128,6 +133,10 @@ def extend_seconds(model: models.Model, blocks: Sequence[int], capacity: int, *,
   def call(T):
     state['cache'], checksum_B = run(params, state['cache'], tokens[T], lengths_B)
     return checksum_B
+
+  if compile_threads > 1:  # Compiled, not run (the cache is donated); the first calls find them.
+    timing.warm([functools.partial(_compile_extend, config, steps, params, state['cache'],
+                                   tokens[T], lengths_B) for T in blocks], threads=compile_threads)
 
   seconds = timing.medians({T: functools.partial(call, T) for T in blocks}, repeats=repeats,
                            warmup=2)  # The first call of each compiles.

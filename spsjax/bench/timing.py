@@ -10,6 +10,7 @@ host wall time around one whole generation, the figure a user waits for.
 """
 
 import collections
+import concurrent.futures
 import dataclasses
 import statistics
 import time
@@ -203,6 +204,20 @@ class CompileClock:
     return (f'compiling {self.seconds:.1f} s, {sum(self.programs.values())} programs ('
             + ', '.join(f'{p} {s:.1f} s' for p, s in self.phases.items())
             + (f'; slowest: {slowest}' if slowest else '') + ')')
+
+
+def warm(calls: Sequence[Callable[[], object]], *, threads: int = 1) -> None:
+  """Runs each call once, blocked until its outputs are ready, up to `threads` at a time (1: one
+  after another). The first call of a jitted function traces it, holding the GIL, then compiles
+  it with the GIL released: on a host with cores to spare, a figure's programs compile side by
+  side before any of them is timed. A call's error is raised here."""
+  if threads <= 1:
+    for call in calls:
+      jax.block_until_ready(call())
+    return
+  with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+    for future in [pool.submit(lambda c=call: jax.block_until_ready(c())) for call in calls]:
+      future.result()
 
 
 def medians(fns: Mapping[Hashable, Callable[[], object]], *, repeats: int,
