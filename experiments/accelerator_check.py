@@ -145,7 +145,7 @@ def _measure(plan, report, write, log):
       if row:
         report.rows.append(row)
         log(f'{name} batch {batch}: ArS {row.ars_step * 1e3:.3f} ms/step, weights '
-            f'{row.weight_rate:.0f} GB/s, s = '
+            f'{row.weight_rate:.0f} GB/s, {row.launches} ops a step, s = '
             + ', '.join(f'{T}: {s:.2f}' for T, s in sorted(row.s.items())))
       write()
       if j == 0:

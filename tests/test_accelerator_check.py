@@ -61,6 +61,7 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
   assert '1 executable(s) dispatched' in report
   decode_rows = [line for line in report.splitlines() if line.startswith('| tiny_target |')]
   assert [row.split('|')[3].strip() for row in decode_rows] == ['1']
+  assert '| ops/step |' in report and int(decode_rows[0].split('|')[8]) > 0, decode_rows
   assert 's(5)' in report
   assert '| tiny_target / tiny_draft | 4 |' in report
 

@@ -155,3 +155,19 @@ def test_ceiling_decode_speedup_subtracts_prefills_and_refuses_no_decoding():
   r = ceiling.Ceiling(sps=0.1, sps_prefill=0.03, **fields)
   assert abs(r.decode_speedup - 0.18 / 0.07) < 1e-12
   assert math.isnan(ceiling.Ceiling(sps=0.03, sps_prefill=0.03, **fields).decode_speedup)
+
+
+def test_a_step_runs_as_many_more_operations_for_each_layer_and_counting_compiles_nothing():
+  def model(layers):
+    return zero_model(models.TransformerConfig(vocab_size=64, d_model=32, num_layers=layers,
+                                               num_heads=4, num_kv_heads=2, d_ff=64,
+                                               max_seq_len=64))
+
+  by_layers = {layers: model(layers) for layers in (1, 2, 3)}
+  for m in by_layers.values():  # Capacity 10: no other test's programs.
+    decode.extend_seconds(m, (1,), 10, repeats=1)
+  with timing.CompileClock() as clock:
+    launches = {layers: decode.extend_launches(m, 1, 10) for layers, m in by_layers.items()}
+  assert clock.programs['jit(_extend_steps)'] == 0, clock.programs
+  assert 0 < launches[1] < launches[2] < launches[3], launches
+  assert launches[3] - launches[2] == launches[2] - launches[1], launches

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from spsjax import models
+from spsjax.bench import hlo as hlo_lib
 from spsjax.bench import profile
 from spsjax.sampling import SamplingConfig, speculative, speculative_sample
 
@@ -252,3 +253,76 @@ def test_refuses_two_runs_and_foreign_hlo(toy, tmp_path):
     profile.attribute(one_run, other)
   with pytest.raises(profile.ProfileError, match='No XLA op events'):
     profile.read_op_events(xplane, 'jit_not_run')
+
+
+LOOP_HLO = """HloModule jit_g, entry_computation_layout={(f32[4]{0})->(s32[], f32[4]{0})}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(f32[] %a, f32[] %b)
+}
+
+%fused_computation (p0: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  %e = f32[4]{0} exponential(f32[4]{0} %p0)
+  ROOT %n = f32[4]{0} negate(f32[4]{0} %e)
+}
+
+%inner_body (s: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %s = (s32[], f32[4]{0}) parameter(0)
+  %j = s32[] get-tuple-element((s32[], f32[4]{0}) %s), index=0
+  %y = f32[4]{0} get-tuple-element((s32[], f32[4]{0}) %s), index=1
+  %one = s32[] constant(1)
+  %j1 = s32[] add(s32[] %j, s32[] %one)
+  ROOT %inner_out = (s32[], f32[4]{0}) tuple(s32[] %j1, f32[4]{0} %y)
+}
+
+%inner_cond (s: (s32[], f32[4])) -> pred[] {
+  %s = (s32[], f32[4]{0}) parameter(0)
+  %j = s32[] get-tuple-element((s32[], f32[4]{0}) %s), index=0
+  %three = s32[] constant(3)
+  ROOT %lt = pred[] compare(s32[] %j, s32[] %three), direction=LT
+}
+
+%body (t: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element((s32[], f32[4]{0}) %t), index=0
+  %x = f32[4]{0} get-tuple-element((s32[], f32[4]{0}) %t), index=1
+  %f = f32[4]{0} fusion(f32[4]{0} %x), kind=kLoop, calls=%fused_computation
+  %c = f32[4]{0} copy(f32[4]{0} %f)
+  %v = f32[2,2]{1,0} bitcast(f32[4]{0} %c)
+  %zero = f32[] constant(0)
+  %r = f32[] reduce(f32[4]{0} %c, f32[] %zero), dimensions={0}, to_apply=%add
+  %start = (s32[], f32[4]{0}) tuple(s32[] %i, f32[4]{0} %c)
+  %w = (s32[], f32[4]{0}) while((s32[], f32[4]{0}) %start), condition=%inner_cond, body=%inner_body
+  %z = f32[4]{0} get-tuple-element((s32[], f32[4]{0}) %w), index=1
+  %one = s32[] constant(1)
+  %i1 = s32[] add(s32[] %i, s32[] %one)
+  ROOT %out = (s32[], f32[4]{0}) tuple(s32[] %i1, f32[4]{0} %z)
+}
+
+%cond (t: (s32[], f32[4])) -> pred[] {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element((s32[], f32[4]{0}) %t), index=0
+  %eight = s32[] constant(8)
+  ROOT %lt = pred[] compare(s32[] %i, s32[] %eight), direction=LT
+}
+
+ENTRY %main (x: f32[4]) -> (s32[], f32[4]) {
+  %x = f32[4]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4]{0}) tuple(s32[] %zero, f32[4]{0} %x)
+  ROOT %loop = (s32[], f32[4]{0}) while((s32[], f32[4]{0}) %init), condition=%cond, body=%body
+}
+"""
+
+
+def test_launches_count_what_runs_work_once_and_fused_code_not_at_all():
+  hlo = hlo_lib.parse_hlo(LOOP_HLO)
+  assert hlo.main_loop().body == 'body'
+  # The fusion, the copy, the reduce and the counter's add; the inner loop's add and compare.
+  # Not: the fused exponential and negate, the reducer's add, the bitcast, plumbing, the while.
+  assert hlo_lib.launches(hlo, 'body') == 6
+  assert hlo_lib.launches(hlo, 'inner_body') == 1
+  assert hlo_lib.launches(hlo, 'main') == 6 + 1  # The outer condition's compare too.

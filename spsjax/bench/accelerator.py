@@ -238,6 +238,7 @@ class DecodeRow:
   ars_call: float  # `autoregressive_sample` of max_new_tokens per row, whole call.
   ars_prefill: float  # The same call stopping after the prefill's token.
   max_new_tokens: int
+  launches: int | None = None  # Operations a 1-position step runs (`decode.extend_launches`).
 
   @property
   def ars_step(self) -> float:
@@ -280,7 +281,8 @@ def decode_figures(model: models.Model, preset: str, *, batch: int, blocks: Sequ
                    weight_bytes=decode.weight_bytes_per_token(model.config, model.params),
                    step=times[1], s={T: times[T] / times[1] for T in blocks},
                    ars_call=median['call'], ars_prefill=median['prefill'],
-                   max_new_tokens=max_new_tokens)
+                   max_new_tokens=max_new_tokens,
+                   launches=decode.extend_launches(model, 1, capacity, batch=batch))
 
 
 def ceilings(target: models.Model, draft: models.Model, *, ks: Sequence[int], prompt_len: int,
@@ -368,13 +370,14 @@ def markdown(*, device: str, copy: decode.CopyBandwidth | None, checks: Sequence
     blocks = sorted({T for r in rows for T in r.s})
     lines += [f'Copy bandwidth: {copy_text}. Random weights; ArS at temperature 1.', '',
               '| model | dtype | batch | params | ArS ms/token | ArS ms/step | weights GB/s (of copy) '
-              '| ' + ' | '.join(f's({T})' for T in blocks) + ' |',
-              '|---|---|---|---|---|---|---|' + '---|' * len(blocks)]
+              '| ops/step | ' + ' | '.join(f's({T})' for T in blocks) + ' |',
+              '|---|---|---|---|---|---|---|---|' + '---|' * len(blocks)]
     for r in rows:
       share = f' ({r.weight_rate / copy.best:.0%})' if copy else ''
       lines.append(
           f'| {r.preset} | {r.dtype} | {r.batch} | {r.num_params / 1e6:.0f}M | '
           f'{r.ars_per_token * 1e3:.3f} | {r.ars_step * 1e3:.3f} | {r.weight_rate:.0f}{share} | '
+          f'{"-" if r.launches is None else r.launches} | '
           + ' | '.join(f'{r.s[T]:.2f}' for T in blocks) + ' |')
     lines.append('')
   if ceiling_rows:

@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from spsjax import models, sampling, sharding
-from spsjax.bench import timing
+from spsjax.bench import hlo, timing
 from spsjax.models import feature_head, kv_cache
 from spsjax.sampling import common
 
@@ -95,6 +95,37 @@ def _compile_extend(config, steps, params, cache, tokens_BxT, lengths_B) -> None
   _extend_program.lower(config, steps, params, cache, tokens_BxT, lengths_B).compile()
 
 
+def _extend_args(model, blocks, capacity, batch, mesh, rules):
+  """(config, params, cache, {T: tokens}, lengths) of `extend_seconds`' programs, placed."""
+  sharding.check_batch(batch, mesh)
+  model = common.place_params(model, mesh, rules)
+  if max(blocks) > capacity:
+    raise ValueError(f'A block of {max(blocks)} tokens does not fit in the cache capacity '
+                     f'{capacity}.')
+  lengths_B = jnp.full((batch,), capacity - max(blocks), jnp.int32)
+  cache = models.init_cache(model.config, batch, capacity)
+  tokens = {T: jnp.ones((batch, T), jnp.int32) for T in blocks}
+  if mesh is not None:
+    rows = lambda x: sharding.named(('batch',) + (None,) * (x.ndim - 1), x.shape, mesh, rules)
+    cache = sharding.put(cache, kv_cache.shardings(cache, mesh, rules))
+    lengths_B, tokens = sharding.put((lengths_B, tokens), jax.tree.map(rows, (lengths_B, tokens)))
+  return model.config, model.params, cache, tokens, lengths_B
+
+
+def extend_launches(model: models.Model, T: int, capacity: int, *, batch: int = 1,
+                    steps: int = 8, mesh: Mesh | None = None,
+                    rules: sharding.Rules = sharding.DEFAULT_RULES) -> int | None:
+  """The operations one `extend` of T positions per row runs, in the program `extend_seconds`
+  times (compiled by it already, else now): its loop body's instructions that run work
+  (`hlo.launches`; on a GPU about one kernel each). None if XLA left no loop (unrolled it)."""
+  config, params, cache, tokens, lengths_B = _extend_args(model, (T,), capacity, batch, mesh,
+                                                          rules)
+  parsed = hlo.parse_hlo(_extend_program.lower(config, steps, params, cache, tokens[T],
+                                               lengths_B).compile().as_text())
+  loop = parsed.main_loop()
+  return None if loop is None else hlo.launches(parsed, loop.body)
+
+
 def extend_seconds(model: models.Model, blocks: Sequence[int], capacity: int, *, repeats: int,
                    batch: int = 1, steps: int = 8, mesh: Mesh | None = None,
                    rules: sharding.Rules = sharding.DEFAULT_RULES, compile_threads: int = 1
@@ -111,20 +142,9 @@ def extend_seconds(model: models.Model, blocks: Sequence[int], capacity: int, *,
   logical rules (before timing), the cache sharded like the weights, the rows on `data`. With
   `compile_threads` > 1 the blocks' programs compile first, that many at a time (`timing.warm`).
   """
-  sharding.check_batch(batch, mesh)
-  model = common.place_params(model, mesh, rules)
-  config, params = model.config, model.params
-  if max(blocks) > capacity:
-    raise ValueError(f'A block of {max(blocks)} tokens does not fit in the cache capacity '
-                     f'{capacity}.')
+  config, params, cache, tokens, lengths_B = _extend_args(model, blocks, capacity, batch, mesh,
+                                                          rules)
   run = functools.partial(_extend_program, config, steps)
-  lengths_B = jnp.full((batch,), capacity - max(blocks), jnp.int32)
-  cache = models.init_cache(config, batch, capacity)
-  tokens = {T: jnp.ones((batch, T), jnp.int32) for T in blocks}
-  if mesh is not None:
-    rows = lambda x: sharding.named(('batch',) + (None,) * (x.ndim - 1), x.shape, mesh, rules)
-    cache = sharding.put(cache, kv_cache.shardings(cache, mesh, rules))
-    lengths_B, tokens = sharding.put((lengths_B, tokens), jax.tree.map(rows, (lengths_B, tokens)))
   state = {'cache': cache}
   kv_bytes = sum(x.nbytes for x in state['cache'].k + state['cache'].v)
   first_buffer = lambda: state['cache'].k[0].addressable_shards[0].data.unsafe_buffer_pointer()

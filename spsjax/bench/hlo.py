@@ -214,6 +214,30 @@ def parse_hlo(text: str, phases: Sequence[str] = PHASES) -> Hlo:
              frozenset(mixed))
 
 
+# Instructions that run no work of their own: plumbing, views, and control flow (whose bodies'
+# instructions count instead).
+_NO_WORK = _PLUMBING + ('bitcast', 'while', 'conditional', 'call')
+
+
+def launches(hlo: Hlo, computation: str) -> int:
+  """The instructions that run work in `computation` and in the computations its control flow
+  runs (loop bodies and conditions, branches, `call`s), each counted once whatever its trip
+  count: a fusion counts as one (its fused code not at all), reducers and comparators not at
+  all; plumbing, bitcasts and the control-flow instructions themselves run no work. On a GPU each
+  is about one kernel launch."""
+  seen, count, todo = set(), 0, [computation]
+  while todo:
+    c = todo.pop()
+    if c in seen:
+      continue
+    seen.add(c)
+    for name in hlo.computations.get(c, ()):
+      i = hlo.instructions[name]
+      count += i.opcode not in _NO_WORK
+      todo.extend(i.control + (i.called if i.opcode == 'call' else ()))
+  return count
+
+
 def hlo_phases(text: str, phases: Sequence[str] = PHASES) -> dict[str, str]:
   """{HLO instruction name: phase} for every instruction of `compiled.as_text()`."""
   return dict(parse_hlo(text, phases).phase)
