@@ -29,7 +29,7 @@ metadata name several are also listed in `Hlo.mixed`.
 import collections
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 PHASES = ('draft', 'score', 'accept')
 OTHER = 'other'
@@ -72,17 +72,21 @@ class Hlo:
 
   def subtree(self, computations: Sequence[str]) -> set[str]:
     """Instructions in `computations` and, recursively, in everything they call."""
-    seen, names, todo = set(), set(), list(computations)
+    return set(self.walk(computations, lambda i: i.called + i.applied + i.control))
+
+  def walk(self, computations: Sequence[str],
+           follow: Callable[[Instruction], Sequence[str]]) -> Iterator[str]:
+    """The instructions of `computations` and, recursively, of the computations `follow` names
+    for each instruction; every computation once."""
+    seen, todo = set(), list(computations)
     while todo:
       c = todo.pop()
       if c in seen:
         continue
       seen.add(c)
       for name in self.computations.get(c, ()):
-        names.add(name)
-        i = self.instructions[name]
-        todo.extend(i.called + i.applied + i.control)
-    return names
+        yield name
+        todo.extend(follow(self.instructions[name]))
 
   def main_loop(self) -> Instruction | None:
     """The outermost `while` holding phased instructions; with none, the largest `while`."""
@@ -225,17 +229,9 @@ def launches(hlo: Hlo, computation: str) -> int:
   count: a fusion counts as one (its fused code not at all), reducers and comparators not at
   all; plumbing, bitcasts and the control-flow instructions themselves run no work. On a GPU each
   is about one kernel launch."""
-  seen, count, todo = set(), 0, [computation]
-  while todo:
-    c = todo.pop()
-    if c in seen:
-      continue
-    seen.add(c)
-    for name in hlo.computations.get(c, ()):
-      i = hlo.instructions[name]
-      count += i.opcode not in _NO_WORK
-      todo.extend(i.control + (i.called if i.opcode == 'call' else ()))
-  return count
+  runs = lambda i: i.control + (i.called if i.opcode == 'call' else ())
+  return sum(hlo.instructions[name].opcode not in _NO_WORK
+             for name in hlo.walk([computation], runs))
 
 
 def hlo_phases(text: str, phases: Sequence[str] = PHASES) -> dict[str, str]:
