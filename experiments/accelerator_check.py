@@ -23,7 +23,7 @@ from absl import app, flags
 import jax
 
 from spsjax import storage
-from spsjax.bench import accelerator, decode, timing
+from spsjax.bench import accelerator, decode, layer_scan, timing
 from spsjax.models import presets
 
 _SMALL = flags.DEFINE_bool('small', None, 'Tiny sizes (a smoke run); default: on a CPU only.')
@@ -41,6 +41,10 @@ _REPEATS = flags.DEFINE_integer('repeats', None, 'Timed calls per figure (defaul
 _COMPILE_THREADS = flags.DEFINE_integer(
     'compile_threads', 1, 'Programs compiled side by side: the law checks, a figure\'s extend '
     'programs, its ArS and a ceiling\'s samplers (1: one after another).')
+_LAYER_SCAN = flags.DEFINE_bool(
+    'layer_scan', False, 'Also compile and time each preset\'s one-position extend with its '
+    'layers scanned (lax.scan) beside the unrolled model, at the first batch '
+    '(`spsjax.bench.layer_scan`).')
 _EXACTNESS = flags.DEFINE_list('exactness', ['float32', 'bfloat16'], 'dtypes of the exactness '
                                 'checks (empty: none, nor the one-program check).')
 
@@ -116,6 +120,17 @@ def _ceilings(plan, report, name, target, i, write, log):
       write()  # Each row as it comes: a run cut short keeps it.
 
 
+def _layer_scan(plan, report, name, target, batch, write, log):
+  p = report.attempt(f'{name} layer scan', lambda: layer_scan.probe(
+      target, plan.capacity, batch=batch, repeats=plan.repeats))
+  if p:
+    report.scan_rows.append((name, batch, p))
+    log(f'{name} batch {batch}, layers scanned: compile {p.compile_scanned:.2f} s (unrolled '
+        f'{p.compile_unrolled:.2f}), step {p.step_scanned * 1e3:.3f} ms (unrolled '
+        f'{p.step_unrolled * 1e3:.3f}), logits within {p.max_logit_diff:.1e}')
+    write()
+
+
 def _measure(plan, report, write, log):
   """The checks, then per preset the decode figures and the ceilings, into `report`."""
   if _EXACTNESS.value:
@@ -150,6 +165,8 @@ def _measure(plan, report, write, log):
       write()
       if j == 0:
         _ceilings(plan, report, name, target, i, write, log)
+        if _LAYER_SCAN.value:
+          _layer_scan(plan, report, name, target, batch, write, log)
 
 
 def main(argv):

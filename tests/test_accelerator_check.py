@@ -39,7 +39,8 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
   argv = [os.path.join(_ROOT, 'experiments', 'accelerator_check.py'), f'--out={out}',
           '--rows=6000', '--exactness=float32', '--batches=1', '--ks=4', '--ceiling_ks=4',
           '--repeats=1',  # bfloat16's checks are the same code with another dtype.
-          '--compile_threads=2']  # Each group's programs compiled side by side.
+          '--compile_threads=2',  # Each group's programs compiled side by side.
+          '--layer_scan']
   code = _RUN_WITHOUT.format(absent=set(_ABSENT), argv=argv)
   result = subprocess.run([sys.executable, '-c', code], cwd=_ROOT, capture_output=True, text=True,
                           env=xla_env.subprocess_env(PYTHONPATH=_ROOT), timeout=600, check=False)
@@ -59,11 +60,15 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
             or line.startswith('| bfloat16') or line.startswith('| one compiled')]
   assert len(checks) == 4 and all('| pass |' in line for line in checks), checks
   assert '1 executable(s) dispatched' in report
-  decode_rows = [line for line in report.splitlines() if line.startswith('| tiny_target |')]
+  decode_rows = [line for line in report.splitlines()
+                 if line.startswith('| tiny_target | bfloat16 |')]
   assert [row.split('|')[3].strip() for row in decode_rows] == ['1']
   assert '| ops/step |' in report and int(decode_rows[0].split('|')[8]) > 0, decode_rows
   assert 's(5)' in report
   assert '| tiny_target / tiny_draft | 4 |' in report
+  scan = re.search(r'\| tiny_target \| 1 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| '
+                   r'(\S+) \|', report.split('Layers scanned')[-1])
+  assert scan and float(scan[5]) < 0.05, report[-1500:]  # bfloat16 rounds logits to ~2^-8.
 
 
 @pytest.mark.parametrize('flag,message', [

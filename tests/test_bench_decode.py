@@ -1,5 +1,6 @@
 """The decode benchmark library on a tiny model: every figure is positive and self-consistent."""
 
+import dataclasses
 import functools
 import math
 import pathlib
@@ -9,10 +10,11 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from spsjax import models
-from spsjax.bench import ceiling, decode, timing
+from spsjax.bench import ceiling, decode, layer_scan, timing
 from spsjax.sampling import SamplingConfig
 from tests import xla_env
 
@@ -171,3 +173,30 @@ def test_a_step_runs_as_many_more_operations_for_each_layer_and_counting_compile
   assert clock.programs['jit(_extend_steps)'] == 0, clock.programs
   assert 0 < launches[1] < launches[2] < launches[3], launches
   assert launches[3] - launches[2] == launches[2] - launches[1], launches
+
+
+def test_the_layer_scan_probe_computes_the_models_extend_and_compiles_both_afresh():
+  config = models.TransformerConfig(vocab_size=64, d_model=32, num_layers=3, num_heads=4,
+                                    num_kv_heads=2, d_ff=64, max_seq_len=64)
+  model = models.Model(config, models.init_params(config, jax.random.key(3)))
+  stacked, others = layer_scan.stack_layers(config, model.params)
+  assert jax.tree.leaves(stacked)[0].shape[0] == 3 and set(others) == {
+      'embedding', 'final_norm'}  # A tied output layer.
+  # A cache with something in it: 5 positions, then 2 more through each path.
+  _, cache = models.extend(config, model.params, models.init_cache(config, 2, 9),
+                           jnp.arange(10, dtype=jnp.int32).reshape(2, 5) % 64)
+  tokens = jnp.array([[7, 8], [9, 10]], jnp.int32)
+  logits, want = models.extend(config, model.params, cache, tokens)
+  got_logits, k, v = layer_scan.scanned_extend(config, others, stacked, jnp.stack(cache.k),
+                                               jnp.stack(cache.v), cache.lengths, tokens)
+  np.testing.assert_allclose(got_logits, logits, atol=1e-5)
+  np.testing.assert_allclose(k, jnp.stack(want.k), atol=1e-6)
+  np.testing.assert_allclose(v, jnp.stack(want.v), atol=1e-6)
+
+  with timing.CompileClock() as clock:  # Loops of 3 steps: no other test's programs.
+    probe = layer_scan.probe(model, 12, steps=3, repeats=1)
+  assert clock.programs['jit(_extend_steps)'] == 1 and clock.programs['jit(_scanned_steps)'] == 1
+  assert probe.compile_unrolled > 0 and probe.compile_scanned > 0
+  assert probe.step_unrolled > 0 and probe.step_scanned > 0 and probe.max_logit_diff < 1e-4
+  with pytest.raises(ValueError, match='rotary'):
+    layer_scan.probe(models.Model(dataclasses.replace(config, position='learned'), {}), 12)

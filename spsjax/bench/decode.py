@@ -88,11 +88,11 @@ def _extend_steps(config, steps, params, cache, tokens_BxT, lengths_B):
 
 # One jitted program per (config, steps) and shapes, kept across calls: measuring the same
 # model's costs again (each row of a table, each ceiling) compiles nothing new. Donates the cache.
-_extend_program = jax.jit(_extend_steps, static_argnums=(0, 1), donate_argnums=3)
+extend_program = jax.jit(_extend_steps, static_argnums=(0, 1), donate_argnums=3)
 
 
 def _compile_extend(config, steps, params, cache, tokens_BxT, lengths_B) -> None:
-  _extend_program.lower(config, steps, params, cache, tokens_BxT, lengths_B).compile()
+  extend_program.lower(config, steps, params, cache, tokens_BxT, lengths_B).compile()
 
 
 def _extend_args(model, blocks, capacity, batch, mesh, rules):
@@ -120,7 +120,7 @@ def extend_launches(model: models.Model, T: int, capacity: int, *, batch: int = 
   (`hlo.launches`; on a GPU about one kernel each). None if XLA left no loop (unrolled it)."""
   config, params, cache, tokens, lengths_B = _extend_args(model, (T,), capacity, batch, mesh,
                                                           rules)
-  parsed = hlo.parse_hlo(_extend_program.lower(config, steps, params, cache, tokens[T],
+  parsed = hlo.parse_hlo(extend_program.lower(config, steps, params, cache, tokens[T],
                                                lengths_B).compile().as_text())
   loop = parsed.main_loop()
   return None if loop is None else hlo.launches(parsed, loop.body)
@@ -144,7 +144,7 @@ def extend_seconds(model: models.Model, blocks: Sequence[int], capacity: int, *,
   """
   config, params, cache, tokens, lengths_B = _extend_args(model, blocks, capacity, batch, mesh,
                                                           rules)
-  run = functools.partial(_extend_program, config, steps)
+  run = functools.partial(extend_program, config, steps)
   state = {'cache': cache}
   kv_bytes = sum(x.nbytes for x in state['cache'].k + state['cache'].v)
   first_buffer = lambda: state['cache'].k[0].addressable_shards[0].data.unsafe_buffer_pointer()
@@ -349,7 +349,7 @@ def _head_steps(steps, k, head, target, cache, features_BxD, tokens_B, lengths_B
   return jax.lax.fori_loop(0, steps, one, (cache, jnp.zeros(tokens_B.shape, jnp.float32)))
 
 
-_head_program = jax.jit(_head_steps, static_argnums=(0, 1), donate_argnums=4)  # As `_extend_program`.
+_head_program = jax.jit(_head_steps, static_argnums=(0, 1), donate_argnums=4)  # As extend_program.
 
 
 def head_step_seconds(head: models.Model, target: models.Model, k: int, capacity: int, *,
