@@ -93,7 +93,10 @@ def probe(model: models.Model, capacity: int, *, batch: int = 1, steps: int = 4,
   tokens_BxT = jnp.ones((batch, 1), jnp.int32)
   lengths_B = jnp.full((batch,), capacity - 1, jnp.int32)
   fresh = lambda: models.init_cache(config, batch, capacity)
-  stacked_cache = lambda: tuple(jnp.stack(kv) for kv in (fresh().k, fresh().v))
+  def stacked_cache():
+    cache = fresh()
+    return jnp.stack(cache.k), jnp.stack(cache.v)
+
   unrolled, compile_unrolled = _compiled(decode.extend_program, config, steps, params, fresh(),
                                          tokens_BxT, lengths_B)
   scanned, compile_scanned = _compiled(_scanned_program, config, steps, others, stacked,
