@@ -23,7 +23,7 @@ from absl import app, flags
 import jax
 
 from spsjax import storage
-from spsjax.bench import accelerator, decode, layer_scan, timing
+from spsjax.bench import accelerator, decode, timing, variants
 from spsjax.models import presets
 
 _SMALL = flags.DEFINE_bool('small', None, 'Tiny sizes (a smoke run); default: on a CPU only.')
@@ -41,10 +41,9 @@ _REPEATS = flags.DEFINE_integer('repeats', None, 'Timed calls per figure (defaul
 _COMPILE_THREADS = flags.DEFINE_integer(
     'compile_threads', 1, 'Programs compiled side by side: the law checks, a figure\'s extend '
     'programs, its ArS and a ceiling\'s samplers (1: one after another).')
-_LAYER_SCAN = flags.DEFINE_bool(
-    'layer_scan', False, 'Also compile and time each preset\'s one-position extend with its '
-    'layers scanned (lax.scan) beside the unrolled model, at the first batch '
-    '(`spsjax.bench.layer_scan`).')
+_VARIANTS = flags.DEFINE_list(
+    'variants', [], 'Step variants to compile and time beside each preset\'s one-position '
+    f'extend at the first batch (`spsjax.bench.variants`), of {", ".join(variants.NAMES)}.')
 _EXACTNESS = flags.DEFINE_list('exactness', ['float32', 'bfloat16'], 'dtypes of the exactness '
                                 'checks (empty: none, nor the one-program check).')
 
@@ -88,6 +87,10 @@ def _plan() -> _Plan:
                          f'{", ".join(sorted(presets.PRESETS))}.')
   if unknown := set(_EXACTNESS.value) - set(accelerator.LAWS):
     raise app.UsageError(f'--exactness takes {", ".join(accelerator.LAWS)}; got {unknown}.')
+  try:
+    variants.check_names(_VARIANTS.value)
+  except ValueError as e:
+    raise app.UsageError(f'--variants: {e}') from e
   return plan
 
 
@@ -120,14 +123,14 @@ def _ceilings(plan, report, name, target, i, write, log):
       write()  # Each row as it comes: a run cut short keeps it.
 
 
-def _layer_scan(plan, report, name, target, batch, write, log):
-  p = report.attempt(f'{name} layer scan', lambda: layer_scan.probe(
-      target, plan.capacity, batch=batch, repeats=plan.repeats))
-  if p:
-    report.scan_rows.append((name, batch, p))
-    log(f'{name} batch {batch}, layers scanned: compile {p.compile_scanned:.2f} s (unrolled '
-        f'{p.compile_unrolled:.2f}), step {p.step_scanned * 1e3:.3f} ms (unrolled '
-        f'{p.step_unrolled * 1e3:.3f}), logits within {p.max_logit_diff:.1e}')
+def _variants(plan, report, name, target, batch, write, log):
+  found = report.attempt(f'{name} step variants', lambda: variants.probe(
+      target, plan.capacity, _VARIANTS.value, batch=batch, repeats=plan.repeats))
+  if found:
+    report.variant_rows.append((name, batch, found))
+    for v in found:
+      log(f'{name} batch {batch}, {v.name}: compile {v.compile_seconds:.2f} s, step '
+          f'{v.step_seconds * 1e3:.3f} ms, {v.ops} ops, logits within {v.logit_diff:.1e}')
     write()
 
 
@@ -165,8 +168,8 @@ def _measure(plan, report, write, log):
       write()
       if j == 0:
         _ceilings(plan, report, name, target, i, write, log)
-        if _LAYER_SCAN.value:
-          _layer_scan(plan, report, name, target, batch, write, log)
+        if _VARIANTS.value:
+          _variants(plan, report, name, target, batch, write, log)
 
 
 def main(argv):

@@ -40,7 +40,7 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
           '--rows=6000', '--exactness=float32', '--batches=1', '--ks=4', '--ceiling_ks=4',
           '--repeats=1',  # bfloat16's checks are the same code with another dtype.
           '--compile_threads=2',  # Each group's programs compiled side by side.
-          '--layer_scan']
+          '--variants=fused,scanned,no_dot_merger']
   code = _RUN_WITHOUT.format(absent=set(_ABSENT), argv=argv)
   result = subprocess.run([sys.executable, '-c', code], cwd=_ROOT, capture_output=True, text=True,
                           env=xla_env.subprocess_env(PYTHONPATH=_ROOT), timeout=600, check=False)
@@ -66,15 +66,17 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
   assert '| ops/step |' in report and int(decode_rows[0].split('|')[8]) > 0, decode_rows
   assert 's(5)' in report
   assert '| tiny_target / tiny_draft | 4 |' in report
-  scan = re.search(r'\| tiny_target \| 1 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| '
-                   r'(\S+) \|', report.split('Layers scanned')[-1])
-  assert scan and float(scan[5]) < 0.05, report[-1500:]  # bfloat16 rounds logits to ~2^-8.
+  found = re.findall(r'\| tiny_target \| 1 \| (\w+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \| (\S+) \|',
+                     report.split('Step variants')[-1])
+  assert [v[0] for v in found] == ['plain', 'fused', 'scanned', 'no_dot_merger'], report[-1500:]
+  assert all(float(v[1]) > 0 and float(v[2]) > 0 for v in found), found
+  assert all(float(v[4]) < 0.05 for v in found), found  # bfloat16 rounds logits to ~2^-8.
 
 
 @pytest.mark.parametrize('flag,message', [
     ('--batches=1,-8', 'positive integers'), ('--ceiling_ks=four', 'take integers'),
     ('--compile_threads=0', 'positive integers'),
-    ('--presets=nope', 'nope')])
+    ('--presets=nope', 'nope'), ('--variants=fused,nope', 'Unknown step variants')])
 def test_bad_flags_are_usage_errors_before_anything_runs(flag, message):
   result = subprocess.run(
       [sys.executable, os.path.join(_ROOT, 'experiments', 'accelerator_check.py'), flag,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from spsjax import models
-from spsjax.bench import ceiling, decode, layer_scan, timing
+from spsjax.bench import ceiling, decode, layer_scan, timing, variants
 from spsjax.sampling import SamplingConfig
 from tests import xla_env
 
@@ -175,7 +175,7 @@ def test_a_step_runs_as_many_more_operations_for_each_layer_and_counting_compile
   assert launches[3] - launches[2] == launches[2] - launches[1], launches
 
 
-def test_the_layer_scan_probe_computes_the_models_extend_and_compiles_both_afresh():
+def test_scanned_layers_compute_the_models_extend():
   config = models.TransformerConfig(vocab_size=64, d_model=32, num_layers=3, num_heads=4,
                                     num_kv_heads=2, d_ff=64, max_seq_len=64)
   model = models.Model(config, models.init_params(config, jax.random.key(3)))
@@ -193,10 +193,29 @@ def test_the_layer_scan_probe_computes_the_models_extend_and_compiles_both_afres
   np.testing.assert_allclose(k, jnp.stack(want.k), atol=1e-6)
   np.testing.assert_allclose(v, jnp.stack(want.v), atol=1e-6)
 
+
+
+def test_step_variants_compile_afresh_and_compute_the_plain_steps_logits():
+  config = models.TransformerConfig(vocab_size=64, d_model=32, num_layers=3, num_heads=4,
+                                    num_kv_heads=2, d_ff=64, max_seq_len=64)
+  model = models.Model(config, models.init_params(config, jax.random.key(3)))
+  names = ['fused', 'scanned', 'no_dot_merger']
   with timing.CompileClock() as clock:  # Loops of 3 steps: no other test's programs.
-    probe = layer_scan.probe(model, 12, steps=3, repeats=1)
-  assert clock.programs['jit(_extend_steps)'] == 1 and clock.programs['jit(_scanned_steps)'] == 1
-  assert probe.compile_unrolled > 0 and probe.compile_scanned > 0
-  assert probe.step_unrolled > 0 and probe.step_scanned > 0 and probe.max_logit_diff < 1e-4
+    found = variants.probe(model, 12, names, steps=3, repeats=1)
+  assert [v.name for v in found] == ['plain'] + names
+  # The options variant compiles the plain program again (its options name XLA:GPU's passes).
+  assert clock.programs['jit(_extend_steps)'] == 3 and clock.programs['jit(_scanned_steps)'] == 1
+  assert all(v.compile_seconds > 0 and v.step_seconds > 0 and v.logit_diff < 1e-4
+             for v in found), found
+  ops = {v.name: v.ops for v in found}
+  # Fused: one product for q, k and v and one for gate and input (3 fewer a layer, less what
+  # slicing the fused outputs costs XLA:CPU). Scanned: the scan's body, one layer, counts once.
+  assert ops['fused'] < ops['plain'] and ops['no_dot_merger'] == ops['plain'], ops
+  assert ops['scanned'] < ops['plain'], ops
+  with pytest.raises(ValueError, match='Unknown step variants'):
+    variants.probe(model, 12, ['fused', 'unrolled'])
   with pytest.raises(ValueError, match='rotary'):
-    layer_scan.probe(models.Model(dataclasses.replace(config, position='learned'), {}), 12)
+    variants.probe(models.Model(dataclasses.replace(config, position='learned'), {}), 12,
+                   ['scanned'])
+  with pytest.raises(ValueError, match='plain layout'):
+    variants.probe(models.fuse(model), 12, [])

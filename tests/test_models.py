@@ -1,7 +1,9 @@
 """The cached path equals the reference forward, for MHA, GQA and MQA, at ragged row offsets.
 
-`packed` runs the cached path of the same model packed for the CPU kernels (`models.pack`: native
-products and the native cached attention) against the unpacked reference forward.
+`layout` runs the cached path of the same model as it is ('xla'), fused for XLA's decoding
+(`models.fuse`: q, k and v one product, gate and input one) or packed for the CPU kernels
+(`models.pack`: native products and the native cached attention), against the plain reference
+forward.
 """
 
 import dataclasses
@@ -27,24 +29,27 @@ def _config(num_kv_heads, **kw):
                                   num_kv_heads=num_kv_heads, d_ff=96, max_seq_len=64, **kw)
 
 
-def _decoding(config, params, packed):
-  """(config, params) of the model as the cached path runs it: packed (kernels='native') or not."""
+LAYOUTS = ['xla', 'fused', 'packed']
+
+
+def _decoding(config, params, layout):
+  """(config, params) of the model as the cached path runs it, in `layout`."""
   model = models.Model(config, params)
-  model = models.pack(model) if packed else model
+  model = {'xla': model, 'fused': models.fuse(model), 'packed': models.pack(model)}[layout]
   return model.config, model.params
 
 
 # Every head layout one position at a time; scoring 5 positions with GQA and MQA.
 @pytest.mark.parametrize('num_kv_heads,chunk', [(None, 1), (2, 1), (1, 1), (2, 5), (1, 5)],
                          ids=['mha-1', 'gqa-1', 'mqa-1', 'gqa-5', 'mqa-5'])
-@pytest.mark.parametrize('packed', [False, True], ids=['xla', 'packed'])
-def test_cached_extension_equals_reference(num_kv_heads, chunk, packed):
+@pytest.mark.parametrize('layout', LAYOUTS)
+def test_cached_extension_equals_reference(num_kv_heads, chunk, layout):
   config = _config(num_kv_heads)
   params = models.init_params(config, jax.random.key(0))
   total = 30
   tokens_BxL = jax.random.randint(jax.random.key(1), (3, total), 0, VOCAB)
   reference_BxLxV = np.asarray(_logits(config, params, tokens_BxL))
-  config, params = _decoding(config, params, packed)
+  config, params = _decoding(config, params, layout)
   prompt_lengths = np.array([4, 9, 1])
   width = int(prompt_lengths.max())
 
@@ -65,12 +70,12 @@ def test_cached_extension_equals_reference(num_kv_heads, chunk, packed):
     np.testing.assert_array_equal(cache.lengths, lengths)
 
 
-@pytest.mark.parametrize('packed', [False, True], ids=['xla', 'packed'])
-def test_rollback_is_moving_lengths(packed):
+@pytest.mark.parametrize('layout', LAYOUTS)
+def test_rollback_is_moving_lengths(layout):
   """Extending, rolling a row back and re-extending with other tokens matches the reference."""
   config = _config(2)
   reference_params = models.init_params(config, jax.random.key(0))
-  decode_config, params = _decoding(config, reference_params, packed)
+  decode_config, params = _decoding(config, reference_params, layout)
   logits = jax.jit(functools.partial(models.logits, config, reference_params))
   tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, VOCAB)
   other = jax.random.randint(jax.random.key(3), (2, 4), 0, VOCAB)
@@ -85,15 +90,15 @@ def test_rollback_is_moving_lengths(packed):
 
 
 @pytest.mark.parametrize('overrides', [{}, dict(tie_embeddings=False, mlp='gelu')])
-@pytest.mark.parametrize('packed', [False, True], ids=['xla', 'packed'])
-def test_logits_at_selects_positions_per_row(overrides, packed):
+@pytest.mark.parametrize('layout', LAYOUTS)
+def test_logits_at_selects_positions_per_row(overrides, layout):
   """prefill(last_only) and extend(logits_at) give the selected rows of the full logits, and the
   same cache."""
   config = _config(2, **overrides)
   params = models.init_params(config, jax.random.key(0))
   tokens_BxL = jax.random.randint(jax.random.key(4), (3, 10), 0, VOCAB)
   reference_BxLxV = np.asarray(_logits(config, params, tokens_BxL))
-  config, params = _decoding(config, params, packed)
+  config, params = _decoding(config, params, layout)
   lengths = np.array([3, 7, 1])
   last_Bx1xV, cache = _prefill(config, params, tokens_BxL[:, :7], jnp.asarray(lengths),
                                capacity=12, last_only=True)
@@ -139,6 +144,45 @@ def test_kernels_are_the_config_setting_that_packing_sets():
     models.logits(packed.config, model.params, tokens_BxT)
   with pytest.raises(ValueError, match='packed'):
     models.logits(config, packed.params, tokens_BxT)
+
+
+@pytest.mark.parametrize('overrides', [{}, dict(num_kv_heads=1, qkv_bias=True),
+                                       dict(mlp='gelu', norm='layer', position='learned',
+                                            dense_bias=True)], ids=['gqa', 'mqa-bias', 'gpt2'])
+def test_fusing_lays_out_the_same_parameters_for_fewer_products(overrides):
+  """`fuse` sets kernels='xla_fused' and gives the same logits; `unfuse` gives back exactly the
+  parameters; each kv head's query heads, key and value sit side by side in `wqkv`."""
+  config = _config(overrides.pop('num_kv_heads', 2), **overrides)
+  model = models.Model(config, models.init_params(config, jax.random.key(0)))
+  fused = models.fuse(model)
+  assert fused.config.kernels == 'xla_fused' and models.fuse(fused) is fused
+  attn, mlp = fused.params['layer_1']['attn'], fused.params['layer_1']['mlp']
+  K, G = config.kv_heads, config.num_heads // config.kv_heads
+  assert 'wq' not in attn and attn['wqkv'].shape == (48, K, G + 2, 8)
+  plain = model.params['layer_1']['attn']
+  np.testing.assert_array_equal(attn['wqkv'][:, K - 1, :G], plain['wq'][:, (K - 1) * G:K * G])
+  np.testing.assert_array_equal(attn['wqkv'][:, K - 1, G + 1], plain['wv'][:, K - 1])
+  gated = config.mlp == 'gated_silu'
+  assert ('w_gate_in' in mlp) == gated and ('w_gate' in mlp) is False
+  tokens_BxT = jax.random.randint(jax.random.key(1), (2, 7), 0, VOCAB)
+  np.testing.assert_allclose(_logits(fused.config, fused.params, tokens_BxT),
+                             _logits(config, model.params, tokens_BxT), rtol=1e-5, atol=1e-5)
+  back = models.unfuse(fused)
+  assert back.config == config
+  assert jax.tree.structure(back.params) == jax.tree.structure(model.params)
+  for got, want in zip(jax.tree.leaves(back.params), jax.tree.leaves(model.params)):
+    np.testing.assert_array_equal(got, want)
+  with pytest.raises(ValueError, match="laid out for 'xla_fused'"):
+    models.logits(config, fused.params, tokens_BxT)
+  with pytest.raises(ValueError, match="laid out for 'xla'"):
+    models.logits(fused.config, model.params, tokens_BxT)
+  if gated:  # Packing a fused model packs its plain layout; a packed one is not fused.
+    packed = models.pack(fused)
+    assert packed.config.kernels == 'native'
+    np.testing.assert_array_equal(models.unpack(packed).params['layer_0']['attn']['wk'],
+                                  model.params['layer_0']['attn']['wk'])
+    with pytest.raises(ValueError, match='unpack'):
+      models.fuse(packed)
 
 
 @pytest.mark.parametrize('overrides', [dict(mlp='gelu'), dict(tie_embeddings=False),

@@ -227,6 +227,26 @@ def test_decode_program_never_all_gathers_a_weight(mesh_shape, num_kv_heads):
   assert not gathered, gathered
 
 
+def test_a_fused_model_shards_by_the_same_rules_and_decodes_the_same():
+  """A model fused for XLA's decoding (`models.fuse`) on a (2, 4) mesh: each kv head's queries,
+  key and value on one device, greedy ArS equal to the plain model's on one device, and a decode
+  program that gathers no weight."""
+  config, params, prompts, lengths, _, expected = _reference(4)
+  fused = models.fuse(models.Model(config, params))
+  mesh = sharding.make_mesh(2, 4)
+  loop, args = autoregressive.prepare(fused, prompts, lengths, max_new_tokens=MAX_NEW,
+                                      sampling=GREEDY, mesh=mesh, rules=RULES)
+  specs = {name: x.sharding.spec for name, x in _leaves(args[0].params).items()}
+  assert specs["['layer_0']['attn']['wqkv']"] == P(None, 'model', None, None), specs
+  assert specs["['layer_0']['mlp']['w_gate_in']"] == P(None, None, 'model'), specs
+  hlo = autoregressive.Loop.run.lower(loop, *args, jax.random.key(2)).compile().as_text()
+  assert not _gathered_weights(hlo, args[0].params)
+  out = autoregressive_sample(fused, prompts, lengths, jax.random.key(2),
+                              max_new_tokens=MAX_NEW, sampling=GREEDY, mesh=mesh)
+  np.testing.assert_array_equal(np.asarray(out.tokens), expected.tokens)
+  np.testing.assert_array_equal(np.asarray(out.num_generated), expected.num_generated)
+
+
 @functools.cache
 def _draft(num_kv_heads):
   """A wide-shallow draft for the `_reference` target: one layer, 4 heads (2 kv heads)."""

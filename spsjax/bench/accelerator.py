@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spsjax import models, sampling, sharding
-from spsjax.bench import ceiling, decode, layer_scan, timing, trace
+from spsjax.bench import ceiling, decode, timing, trace, variants
 from spsjax.eval import exactness
 from spsjax.sampling import SamplingConfig, speculative
 
@@ -332,8 +332,8 @@ class Report:
   copy: decode.CopyBandwidth | None = None
   rows: list[DecodeRow] = dataclasses.field(default_factory=list)
   ceiling_rows: list[tuple[str, ceiling.Ceiling]] = dataclasses.field(default_factory=list)
-  scan_rows: list[tuple[str, int, layer_scan.LayerScan]] = dataclasses.field(
-      default_factory=list)  # (preset, batch, probe).
+  variant_rows: list[tuple[str, int, list[variants.Variant]]] = dataclasses.field(
+      default_factory=list)  # (preset, batch, the plain step and its variants).
   errors: list[str] = dataclasses.field(default_factory=list)
   time_spent: str = ''  # Where the run's wall time went (compiling, the rest).
 
@@ -349,13 +349,13 @@ class Report:
   def markdown(self) -> str:
     return markdown(device=self.device, copy=self.copy, checks=self.checks, rows=self.rows,
                     ceiling_rows=self.ceiling_rows, command=self.command, errors=self.errors,
-                    time_spent=self.time_spent, scan_rows=self.scan_rows)
+                    time_spent=self.time_spent, variant_rows=self.variant_rows)
 
 
 def markdown(*, device: str, copy: decode.CopyBandwidth | None, checks: Sequence[Check],
              rows: Sequence[DecodeRow], ceiling_rows: Sequence[tuple[str, ceiling.Ceiling]],
              command: str, errors: Sequence[str] = (), time_spent: str = '',
-             scan_rows: Sequence[tuple[str, int, layer_scan.LayerScan]] = ()) -> str:
+             variant_rows: Sequence[tuple[str, int, Sequence[variants.Variant]]] = ()) -> str:
   """The one-screen report."""
   lines = [f'# Accelerator check: {device}', '', f'`{command}`', '']
   if time_spent:
@@ -389,14 +389,14 @@ def markdown(*, device: str, copy: decode.CopyBandwidth | None, checks: Sequence
     for label, c in ceiling_rows:
       lines.append(f'| {label} | {c.k} | {c.c:.3f} | {c.s:.2f} | {c.decode_speedup:.2f}x | '
                    f'{c.predicted:.2f}x | {c.speedup:.2f}x |')
-  if scan_rows:
+  if variant_rows:
     lines += [''] if lines[-1] else []
-    lines += ['Layers scanned (`spsjax.bench.layer_scan`, a probe): one-position extend, XLA\'s '
-              'compile and the step, the model\'s unrolled layers against lax.scan.', '',
-              '| model | batch | compile unrolled s | compile scanned s | step unrolled ms '
-              '| step scanned ms | max logit diff |', '|---|---|---|---|---|---|---|']
-    for preset, batch, p in scan_rows:
-      lines.append(f'| {preset} | {batch} | {p.compile_unrolled:.2f} | {p.compile_scanned:.2f} | '
-                   f'{p.step_unrolled * 1e3:.3f} | {p.step_scanned * 1e3:.3f} | '
-                   f'{p.max_logit_diff:.1e} |')
+    lines += ['Step variants (`spsjax.bench.variants`): one-position extend compiled other ways '
+              'beside the plain one.', '',
+              '| model | batch | variant | compile s | step ms | ops/step | logit diff |',
+              '|---|---|---|---|---|---|---|']
+    for preset, batch, found in variant_rows:
+      lines += [f'| {preset} | {batch} | {v.name} | {v.compile_seconds:.2f} | '
+                f'{v.step_seconds * 1e3:.3f} | {"-" if v.ops is None else v.ops} | '
+                f'{v.logit_diff:.1e} |' for v in found]
   return '\n'.join(lines) + '\n'

@@ -120,10 +120,8 @@ def extend_launches(model: models.Model, T: int, capacity: int, *, batch: int = 
   (`hlo.launches`; on a GPU about one kernel each). None if XLA left no loop (unrolled it)."""
   config, params, cache, tokens, lengths_B = _extend_args(model, (T,), capacity, batch, mesh,
                                                           rules)
-  parsed = hlo.parse_hlo(extend_program.lower(config, steps, params, cache, tokens[T],
-                                               lengths_B).compile().as_text())
-  loop = parsed.main_loop()
-  return None if loop is None else hlo.launches(parsed, loop.body)
+  return hlo.loop_launches(extend_program.lower(config, steps, params, cache, tokens[T],
+                                                lengths_B).compile().as_text())
 
 
 def extend_seconds(model: models.Model, blocks: Sequence[int], capacity: int, *, repeats: int,

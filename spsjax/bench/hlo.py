@@ -239,3 +239,9 @@ def hlo_phases(text: str, phases: Sequence[str] = PHASES) -> dict[str, str]:
   return dict(parse_hlo(text, phases).phase)
 
 
+def loop_launches(text: str) -> int | None:
+  """`launches` of the main loop's body of a compiled program (`compiled.as_text()`): the
+  operations one iteration runs; None if XLA left no loop (unrolled it)."""
+  parsed = parse_hlo(text)
+  loop = parsed.main_loop()
+  return None if loop is None else launches(parsed, loop.body)

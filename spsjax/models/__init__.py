@@ -7,14 +7,15 @@ from spsjax.models import feature_head
 from spsjax.models.config import TransformerConfig
 from spsjax.models.kv_cache import KVCache, init_cache
 from spsjax.models.transformer import output_logits
-from spsjax.models.packing import (WEIGHT_DTYPES, for_decoding, is_packed, pack, packable,
-                                   packed_dtype, unpack)
+from spsjax.models.packing import (WEIGHT_DTYPES, for_decoding, fuse, is_fused, is_packed, pack,
+                                   packable, packed_dtype, unfuse, unpack)
 
 __all__ = [
     'KVCache', 'Model', 'TransformerConfig', 'WEIGHT_DTYPES', 'extend', 'extend_with_features',
-    'feature_head', 'features', 'for_decoding',
+    'feature_head', 'features', 'for_decoding', 'fuse', 'is_fused',
     'init_cache', 'init_params', 'is_packed', 'logits', 'num_params', 'output_logits', 'pack',
     'packable',
-    'packed_dtype', 'param_shapes', 'param_shardings', 'prefill', 'truncated_params', 'unpack',
+    'packed_dtype', 'param_shapes', 'param_shardings', 'prefill', 'truncated_params', 'unfuse',
+    'unpack',
     'unsharded_dims',
 ]

@@ -13,7 +13,7 @@ _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 _MLP_KINDS = ('gated_silu', 'gelu')
 _NORMS = ('rms', 'layer')
 _POSITIONS = ('rope', 'learned')
-KERNELS = ('xla', 'native')
+KERNELS = ('xla', 'xla_fused', 'native')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +40,11 @@ class TransformerConfig:
   norm: str = 'rms'  # 'rms' or 'layer' (LayerNorm with a bias, GPT-2).
   position: str = 'rope'  # 'rope' (rotary) or 'learned' (a table of max_seq_len rows, GPT-2).
   # What computes the projections and the cached attention: 'xla' (XLA's ops on the parameters
-  # `init_params` makes) or 'native' (the CPU kernels of `spsjax.native` on weights packed by
-  # `models.pack`, which sets it; `models.unpack` sets 'xla' back). How a placed model computes,
-  # not what it is: checkpoints do not store it.
+  # `init_params` makes), 'xla_fused' (XLA's ops on weights fused for decoding by `models.fuse`:
+  # q, k and v one product, a gated MLP's gate and input one; `models.unfuse` sets 'xla' back) or
+  # 'native' (the CPU kernels of `spsjax.native` on weights packed by `models.pack`, which sets
+  # it; `models.unpack` sets 'xla' back). How a placed model computes, not what it is:
+  # checkpoints do not store it.
   kernels: str = 'xla'
 
   def __post_init__(self):

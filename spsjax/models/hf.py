@@ -34,7 +34,7 @@ from safetensors import safe_open
 from spsjax import sharding, storage
 from spsjax.models.api import Model, param_shapes, param_shardings
 from spsjax.models.config import TransformerConfig
-from spsjax.models.packing import unpack
+from spsjax.models.packing import unfuse, unpack
 
 CONFIG = 'config.json'
 WEIGHTS = 'model.safetensors'
@@ -301,10 +301,10 @@ def hf_config(config: TransformerConfig, **extra) -> dict:
 
 
 def save_llama(model: Model, path: str, **extra) -> str:
-  """Writes `model` (unpacked, gathered to the host) as a Llama directory: config.json and
-  model.safetensors, in float32 whatever the model's dtype; `path` local or a URI, written by
-  process 0 (`storage`). Returns `path`."""
-  model = unpack(model)
+  """Writes `model` (unpacked and unfused, gathered to the host) as a Llama directory:
+  config.json and model.safetensors, in float32 whatever the model's dtype; `path` local or a
+  URI, written by process 0 (`storage`). Returns `path`."""
+  model = unfuse(unpack(model))
   config = model.config
   hf = hf_config(config, **extra)
   tensors = {}

@@ -1,4 +1,5 @@
-"""A model's projection weights packed for the few-row CPU kernel (`spsjax.native`), and back.
+"""A model's projection weights laid out for decoding: packed for the few-row CPU kernel
+(`spsjax.native`), or fused for XLA's products; and back.
 
 Packing is part of placing a model: done once, after loading, for a float32 model on one CPU
 device, and undone before sharding on a mesh (sharded models multiply with XLA's dots, which the
@@ -12,8 +13,16 @@ target holds `output`, a copy of the target's output layer stored as its own wei
 config says so (`kernels='native'`, `unpack` sets 'xla' back): the transformer reads the setting,
 not the type of its parameters, to choose its kernels.
 
-Invariant: `unpack(pack(model))` has exactly the parameters of `model`, and a packed model's
-forward equals the unpacked one's up to float reassociation.
+Fusing (`fuse`, kernels 'xla_fused'; `unfuse`) gives XLA fewer and larger products a step, for
+accelerators, where a decoding step at small batch is many small kernels: each layer's attention
+holds `wqkv` [D, K, G + 2, H] (for each kv head its G query heads, then its key, then its value:
+a Megatron split of the kv heads over `model` keeps each group whole on one device, so a fused
+model shards by the same rules) in place of wq, wk and wv, and a gated MLP `w_gate_in` [D, 2, F]
+(gate, then input) in place of w_gate and w_in; nothing else changes. A decoding layout, not a
+training one (training's backward pass is slower on stacked weights: `transformer.Mlp`).
+
+Invariant: `unpack(pack(model))` and `unfuse(fuse(model))` have exactly the parameters of
+`model`, and a packed or fused model's forward equals the plain one's up to float reassociation.
 """
 
 import dataclasses
@@ -145,6 +154,7 @@ def pack(model: Model, weights: str = 'float32', target: Model | None = None) ->
   _check_weights(weights)
   if is_packed(model):
     return model
+  model = unfuse(model)
   params = dict(model.params)
   for name in _layer_names(config) if 'layer_0' in params else ():
     params[name] = _pack_layer(config, weights, params[name])
@@ -209,3 +219,61 @@ def for_decoding(model: Model, weights: str = 'float32', target: Model | None = 
   the model gets packed)."""
   _check_weights(weights)
   return model if packable(model) else pack(model, weights, target)
+
+
+def is_fused(model: Model) -> bool:
+  return model.config.kernels == 'xla_fused'
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _fuse_layer(config: TransformerConfig, layer: dict) -> dict:
+  attn, mlp = dict(layer['attn']), dict(layer['mlp'])
+  D, N, K, H = config.d_model, config.num_heads, config.kv_heads, config.dims_per_head
+  wq_DxKxGxH = attn.pop('wq').reshape(D, K, N // K, H)
+  attn['wqkv'] = jnp.concatenate(
+      [wq_DxKxGxH, attn.pop('wk')[:, :, None], attn.pop('wv')[:, :, None]], axis=2)
+  if config.mlp == 'gated_silu':
+    mlp['w_gate_in'] = jnp.stack([mlp.pop('w_gate'), mlp.pop('w_in')], axis=1)
+  return dict(layer, attn=attn, mlp=mlp)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _unfuse_layer(config: TransformerConfig, layer: dict) -> dict:
+  attn, mlp = dict(layer['attn']), dict(layer['mlp'])
+  D, N, K, H = config.d_model, config.num_heads, config.kv_heads, config.dims_per_head
+  G = N // K
+  wqkv_DxKxCxH = attn.pop('wqkv')
+  attn.update(wq=wqkv_DxKxCxH[:, :, :G].reshape(D, N, H), wk=wqkv_DxKxCxH[:, :, G],
+              wv=wqkv_DxKxCxH[:, :, G + 1])
+  if config.mlp == 'gated_silu':
+    w_gate_in_Dx2xF = mlp.pop('w_gate_in')
+    mlp.update(w_gate=w_gate_in_Dx2xF[:, 0], w_in=w_gate_in_Dx2xF[:, 1])
+  return dict(layer, attn=attn, mlp=mlp)
+
+
+def fuse(model: Model) -> Model:
+  """The model with its products fused for XLA (module docstring); a fused model is returned as
+  it is. Fuse before placing on a mesh: `sampling.place_params` then shards the fused weights by
+  their logical names."""
+  if is_fused(model):
+    return model
+  if is_packed(model):
+    raise ValueError('A model packed for the native CPU kernels cannot be fused: `unpack` it '
+                     'first (fused products are XLA\'s).')
+  if feature_head.is_head(model):
+    raise ValueError('Feature heads are not fused (their products are few already); fuse the '
+                     'target they draft for.')
+  params = dict(model.params)
+  for name in _layer_names(model.config):
+    params[name] = _fuse_layer(model.config, params[name])
+  return _with_kernels(model, 'xla_fused', params)
+
+
+def unfuse(model: Model) -> Model:
+  """The model with XLA's plain layout again (exactly the parameters before `fuse`)."""
+  if not is_fused(model):
+    return model
+  params = dict(model.params)
+  for name in _layer_names(model.config):
+    params[name] = _unfuse_layer(model.config, params[name])
+  return _with_kernels(model, 'xla', params)

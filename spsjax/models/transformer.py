@@ -9,13 +9,18 @@ with Megatron-sharded weights, XLA's partitioner splits heads and MLP units over
 one all-reduce after each attention and MLP block.
 
 `config.kernels` chooses what computes the projections and the cached attention, in one place per
-block: 'xla', XLA's ops on the parameters `init_params` makes; 'native', the CPU kernels on a model
+block: 'xla', XLA's ops on the parameters `init_params` makes; 'xla_fused', XLA's ops on a model
+fused for decoding (`spsjax.models.fusing`): q, k and v one product (`wqkv`, [D, K, G + 2, H]:
+each kv head's G query heads, its key and its value side by side, so that a Megatron split of
+the kv heads keeps every group on one device) and a gated MLP's gate and input one (`w_gate_in`,
+[D, 2, F]), fewer and larger products a step; 'native', the CPU kernels on a model
 packed for decoding (`spsjax.models.packing`, which sets it), whose parameters hold
 `native.PackedWeight`s in place of its projection weights, q, k and v as one (`wqkv`) and the gate
 and input of a gated MLP as one (`w_gate_in`): each block then asks for its product from
 `native.matmul`, and a cached call rotates, writes the cache and attends in one
 `native.cached_attention`; everything else is the same code. A setting the parameters cannot
-serve (packed weights with 'xla', plain ones with 'native') is an error (`_check_kernels`).
+serve (packed weights with 'xla', plain ones with 'native', fused ones with anything but
+'xla_fused') is an error (`_check_kernels`).
 
 GPT-2's options (`norm='layer'`, `position='learned'`, `dense_bias`) run on this XLA path only;
 `models.pack` refuses a model that uses them.
@@ -49,17 +54,30 @@ def _packed(module, name) -> native.PackedWeight:
   return module.get_variable('params', name)
 
 
-def _check_kernels(module, config: TransformerConfig) -> None:
-  """Raises ValueError unless the parameters are laid out for `config.kernels`: a packed model
-  always holds a packed output layer (`head`), a plain one never does."""
+def _layout(module) -> str:
+  """The kernels the parameters are laid out for: a packed model always holds a packed output
+  layer (`head`), a plain one never does; a fused one holds `wqkv` in its first layer."""
   head = module.get_variable('params', 'head') if module.has_variable('params', 'head') else None
-  packed = isinstance(head, native.PackedWeight)
-  if packed != (config.kernels == 'native'):
+  if isinstance(head, native.PackedWeight):
+    return 'native'
+  layer = module.get_variable('params', 'layer_0') if module.has_variable('params',
+                                                                           'layer_0') else {}
+  return 'xla_fused' if 'wqkv' in layer.get('attn', {}) else 'xla'
+
+
+def _check_kernels(module, config: TransformerConfig) -> None:
+  """Raises ValueError unless the parameters are laid out for `config.kernels` (XLA's layouts
+  can be initialised: `param_shardings` of a fused model names the fused weights)."""
+  if module.is_initializing() and config.kernels != 'native':
+    return
+  layout = _layout(module)
+  if layout != config.kernels:
     raise ValueError(
-        f'config.kernels is {config.kernels!r} but the parameters are '
-        f'{"packed" if packed else "not packed"}: the native kernels run on weights packed by '
-        f'`models.pack` (which sets kernels=\'native\'; `models.unpack` sets \'xla\' back), and '
-        f'`init_params` and checkpoints give XLA\'s layout.')
+        f'config.kernels is {config.kernels!r} but the parameters are laid out for {layout!r}: '
+        f'the native kernels run on weights packed by `models.pack` (which sets '
+        f'kernels=\'native\'; `models.unpack` sets \'xla\' back), XLA\'s fused products on '
+        f'weights fused by `models.fuse` (\'xla_fused\'; `models.unfuse`), and `init_params` '
+        f'and checkpoints give XLA\'s layout (\'xla\').')
 
 
 class RMSNorm(nn.Module):
@@ -124,6 +142,10 @@ class Attention(nn.Module):
       if c.qkv_bias:
         qkv_BxTxMxH = qkv_BxTxMxH + bias_MxH[None, None]
       wo = _packed(self, 'wo')
+    elif c.kernels == 'xla_fused':  # Per kv head: its G query heads, its key, its value.
+      wqkv = _param(self, 'wqkv', (D, K, N // K + 2, H), ('embed', 'kv_heads', None, 'head_dim'),
+                    D, dt)
+      wo = _param(self, 'wo', (N, H, D), ('heads', 'head_dim', 'embed'), N * H, dt)
     else:
       wq = _param(self, 'wq', (D, N, H), ('embed', 'heads', 'head_dim'), D, dt)
       wk = _param(self, 'wk', (D, K, H), ('embed', 'kv_heads', 'head_dim'), D, dt)
@@ -139,15 +161,20 @@ class Attention(nn.Module):
     else:
       if packed:  # A full causal pass: XLA's attention after the packed product.
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = jnp.split(qkv_BxTxMxH, [N, N + K], axis=2)
+      elif c.kernels == 'xla_fused':
+        G = N // K
+        qkv_BxTxKxCxH = jnp.einsum('BTD,DKCH->BTKCH', norm(x_BxTxD), wqkv)
+        q_BxTxNxH = qkv_BxTxKxCxH[:, :, :, :G].reshape(B, T, N, H)
+        k_BxTxKxH, v_BxTxKxH = qkv_BxTxKxCxH[:, :, :, G], qkv_BxTxKxCxH[:, :, :, G + 1]
       else:
         h_BxTxD = norm(x_BxTxD)
         q_BxTxNxH = jnp.einsum('BTD,DNH->BTNH', h_BxTxD, wq)
         k_BxTxKxH = jnp.einsum('BTD,DKH->BTKH', h_BxTxD, wk)
         v_BxTxKxH = jnp.einsum('BTD,DKH->BTKH', h_BxTxD, wv)
-        if c.qkv_bias:
-          q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = (
-              q_BxTxNxH + bias_MxH[None, None, :N], k_BxTxKxH + bias_MxH[None, None, N:N + K],
-              v_BxTxKxH + bias_MxH[None, None, N + K:])
+      if c.qkv_bias and not packed:
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = (
+            q_BxTxNxH + bias_MxH[None, None, :N], k_BxTxKxH + bias_MxH[None, None, N:N + K],
+            v_BxTxKxH + bias_MxH[None, None, N + K:])
       if c.position == 'rope':
         q_BxTxNxH = native.rope(q_BxTxNxH, positions_BxT, c.rope_base)
         k_BxTxKxH = native.rope(k_BxTxKxH, positions_BxT, c.rope_base)
@@ -199,6 +226,12 @@ class Mlp(nn.Module):
                                           counts=counts_B).astype(dt))
       return native.matmul(h_BxTxF, _packed(self, 'w_out'), residual=x_BxTxD,
                            counts=counts_B).astype(dt)
+    if c.kernels == 'xla_fused' and c.mlp == 'gated_silu':  # One product, gate then input.
+      w_gate_in = _param(self, 'w_gate_in', (D, 2, F), ('embed', None, 'mlp'), D, dt)
+      w_out = _param(self, 'w_out', (F, D), ('mlp', 'embed'), F, dt)
+      gate_in_BxTx2xF = jnp.einsum('BTD,DCF->BTCF', norm(x_BxTxD), w_gate_in)
+      h_BxTxF = native.silu_gate(gate_in_BxTx2xF[:, :, 0], gate_in_BxTx2xF[:, :, 1])
+      return x_BxTxD + jnp.einsum('BTF,FD->BTD', h_BxTxF, w_out)
     w_in = _param(self, 'w_in', (D, F), ('embed', 'mlp'), D, dt)
     w_out = _param(self, 'w_out', (F, D), ('mlp', 'embed'), F, dt)
     h_BxTxD = norm(x_BxTxD)

@@ -1,0 +1,121 @@
+"""Step variants: a model's decoding step compiled other ways, timed beside its own.
+
+A probe for accelerators, where a batch-1 step is far from its weights' read time and a run of
+many shapes is mostly compiling (`experiments/accelerator_check.py`). Each variant is the
+one-position `extend` loop that `decode.extend_seconds` times ('plain': the model as it is, XLA's
+path), changed in one respect:
+- the parameters' layout: 'fused' (`models.fuse`: q, k and v one product, a gated MLP's gate and
+  input one) or 'scanned' (`layer_scan`: the layers applied by `lax.scan` over stacked
+  parameters and caches, so one layer is compiled);
+- XLA's options, for this compile only (`Lowered.compile(compiler_options=)`): `OPTIONS`. They
+  name XLA:GPU's passes; another backend ignores them and compiles the plain program again.
+
+For each: XLA's compile seconds, the median step (every variant timed in turn, `timing.medians`),
+the operations a step runs (`hlo.launches` of the loop body; 'scanned' counts its layer once)
+and how far its logits are from the plain program's: the first vocabulary entry of each row's
+last position, which every program's checksum carries (each step of the loop computes the same
+logits: fixed lengths, and the slots before them never written). A cheap check of what runs; the
+layouts' own tests compare every logit.
+"""
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spsjax import models
+from spsjax.bench import decode, hlo, layer_scan, timing
+
+# XLA:GPU options a variant compiles with. 'no_dot_merger': XLA:GPU merges small products that
+# share an input into one, concatenating their weights inside the decoding loop (its pipeline
+# has no pass hoisting loop-invariant code); 'cublas': no Triton GEMMs (cuBLAS for every
+# product, batch 1's too); 'no_autotune': no GEMM autotuning (its share of a compile);
+# 'no_graphs': no CUDA graphs (command buffers).
+OPTIONS = {
+    'no_dot_merger': {'xla_gpu_dot_merger_threshold_mb': 0},
+    'cublas': {'xla_gpu_enable_triton_gemm': False},
+    'no_autotune': {'xla_gpu_autotune_level': 0},
+    'no_graphs': {'xla_gpu_enable_command_buffer': ''},
+}
+LAYOUTS = ('fused', 'scanned')
+NAMES = LAYOUTS + tuple(OPTIONS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """Seconds: XLA's compile of the variant's loop program, and the median step inside it."""
+  name: str
+  compile_seconds: float
+  step_seconds: float
+  ops: int | None  # Operations a step runs; None if XLA left no loop.
+  logit_diff: float  # Largest |this - plain| of the logits the checksums carry.
+
+
+def check_names(names: Sequence[str]) -> None:
+  unknown = sorted(set(names) - set(NAMES))
+  if unknown:
+    raise ValueError(f'Unknown step variants {unknown}; known: {list(NAMES)}.')
+
+
+@dataclasses.dataclass
+class _Program:
+  """A loop program of `steps` one-position extends: how to lower it, and its donated caches."""
+  jitted: Callable
+  static: tuple  # Leading static arguments (config, steps): lowered with, not passed.
+  weights: tuple  # The parameters' arguments, before the caches.
+  caches: list  # Donated, and returned before the checksum.
+  inputs: tuple  # Tokens and lengths.
+  options: dict | None = None
+  compiled: Callable | None = None
+
+  def compile(self) -> float:
+    start = time.perf_counter()
+    self.compiled = self.jitted.lower(*self.static, *self.weights, *self.caches,
+                                      *self.inputs).compile(compiler_options=self.options)
+    return time.perf_counter() - start
+
+  def __call__(self) -> jax.Array:
+    *self.caches, checksum_B = self.compiled(*self.weights, *self.caches, *self.inputs)
+    return checksum_B
+
+
+def _program(model: models.Model, name: str, steps: int, capacity: int, inputs) -> _Program:
+  config = model.config
+  if name == 'scanned':
+    stacked, others = layer_scan.stack_layers(config, model.params)
+    cache = models.init_cache(config, len(inputs[1]), capacity)
+    return _Program(layer_scan.scanned_program, (config, steps), (others, stacked),
+                    [jnp.stack(cache.k), jnp.stack(cache.v)], inputs)
+  if name == 'fused':
+    model = models.fuse(model)
+  return _Program(decode.extend_program, (model.config, steps), (model.params,),
+                  [models.init_cache(model.config, len(inputs[1]), capacity)], inputs,
+                  options=OPTIONS.get(name))
+
+
+def probe(model: models.Model, capacity: int, names: Sequence[str], *, batch: int = 1,
+          steps: int = 4, repeats: int = 5) -> list[Variant]:
+  """'plain' and each variant in `names`: one-position extends of `model` at `batch` rows on a
+  cache of `capacity` slots (lengths capacity - 1), loops of `steps` (a length no other
+  measurement compiles, so every program here compiles afresh)."""
+  check_names(names)
+  config = model.config
+  if config.kernels != 'xla':
+    raise ValueError(f'Step variants start from XLA\'s plain layout; this model has kernels '
+                     f'{config.kernels!r} (`models.unpack`, `models.unfuse`).')
+  if 'scanned' in names and config.position != 'rope':
+    raise ValueError('The scanned variant runs rotary models (`layer_scan`); this one has '
+                     f'positions {config.position!r}.')
+  inputs = (jnp.ones((batch, 1), jnp.int32), jnp.full((batch,), capacity - 1, jnp.int32))
+  programs = {name: _program(model, name, steps, capacity, inputs)
+              for name in ('plain', *names)}
+  compile_seconds = {name: p.compile() for name, p in programs.items()}
+  checksums = {name: np.asarray(p()) for name, p in programs.items()}
+  seconds = timing.medians(programs, repeats=repeats)
+  return [Variant(name=name, compile_seconds=compile_seconds[name],
+                  step_seconds=seconds[name] / steps, ops=hlo.loop_launches(p.compiled.as_text()),
+                  logit_diff=float(np.max(np.abs(checksums[name] - checksums['plain'])) / steps))
+          for name, p in programs.items()]
