@@ -6,7 +6,8 @@
   python experiments/decode_benchmark.py --preset=bench150m --dtype=float32 --paths=native \
       --ceiling=false --batches=8 --block=4  # s at batch 8 too
 
-For each dtype and path (`native`: packed for the CPU kernels, `models.pack`; `xla`: XLA's dots),
+For each dtype and path (`native`: packed for the CPU kernels, `models.pack`; `xla`: XLA's dots;
+`xla_fused`: XLA's dots on fused weights, `models.fuse`),
 one line each for: a 1-position `extend` and the bandwidth at which it reads the weights (as a
 share of the copy bandwidth measured first), s = `extend` on `block` positions / on 1, and ArS;
 with --batches, s at those batch sizes for 2 .. block positions.
@@ -25,7 +26,9 @@ from spsjax.bench import ceiling, decode
 from spsjax.models import presets
 
 _DTYPE = flags.DEFINE_enum('dtype', 'both', ['float32', 'bfloat16', 'both'], 'Model dtype(s).')
-_PATHS = flags.DEFINE_list('paths', ['native', 'xla'], 'native (packed, float32 only) and/or xla.')
+_PATHS = flags.DEFINE_list('paths', ['native', 'xla'], 'Any of native (packed, float32 only), xla '
+                           'and xla_fused (`models.fuse`).')
+_PATH_NAMES = ('native', 'xla', 'xla_fused')
 _REPEATS = flags.DEFINE_integer('repeats', 20, 'Timed calls per extend step and per copy.')
 _ARS_REPEATS = flags.DEFINE_integer('ars_repeats', 3, 'Timed autoregressive_sample runs.')
 _SMALL = flags.DEFINE_bool('small', False, 'A tiny model and a small copy: a quick smoke run.')
@@ -65,6 +68,8 @@ def _draft_preset(preset: str) -> str:
 def _place(model: models.Model, path: str, weights: str = 'float32') -> models.Model:
   if path == 'xla':
     return model
+  if path == 'xla_fused':
+    return models.fuse(model)
   reason = models.packable(model)
   if reason:
     raise app.UsageError(f'The native path cannot run this model: {reason}.')
@@ -78,6 +83,8 @@ def main(argv):
   prompt_len, max_new_tokens = (16, 16) if small else (_PROMPT_LEN.value, _MAX_NEW_TOKENS.value)
   copy_mb = min(_COPY_MB.value, 16) if small else _COPY_MB.value
   mesh = sharding.mesh_from_axes(_DATA.value, _MODEL_AXIS.value)
+  if unknown := [p for p in _PATHS.value if p not in _PATH_NAMES]:
+    raise app.UsageError(f'--paths takes {", ".join(_PATH_NAMES)}; got {unknown}.')
   if mesh is not None and 'native' in _PATHS.value:
     raise app.UsageError('The native path runs on one device; on a mesh pass --paths=xla.')
   print0(f'JAX {jax.__version__} on {jax.devices()[0].device_kind} ({os.cpu_count()} cores), '

@@ -69,6 +69,7 @@ def test_batch_scoring_report_gives_s_for_each_block_at_the_batch():
     (['--batches=0'], "--batches needs batch sizes >= 1 and --block >= 2, got ['0'] and --block=5."),
     (['--batches=8', '--block=1'],
      "--batches needs batch sizes >= 1 and --block >= 2, got ['8'] and --block=1."),
+    (['--paths=xla,cuda'], "--paths takes native, xla, xla_fused; got ['cuda']."),
 ])
 def test_decode_benchmark_rejects_bad_batches_before_measuring(flags, message):
   repo = pathlib.Path(__file__).resolve().parents[1]
