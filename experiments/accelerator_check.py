@@ -22,7 +22,7 @@ import time
 from absl import app, flags
 import jax
 
-from spsjax import storage
+from spsjax import models, storage
 from spsjax.bench import accelerator, decode, timing, variants
 from spsjax.models import presets
 
@@ -44,6 +44,9 @@ _COMPILE_THREADS = flags.DEFINE_integer(
 _VARIANTS = flags.DEFINE_list(
     'variants', [], 'Step variants to compile and time beside each preset\'s one-position '
     f'extend at the first batch (`spsjax.bench.variants`), of {", ".join(variants.NAMES)}.')
+_FUSED = flags.DEFINE_bool(
+    'fused', False, 'Time the decode figures and ceilings on models fused for XLA (`models.fuse`: '
+    'q, k and v one product, gate and input one); their rows say "fused".')
 _EXACTNESS = flags.DEFINE_list('exactness', ['float32', 'bfloat16'], 'dtypes of the exactness '
                                 'checks (empty: none, nor the one-program check).')
 
@@ -107,17 +110,24 @@ def _make_plan(small: bool) -> _Plan:
       compile_threads=_COMPILE_THREADS.value)
 
 
+def _layout(model):
+  """(the model as the decode figures and ceilings time it, what their rows add to its name)."""
+  return (models.fuse(model), ' fused') if _FUSED.value else (model, '')
+
+
 def _ceilings(plan, report, name, target, i, write, log):
+  """The perfect-draft ceilings of `target` (as `_layout` gave it) with its family's draft."""
   draft_name = name.replace('_target', '_draft') if name.endswith('_target') else f'{name}_draft'
   if draft_name not in presets.PRESETS:
     return
-  draft = accelerator.random_model(presets.get(draft_name), _DTYPE.value, seed=2 * i + 1)
+  draft, label = _layout(accelerator.random_model(presets.get(draft_name), _DTYPE.value,
+                                                  seed=2 * i + 1))
   for k in plan.ceiling_ks:
     c = report.attempt(f'{name} perfect-draft ceiling k={k}', lambda: accelerator.ceilings(
         target, draft, ks=[k], prompt_len=plan.prompt_len, max_new_tokens=plan.max_new,
         repeats=plan.repeats, capacity=plan.capacity, compile_threads=plan.compile_threads)[0])
     if c:
-      report.ceiling_rows.append((f'{name} / {draft_name}', c))
+      report.ceiling_rows.append((f'{name} / {draft_name}{label}', c))
       log(f'{name} ceiling k={k}: c {c.c:.3f}, s {c.s:.2f}, decoding {c.decode_speedup:.2f}x, '
           f'whole calls {c.speedup:.2f}x')
       write()  # Each row as it comes: a run cut short keeps it.
@@ -155,9 +165,10 @@ def _measure(plan, report, write, log):
     # Batch 1 and the ceilings first: what a run cut short should still have.
     target = accelerator.random_model(presets.get(name), _DTYPE.value, seed=2 * i)
     log(f'{name}: random weights ready')  # Where a slow start goes: init or the first step.
+    timed, label = _layout(target)
     for j, batch in enumerate(plan.batches):
       row = report.attempt(f'{name} batch {batch}', lambda: accelerator.decode_figures(
-          target, name, batch=batch, blocks=[k + 1 for k in plan.ks],
+          timed, name + label, batch=batch, blocks=[k + 1 for k in plan.ks],
           prompt_len=plan.prompt_len, max_new_tokens=plan.max_new, repeats=plan.repeats,
           capacity=plan.capacity, compile_threads=plan.compile_threads))
       if row:
@@ -167,7 +178,7 @@ def _measure(plan, report, write, log):
             + ', '.join(f'{T}: {s:.2f}' for T, s in sorted(row.s.items())))
       write()
       if j == 0:
-        _ceilings(plan, report, name, target, i, write, log)
+        _ceilings(plan, report, name, timed, i, write, log)
         if _VARIANTS.value:
           _variants(plan, report, name, target, batch, write, log)
 

@@ -40,7 +40,8 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
           '--rows=6000', '--exactness=float32', '--batches=1', '--ks=4', '--ceiling_ks=4',
           '--repeats=1',  # bfloat16's checks are the same code with another dtype.
           '--compile_threads=2',  # Each group's programs compiled side by side.
-          '--variants=fused,scanned,no_dot_merger']
+          '--variants=fused,scanned,no_dot_merger',
+          '--fused']  # Decode figures and ceilings on fused models; the variants start plain.
   code = _RUN_WITHOUT.format(absent=set(_ABSENT), argv=argv)
   result = subprocess.run([sys.executable, '-c', code], cwd=_ROOT, capture_output=True, text=True,
                           env=xla_env.subprocess_env(PYTHONPATH=_ROOT), timeout=600, check=False)
@@ -61,11 +62,11 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
   assert len(checks) == 4 and all('| pass |' in line for line in checks), checks
   assert '1 executable(s) dispatched' in report
   decode_rows = [line for line in report.splitlines()
-                 if line.startswith('| tiny_target | bfloat16 |')]
+                 if line.startswith('| tiny_target fused | bfloat16 |')]
   assert [row.split('|')[3].strip() for row in decode_rows] == ['1']
   assert '| ops/step |' in report and int(decode_rows[0].split('|')[8]) > 0, decode_rows
   assert 's(5)' in report
-  assert '| tiny_target / tiny_draft | 4 |' in report
+  assert '| tiny_target / tiny_draft fused | 4 |' in report
   found = re.findall(r'\| tiny_target \| 1 \| (\w+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \| (\S+) \|',
                      report.split('Step variants')[-1])
   assert [v[0] for v in found] == ['plain', 'fused', 'scanned', 'no_dot_merger'], report[-1500:]
