@@ -139,8 +139,9 @@ def _variants(plan, report, name, target, batch, write, log):
   if found:
     report.variant_rows.append((name, batch, found))
     for v in found:
-      log(f'{name} batch {batch}, {v.name}: compile {v.compile_seconds:.2f} s, step '
-          f'{v.step_seconds * 1e3:.3f} ms, {v.ops} ops, logits within {v.logit_diff:.1e}')
+      log(f'{name} batch {batch}, {v.name}: ' + (f'failed: {v.error}' if v.error else
+          f'compile {v.compile_seconds:.2f} s, step {v.step_seconds * 1e3:.3f} ms, {v.ops} ops, '
+          f'logits within {v.logit_diff:.1e}'))
     write()
 
 

@@ -196,16 +196,22 @@ def test_scanned_layers_compute_the_models_extend():
 
 
 
-def test_step_variants_compile_afresh_and_compute_the_plain_steps_logits():
+def test_step_variants_compile_afresh_and_compute_the_plain_steps_logits(monkeypatch):
   config = models.TransformerConfig(vocab_size=64, d_model=32, num_layers=3, num_heads=4,
                                     num_kv_heads=2, d_ff=64, max_seq_len=64)
   model = models.Model(config, models.init_params(config, jax.random.key(3)))
-  names = ['fused', 'scanned', 'no_dot_merger']
+  # An option this XLA does not know fails its variant only.
+  monkeypatch.setitem(variants.VARIANTS, 'unknown_option', ('plain', {'xla_gpu_nope': 1}))
+  names = ['fused', 'scanned', 'no_dot_merger', 'unknown_option']
   with timing.CompileClock() as clock:  # Loops of 3 steps: no other test's programs.
     found = variants.probe(model, 12, names, steps=3, repeats=1)
   assert [v.name for v in found] == ['plain'] + names
-  # The options variant compiles the plain program again (its options name XLA:GPU's passes).
-  assert clock.programs['jit(_extend_steps)'] == 3 and clock.programs['jit(_scanned_steps)'] == 1
+  failed = found.pop()
+  assert 'No such compile option' in failed.error and np.isnan(failed.step_seconds), failed
+  assert failed.ops is None and all(v.error is None for v in found), found
+  # Each options variant compiles the plain program again (its options name XLA:GPU's passes;
+  # the unknown one's attempt counts too).
+  assert clock.programs['jit(_extend_steps)'] == 4 and clock.programs['jit(_scanned_steps)'] == 1
   assert all(v.compile_seconds > 0 and v.step_seconds > 0 and v.logit_diff < 1e-4
              for v in found), found
   ops = {v.name: v.ops for v in found}

@@ -396,7 +396,8 @@ def markdown(*, device: str, copy: decode.CopyBandwidth | None, checks: Sequence
               '| model | batch | variant | compile s | step ms | ops/step | logit diff |',
               '|---|---|---|---|---|---|---|']
     for preset, batch, found in variant_rows:
-      lines += [f'| {preset} | {batch} | {v.name} | {v.compile_seconds:.2f} | '
-                f'{v.step_seconds * 1e3:.3f} | {"-" if v.ops is None else v.ops} | '
-                f'{v.logit_diff:.1e} |' for v in found]
+      lines += [f'| {preset} | {batch} | {v.name} | ' + (
+          f'- | - | - | failed: `{v.error}` |' if v.error else
+          f'{v.compile_seconds:.2f} | {v.step_seconds * 1e3:.3f} | '
+          f'{"-" if v.ops is None else v.ops} | {v.logit_diff:.1e} |') for v in found]
   return '\n'.join(lines) + '\n'

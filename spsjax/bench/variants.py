@@ -7,15 +7,17 @@ path), changed in one respect:
 - the parameters' layout: 'fused' (`models.fuse`: q, k and v one product, a gated MLP's gate and
   input one) or 'scanned' (`layer_scan`: the layers applied by `lax.scan` over stacked
   parameters and caches, so one layer is compiled);
-- XLA's options, for this compile only (`Lowered.compile(compiler_options=)`): `OPTIONS`. They
-  name XLA:GPU's passes; another backend ignores them and compiles the plain program again.
+- XLA's options, for this compile only (`Lowered.compile(compiler_options=)`). They name
+  XLA:GPU's passes; another backend ignores them and compiles the plain program again.
+`VARIANTS` names each (a layout and options).
 
 For each: XLA's compile seconds, the median step (every variant timed in turn, `timing.medians`),
 the operations a step runs (`hlo.launches` of the loop body; 'scanned' counts its layer once)
 and how far its logits are from the plain program's: the first vocabulary entry of each row's
 last position, which every program's checksum carries (each step of the loop computes the same
 logits: fixed lengths, and the slots before them never written). A cheap check of what runs; the
-layouts' own tests compare every logit.
+layouts' own tests compare every logit. A variant that fails to compile (an option this XLA does
+not know) or to run is reported with its error; the others go on.
 """
 
 import dataclasses
@@ -29,19 +31,26 @@ import numpy as np
 from spsjax import models
 from spsjax.bench import decode, hlo, layer_scan, timing
 
-# XLA:GPU options a variant compiles with. 'no_dot_merger': XLA:GPU merges small products that
-# share an input into one, concatenating their weights inside the decoding loop (its pipeline
-# has no pass hoisting loop-invariant code); 'cublas': no Triton GEMMs (cuBLAS for every
-# product, batch 1's too); 'no_autotune': no GEMM autotuning (its share of a compile);
-# 'no_graphs': no CUDA graphs (command buffers).
-OPTIONS = {
-    'no_dot_merger': {'xla_gpu_dot_merger_threshold_mb': 0},
-    'cublas': {'xla_gpu_enable_triton_gemm': False},
-    'no_autotune': {'xla_gpu_autotune_level': 0},
-    'no_graphs': {'xla_gpu_enable_command_buffer': ''},
+_GRAPHED = 'FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN'  # XLA:GPU's default CUDA-graph kinds.
+
+# name -> (layout, XLA options). 'scanned_slices': XLA:GPU reads each layer's weights from the
+# stack in place (dynamic-slice fusion) rather than copying them out every step; 'no_dot_merger':
+# XLA:GPU merges small products that share an input into one, concatenating their weights inside
+# the decoding loop (its pipeline has no pass hoisting loop-invariant code); 'cublas': no Triton
+# GEMMs (cuBLAS for every product, batch 1's too); 'no_autotune': no GEMM autotuning (its share
+# of a compile); 'no_graphs': no CUDA graphs; 'graph_loops': the loop itself one CUDA graph (no
+# host round trip for its condition each step).
+VARIANTS = {
+    'fused': ('fused', None),
+    'scanned': ('scanned', None),
+    'scanned_slices': ('scanned', {'xla_gpu_enable_dynamic_slice_fusion': True}),
+    'no_dot_merger': ('plain', {'xla_gpu_dot_merger_threshold_mb': 0}),
+    'cublas': ('plain', {'xla_gpu_enable_triton_gemm': False}),
+    'no_autotune': ('plain', {'xla_gpu_autotune_level': 0}),
+    'no_graphs': ('plain', {'xla_gpu_enable_command_buffer': ''}),
+    'graph_loops': ('plain', {'xla_gpu_enable_command_buffer': _GRAPHED + ',WHILE,CONDITIONAL'}),
 }
-LAYOUTS = ('fused', 'scanned')
-NAMES = LAYOUTS + tuple(OPTIONS)
+NAMES = tuple(VARIANTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +61,11 @@ class Variant:
   step_seconds: float
   ops: int | None  # Operations a step runs; None if XLA left no loop.
   logit_diff: float  # Largest |this - plain| of the logits the checksums carry.
+  error: str | None = None  # Why it has no figures (they are then NaN).
 
 
 def check_names(names: Sequence[str]) -> None:
-  unknown = sorted(set(names) - set(NAMES))
+  unknown = sorted(set(names) - set(VARIANTS))
   if unknown:
     raise ValueError(f'Unknown step variants {unknown}; known: {list(NAMES)}.')
 
@@ -83,17 +93,17 @@ class _Program:
 
 
 def _program(model: models.Model, name: str, steps: int, capacity: int, inputs) -> _Program:
+  layout, options = VARIANTS.get(name, ('plain', None))
   config = model.config
-  if name == 'scanned':
+  if layout == 'scanned':
     stacked, others = layer_scan.stack_layers(config, model.params)
     cache = models.init_cache(config, len(inputs[1]), capacity)
     return _Program(layer_scan.scanned_program, (config, steps), (others, stacked),
-                    [jnp.stack(cache.k), jnp.stack(cache.v)], inputs)
-  if name == 'fused':
+                    [jnp.stack(cache.k), jnp.stack(cache.v)], inputs, options)
+  if layout == 'fused':
     model = models.fuse(model)
   return _Program(decode.extend_program, (model.config, steps), (model.params,),
-                  [models.init_cache(model.config, len(inputs[1]), capacity)], inputs,
-                  options=OPTIONS.get(name))
+                  [models.init_cache(model.config, len(inputs[1]), capacity)], inputs, options)
 
 
 def probe(model: models.Model, capacity: int, names: Sequence[str], *, batch: int = 1,
@@ -106,16 +116,31 @@ def probe(model: models.Model, capacity: int, names: Sequence[str], *, batch: in
   if config.kernels != 'xla':
     raise ValueError(f'Step variants start from XLA\'s plain layout; this model has kernels '
                      f'{config.kernels!r} (`models.unpack`, `models.unfuse`).')
-  if 'scanned' in names and config.position != 'rope':
+  if any(VARIANTS[n][0] == 'scanned' for n in names) and config.position != 'rope':
     raise ValueError('The scanned variant runs rotary models (`layer_scan`); this one has '
                      f'positions {config.position!r}.')
   inputs = (jnp.ones((batch, 1), jnp.int32), jnp.full((batch,), capacity - 1, jnp.int32))
-  programs = {name: _program(model, name, steps, capacity, inputs)
-              for name in ('plain', *names)}
-  compile_seconds = {name: p.compile() for name, p in programs.items()}
-  checksums = {name: np.asarray(p()) for name, p in programs.items()}
+  programs, errors, compile_seconds, checksums = {}, {}, {}, {}
+  for name in ('plain', *names):
+    try:  # Compiled and run once (its checksum); the plain program must work.
+      programs[name] = _program(model, name, steps, capacity, inputs)
+      compile_seconds[name] = programs[name].compile()
+      checksums[name] = np.asarray(programs[name]())
+    except Exception as e:  # pylint: disable=broad-except
+      if name == 'plain':
+        raise
+      programs.pop(name, None)
+      errors[name] = f'{type(e).__name__}: {e}'.splitlines()[0][:200]
   seconds = timing.medians(programs, repeats=repeats)
-  return [Variant(name=name, compile_seconds=compile_seconds[name],
-                  step_seconds=seconds[name] / steps, ops=hlo.loop_launches(p.compiled.as_text()),
-                  logit_diff=float(np.max(np.abs(checksums[name] - checksums['plain'])) / steps))
-          for name, p in programs.items()]
+  out = []
+  for name in ('plain', *names):
+    if name in errors:
+      out.append(Variant(name=name, compile_seconds=float('nan'), step_seconds=float('nan'),
+                         ops=None, logit_diff=float('nan'), error=errors[name]))
+      continue
+    diff = np.max(np.abs(checksums[name] - checksums['plain'])) / steps
+    out.append(Variant(name=name, compile_seconds=compile_seconds[name],
+                       step_seconds=seconds[name] / steps,
+                       ops=hlo.loop_launches(programs[name].compiled.as_text()),
+                       logit_diff=float(diff)))
+  return out
