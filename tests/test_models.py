@@ -146,14 +146,17 @@ def test_kernels_are_the_config_setting_that_packing_sets():
     models.logits(config, packed.params, tokens_BxT)
 
 
-@pytest.mark.parametrize('overrides', [{}, dict(num_kv_heads=1, qkv_bias=True),
+@pytest.mark.parametrize('overrides', [{}, dict(num_kv_heads=1, qkv_bias=True, dense_bias=True),
                                        dict(mlp='gelu', norm='layer', position='learned',
-                                            dense_bias=True)], ids=['gqa', 'mqa-bias', 'gpt2'])
+                                            dense_bias=True)], ids=['gqa', 'mqa-biases', 'gpt2'])
 def test_fusing_lays_out_the_same_parameters_for_fewer_products(overrides):
   """`fuse` sets kernels='xla_fused' and gives the same logits; `unfuse` gives back exactly the
   parameters; each kv head's query heads, key and value sit side by side in `wqkv`."""
   config = _config(overrides.pop('num_kv_heads', 2), **overrides)
-  model = models.Model(config, models.init_params(config, jax.random.key(0)))
+  params = jax.tree_util.tree_map_with_path(  # Biases start at zero: make them count.
+      lambda path, x: x + 0.1 if path[-1].key.startswith('b') else x,
+      models.init_params(config, jax.random.key(0)))
+  model = models.Model(config, params)
   fused = models.fuse(model)
   assert fused.config.kernels == 'xla_fused' and models.fuse(fused) is fused
   attn, mlp = fused.params['layer_1']['attn'], fused.params['layer_1']['mlp']
@@ -176,7 +179,7 @@ def test_fusing_lays_out_the_same_parameters_for_fewer_products(overrides):
     models.logits(config, fused.params, tokens_BxT)
   with pytest.raises(ValueError, match="laid out for 'xla'"):
     models.logits(fused.config, model.params, tokens_BxT)
-  if gated:  # Packing a fused model packs its plain layout; a packed one is not fused.
+  if not config.gpt2_style:  # Packing a fused model packs its plain layout; not the reverse.
     packed = models.pack(fused)
     assert packed.config.kernels == 'native'
     np.testing.assert_array_equal(models.unpack(packed).params['layer_0']['attn']['wk'],

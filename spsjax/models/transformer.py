@@ -10,7 +10,7 @@ one all-reduce after each attention and MLP block.
 
 `config.kernels` chooses what computes the projections and the cached attention, in one place per
 block: 'xla', XLA's ops on the parameters `init_params` makes; 'xla_fused', XLA's ops on a model
-fused for decoding (`spsjax.models.fusing`): q, k and v one product (`wqkv`, [D, K, G + 2, H]:
+fused for decoding (`models.fuse`, in `spsjax.models.packing`): q, k and v one product (`wqkv`, [D, K, G + 2, H]:
 each kv head's G query heads, its key and its value side by side, so that a Megatron split of
 the kv heads keeps every group on one device) and a gated MLP's gate and input one (`w_gate_in`,
 [D, 2, F]), fewer and larger products a step; 'native', the CPU kernels on a model
@@ -226,23 +226,25 @@ class Mlp(nn.Module):
                                           counts=counts_B).astype(dt))
       return native.matmul(h_BxTxF, _packed(self, 'w_out'), residual=x_BxTxD,
                            counts=counts_B).astype(dt)
+    h_BxTxD = norm(x_BxTxD)
     if c.kernels == 'xla_fused' and c.mlp == 'gated_silu':  # One product, gate then input.
       w_gate_in = _param(self, 'w_gate_in', (D, 2, F), ('embed', None, 'mlp'), D, dt)
       w_out = _param(self, 'w_out', (F, D), ('mlp', 'embed'), F, dt)
-      gate_in_BxTx2xF = jnp.einsum('BTD,DCF->BTCF', norm(x_BxTxD), w_gate_in)
-      h_BxTxF = native.silu_gate(gate_in_BxTx2xF[:, :, 0], gate_in_BxTx2xF[:, :, 1])
-      return x_BxTxD + jnp.einsum('BTF,FD->BTD', h_BxTxF, w_out)
-    w_in = _param(self, 'w_in', (D, F), ('embed', 'mlp'), D, dt)
-    w_out = _param(self, 'w_out', (F, D), ('mlp', 'embed'), F, dt)
-    h_BxTxD = norm(x_BxTxD)
-    h_BxTxF = jnp.einsum('BTD,DF->BTF', h_BxTxD, w_in)
+      gate_in_BxTx2xF = jnp.einsum('BTD,DCF->BTCF', h_BxTxD, w_gate_in)
+      gate_BxTxF, h_BxTxF = gate_in_BxTx2xF[:, :, 0], gate_in_BxTx2xF[:, :, 1]
+    else:
+      w_in = _param(self, 'w_in', (D, F), ('embed', 'mlp'), D, dt)
+      w_out = _param(self, 'w_out', (F, D), ('mlp', 'embed'), F, dt)
+      gate_BxTxF, h_BxTxF = None, jnp.einsum('BTD,DF->BTF', h_BxTxD, w_in)
     if c.dense_bias:
       h_BxTxF = h_BxTxF + _param(self, 'b_in', (F,), ('mlp',), 1, dt, zeros=True)[None, None]
     if c.mlp == 'gated_silu':
-      w_gate = _param(self, 'w_gate', (D, F), ('embed', 'mlp'), D, dt)
-      # Gate and input as two products, not one stacked tensor: stacking made training's
-      # backward pass pad, add and transpose [B, T, 2, F] (a tenth of a reference step).
-      h_BxTxF = native.silu_gate(jnp.einsum('BTD,DF->BTF', h_BxTxD, w_gate), h_BxTxF)
+      if gate_BxTxF is None:
+        w_gate = _param(self, 'w_gate', (D, F), ('embed', 'mlp'), D, dt)
+        # Gate and input as two products, not one stacked tensor: stacking made training's
+        # backward pass pad, add and transpose [B, T, 2, F] (a tenth of a reference step).
+        gate_BxTxF = jnp.einsum('BTD,DF->BTF', h_BxTxD, w_gate)
+      h_BxTxF = native.silu_gate(gate_BxTxF, h_BxTxF)
     else:
       h_BxTxF = jax.nn.gelu(h_BxTxF)
     out_BxTxD = jnp.einsum('BTF,FD->BTD', h_BxTxF, w_out)
