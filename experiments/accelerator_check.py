@@ -44,6 +44,9 @@ _COMPILE_THREADS = flags.DEFINE_integer(
 _VARIANTS = flags.DEFINE_list(
     'variants', [], 'Step variants to compile and time beside each preset\'s one-position '
     f'extend at the first batch (`spsjax.bench.variants`), of {", ".join(variants.NAMES)}.')
+_DUMP_DIR = flags.DEFINE_string(
+    'dump_dir', None, 'With --variants: write each variant\'s optimized HLO and a profiler trace of '
+    'one call under DIR/<preset>_b<batch>/ (local or gs://).')
 _FUSED = flags.DEFINE_bool(
     'fused', False, 'Time the decode figures and ceilings on models fused for XLA (`models.fuse`: '
     'q, k and v one product, gate and input one); their rows say "fused".')
@@ -134,8 +137,9 @@ def _ceilings(plan, report, name, target, i, write, log):
 
 
 def _variants(plan, report, name, target, batch, write, log):
+  dump = storage.join(_DUMP_DIR.value, f'{name}_b{batch}') if _DUMP_DIR.value else None
   found = report.attempt(f'{name} step variants', lambda: variants.probe(
-      target, plan.capacity, _VARIANTS.value, batch=batch, repeats=plan.repeats))
+      target, plan.capacity, _VARIANTS.value, batch=batch, repeats=plan.repeats, dump_dir=dump))
   if found:
     report.variant_rows.append((name, batch, found))
     for v in found:

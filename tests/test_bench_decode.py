@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from spsjax import models
-from spsjax.bench import ceiling, decode, layer_scan, timing, variants
+from spsjax.bench import ceiling, decode, hlo, layer_scan, timing, trace, variants
 from spsjax.sampling import SamplingConfig
 from tests import xla_env
 
@@ -196,7 +196,14 @@ def test_scanned_layers_compute_the_models_extend():
 
 
 
-def test_step_variants_compile_afresh_and_compute_the_plain_steps_logits(monkeypatch):
+@pytest.mark.parametrize('name', [n for n, (_, options) in variants.VARIANTS.items() if options])
+def test_this_xla_parses_every_variants_options(name):
+  """XLA:GPU's options are parsed on every backend: a name or value this jaxlib does not know
+  fails here rather than on the accelerator."""
+  jax.jit(lambda x: x + 1).lower(1.0).compile(compiler_options=variants.VARIANTS[name][1])
+
+
+def test_step_variants_compile_afresh_and_compute_the_plain_steps_logits(monkeypatch, tmp_path):
   config = models.TransformerConfig(vocab_size=64, d_model=32, num_layers=3, num_heads=4,
                                     num_kv_heads=2, d_ff=64, max_seq_len=64)
   model = models.Model(config, models.init_params(config, jax.random.key(3)))
@@ -204,8 +211,16 @@ def test_step_variants_compile_afresh_and_compute_the_plain_steps_logits(monkeyp
   monkeypatch.setitem(variants.VARIANTS, 'unknown_option', ('plain', {'xla_gpu_nope': 1}))
   names = ['fused', 'scanned', 'no_dot_merger', 'unknown_option']
   with timing.CompileClock() as clock:  # Loops of 3 steps: no other test's programs.
-    found = variants.probe(model, 12, names, steps=3, repeats=1)
+    found = variants.probe(model, 12, names, steps=3, repeats=1, dump_dir=str(tmp_path))
   assert [v.name for v in found] == ['plain'] + names
+  # Dumped: each working program's HLO and a trace of one call, whose ops are that HLO's.
+  assert sorted(p.name for p in tmp_path.glob('*.hlo.txt')) == [
+      f'{n}.hlo.txt' for n in sorted(['plain'] + names[:-1])]
+  for name in ('plain', 'scanned'):
+    parsed = hlo.parse_hlo((tmp_path / f'{name}.hlo.txt').read_text())
+    xplane, = tmp_path.glob(f'{name}/plugins/profile/*/*.xplane.pb')
+    events = trace.read_op_events(str(xplane), parsed.module)
+    assert events and {e.name for e in events} <= set(parsed.instructions), name
   failed = found.pop()
   assert 'No such compile option' in failed.error and np.isnan(failed.step_seconds), failed
   assert failed.ops is None and all(v.error is None for v in found), found

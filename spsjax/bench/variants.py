@@ -18,6 +18,10 @@ last position, which every program's checksum carries (each step of the loop com
 logits: fixed lengths, and the slots before them never written). A cheap check of what runs; the
 layouts' own tests compare every logit. A variant that fails to compile (an option this XLA does
 not know) or to run is reported with its error; the others go on.
+
+With `dump_dir`, each program's optimized HLO (`<name>.hlo.txt`) and a profiler trace of one call
+(`<name>/plugins/profile/*/*.xplane.pb`, `trace.record`) are written there: what ran, kernel by
+kernel, to study away from the machine that ran it.
 """
 
 import dataclasses
@@ -28,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spsjax import models
-from spsjax.bench import decode, hlo, layer_scan, timing
+from spsjax import models, storage
+from spsjax.bench import decode, hlo, layer_scan, timing, trace
 
 _GRAPHED = 'FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN'  # XLA:GPU's default CUDA-graph kinds.
 
@@ -109,11 +113,17 @@ def _program(model: models.Model, name: str, steps: int, capacity: int, inputs) 
                   [models.init_cache(model.config, len(inputs[1]), capacity)], inputs, options)
 
 
+def _dump(program: _Program, name: str, dump_dir: str) -> None:
+  storage.write_text(storage.join(dump_dir, f'{name}.hlo.txt'), program.compiled.as_text())
+  trace.record(program, storage.join(dump_dir, name))
+
+
 def probe(model: models.Model, capacity: int, names: Sequence[str], *, batch: int = 1,
-          steps: int = 4, repeats: int = 5) -> list[Variant]:
+          steps: int = 4, repeats: int = 5, dump_dir: str | None = None) -> list[Variant]:
   """'plain' and each variant in `names`: one-position extends of `model` at `batch` rows on a
   cache of `capacity` slots (lengths capacity - 1), loops of `steps` (a length no other
-  measurement compiles, so every program here compiles afresh)."""
+  measurement compiles, so every program here compiles afresh); with `dump_dir`, their HLO and
+  a trace of one call each (module docstring)."""
   check_names(names)
   config = model.config
   if config.kernels != 'xla':
@@ -135,6 +145,8 @@ def probe(model: models.Model, capacity: int, names: Sequence[str], *, batch: in
       programs.pop(name, None)
       errors[name] = f'{type(e).__name__}: {e}'.splitlines()[0][:200]
   seconds = timing.medians(programs, repeats=repeats)
+  for name, program in programs.items() if dump_dir else ():
+    _dump(program, name, dump_dir)
   out = []
   for name in ('plain', *names):
     if name in errors:
