@@ -62,6 +62,7 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
             or line.startswith('| bfloat16') or line.startswith('| one compiled')]
   assert len(checks) == 4 and all('| pass |' in line for line in checks), checks
   assert '1 executable(s) dispatched' in report
+  assert 'CUDA-graph' not in report  # No kernel of a CPU trace runs in a graph.
   decode_rows = [line for line in report.splitlines()
                  if line.startswith('| tiny_target fused | bfloat16 |')]
   assert [row.split('|')[3].strip() for row in decode_rows] == ['1']
@@ -100,6 +101,13 @@ def test_a_gpu_trace_counts_one_dispatch_and_the_loop_conditions_copies():
     xspace = f.read()
   assert accelerator.executions(xspace) == {'jit_run': 1}
   assert accelerator.device_to_host_copies(xspace) == 7  # The condition, read for 6 loops + 1.
+  # Each loop is three CUDA graphs and two ops outside them: most of the idle time is where the
+  # host moves from one to the next (~50 us each), not between a graph's kernels.
+  idle = accelerator.graph_idle(xspace)
+  assert idle.boundaries == 25 and round(idle.span_us) == 2891, idle
+  assert (round(idle.busy_us), round(idle.idle_between_us), round(idle.idle_in_graphs_us)) == (
+      1303, 1336, 252), idle
+  assert abs(idle.busy_us + idle.idle_between_us + idle.idle_in_graphs_us - idle.span_us) < 1e-6
 
 
 def test_random_weights_have_the_models_tree_and_are_random():

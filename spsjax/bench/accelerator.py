@@ -199,6 +199,48 @@ def device_to_host_copies(xspace: bytes) -> int:
              for line in plane.lines for e in line.events)
 
 
+@dataclasses.dataclass(frozen=True)
+class GraphIdle:
+  """Where a GPU's kernels leave it idle during a traced run; microseconds."""
+  span_us: float  # First kernel's start to last kernel's end.
+  busy_us: float  # Time some kernel runs.
+  idle_in_graphs_us: float  # Gaps between kernels of one CUDA graph.
+  idle_between_us: float  # Gaps where the next kernel is in another graph, or in none.
+  boundaries: int  # Changes of graph (or into or out of a graph) along the run.
+
+
+def graph_idle(xspace: bytes) -> GraphIdle | None:
+  """The idle time of a GPU trace's kernels, split by where it falls: inside one CUDA graph
+  (XLA's command buffers: kernel events carry `cuda_graph_id`) or between graphs, where the host
+  launches the next one (and reads a loop's condition). None where no kernel ran in a graph (CPU,
+  TPU, or a GPU run without command buffers)."""
+  data = jax.profiler.ProfileData.from_serialized_xspace(xspace)
+  kernels = sorted(((e.start_ns, e.end_ns, dict(e.stats).get('cuda_graph_id'))
+                    for plane in data.planes if plane.name.startswith('/device:GPU')
+                    for line in plane.lines for e in line.events), key=lambda k: k[0])
+  if not any(graph is not None for _, _, graph in kernels):
+    return None
+  busy = inside = between = 0.0
+  boundaries, (last_end, last_graph) = 0, kernels[0][1:]
+  busy_from = kernels[0][0]
+  for start, end, graph in kernels[1:]:
+    if graph != last_graph:
+      boundaries += 1
+    if start > last_end:  # A gap: no kernel runs from last_end to start.
+      busy += last_end - busy_from
+      busy_from = start
+      if graph == last_graph:
+        inside += start - last_end
+      else:
+        between += start - last_end
+    if end > last_end:
+      last_end, last_graph = end, graph
+  busy += last_end - busy_from
+  return GraphIdle(span_us=(last_end - kernels[0][0]) / 1e3, busy_us=busy / 1e3,
+                   idle_in_graphs_us=inside / 1e3, idle_between_us=between / 1e3,
+                   boundaries=boundaries)
+
+
 def one_program_check(*, k: int = 4, max_new_tokens: int = 10,
                       keep: Callable[[bytes], None] | None = None) -> Check:
   """A whole SpS generation (prefill and every loop, 6 ragged rows at temperature 1) dispatches
@@ -218,11 +260,15 @@ def one_program_check(*, k: int = 4, max_new_tokens: int = 10,
   ran = executions(xspace)
   loops = int(np.max(out.num_loops))
   copies = device_to_host_copies(xspace)
+  idle = graph_idle(xspace)
   return Check('one compiled program per generation', sum(ran.values()) == 1 and loops > 1,
                f'{sum(ran.values())} executable(s) dispatched for {loops} loops: '
                + ', '.join(f'{m} x{n}' for m, n in sorted(ran.items()))
                + (f'; {copies} device-to-host copies (the while loops\' conditions)'
-                  if copies else ''))
+                  if copies else '')
+               + (f'; kernels busy {idle.busy_us / idle.span_us:.0%} of {idle.span_us:.0f} us, '
+                  f'idle {idle.idle_between_us:.0f} us at {idle.boundaries} CUDA-graph '
+                  f'boundaries, {idle.idle_in_graphs_us:.0f} us inside graphs' if idle else ''))
 
 
 @dataclasses.dataclass(frozen=True)
