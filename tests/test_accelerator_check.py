@@ -40,7 +40,7 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
           '--rows=6000', '--exactness=float32', '--batches=1', '--ks=4', '--ceiling_ks=4',
           '--repeats=1',  # bfloat16's checks are the same code with another dtype.
           '--compile_threads=2',  # Each group's programs compiled side by side.
-          '--variants=fused,scanned,graph_loops',
+          '--variants=fused,scanned',
           f'--dump_dir={tmp_path / "dump"}',
           '--fused']  # Decode figures and ceilings on fused models; the variants start plain.
   code = _RUN_WITHOUT.format(absent=set(_ABSENT), argv=argv)
@@ -71,13 +71,13 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
   assert '| tiny_target / tiny_draft fused | 4 |' in report
   found = re.findall(r'\| tiny_target \| 1 \| (\w+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \| (\S+) \|',
                      report.split('Step variants')[-1])
-  assert [v[0] for v in found] == ['plain', 'fused', 'scanned', 'graph_loops'], report[-2500:]
+  assert [v[0] for v in found] == ['plain', 'fused', 'scanned'], report[-2500:]
   assert all(float(v[1]) > 0 and float(v[2]) > 0 for v in found), found
   assert all(float(v[4]) < 0.05 for v in found), found  # bfloat16 rounds logits to ~2^-8.
   dumped = tmp_path / 'dump' / 'tiny_target_b1'
   assert sorted(p.stem for p in dumped.glob('*.hlo.txt')) == sorted(
-      f'{n}.hlo' for n in ('plain', 'fused', 'scanned', 'graph_loops'))
-  assert len(list(dumped.glob('*/plugins/profile/*/*.xplane.pb'))) == 4
+      f'{n}.hlo' for n in ('plain', 'fused', 'scanned'))
+  assert len(list(dumped.glob('*/plugins/profile/*/*.xplane.pb'))) == 3
 
 
 @pytest.mark.parametrize('flag,message', [
