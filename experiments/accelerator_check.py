@@ -97,6 +97,8 @@ def _plan() -> _Plan:
     variants.check_names(_VARIANTS.value)
   except ValueError as e:
     raise app.UsageError(f'--variants: {e}') from e
+  if _DUMP_DIR.value and not _VARIANTS.value:
+    raise app.UsageError('--dump_dir writes the step variants\' programs: pass --variants too.')
   return plan
 
 

@@ -83,7 +83,8 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
 @pytest.mark.parametrize('flag,message', [
     ('--batches=1,-8', 'positive integers'), ('--ceiling_ks=four', 'take integers'),
     ('--compile_threads=0', 'positive integers'),
-    ('--presets=nope', 'nope'), ('--variants=fused,nope', 'Unknown step variants')])
+    ('--presets=nope', 'nope'), ('--variants=fused,nope', 'Unknown step variants'),
+    ('--dump_dir=/tmp/x', 'pass --variants too')])
 def test_bad_flags_are_usage_errors_before_anything_runs(flag, message):
   result = subprocess.run(
       [sys.executable, os.path.join(_ROOT, 'experiments', 'accelerator_check.py'), flag,
