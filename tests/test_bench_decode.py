@@ -209,7 +209,7 @@ def test_step_variants_compile_afresh_and_compute_the_plain_steps_logits(monkeyp
   model = models.Model(config, models.init_params(config, jax.random.key(3)))
   # An option this XLA does not know fails its variant only.
   monkeypatch.setitem(variants.VARIANTS, 'unknown_option', ('plain', {'xla_gpu_nope': 1}))
-  names = ['fused', 'scanned', 'no_dot_merger', 'unknown_option']
+  names = ['fused', 'scanned', 'padded', 'no_dot_merger', 'unknown_option']
   with timing.CompileClock() as clock:  # Loops of 3 steps: no other test's programs.
     found = variants.probe(model, 12, names, steps=3, repeats=1, dump_dir=str(tmp_path))
   assert [v.name for v in found] == ['plain'] + names
@@ -225,8 +225,8 @@ def test_step_variants_compile_afresh_and_compute_the_plain_steps_logits(monkeyp
   assert 'No such compile option' in failed.error and np.isnan(failed.step_seconds), failed
   assert failed.ops is None and all(v.error is None for v in found), found
   # Each options variant compiles the plain program again (its options name XLA:GPU's passes;
-  # the unknown one's attempt counts too).
-  assert clock.programs['jit(_extend_steps)'] == 4 and clock.programs['jit(_scanned_steps)'] == 1
+  # the unknown one's attempt counts too); 'padded' its own.
+  assert clock.programs['jit(_extend_steps)'] == 5 and clock.programs['jit(_scanned_steps)'] == 1
   assert all(v.compile_seconds > 0 and v.step_seconds > 0 and v.logit_diff < 1e-4
              for v in found), found
   ops = {v.name: v.ops for v in found}

@@ -8,6 +8,7 @@ forward.
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +132,54 @@ def test_config_validation():
     _config(2, kernels='pallas')
   with pytest.raises(ValueError, match='native kernels'):
     _config(2, dtype='bfloat16', kernels='native')
+
+
+def _two_row_products(stablehlo: str) -> int:
+  """Products in lowered text whose left operand is [1, 2, ...] (a padded single row)."""
+  return len(re.findall(r'dot_general .*: \(tensor<1x2x', stablehlo))
+
+
+def test_project_pads_a_single_row_only_where_asked(monkeypatch):
+  """`project` is the einsum; with single_row='padded' a single row (B = T = 1) goes through a
+  product of two rows (the second zero) and is sliced back, other shapes never."""
+  x_BxTxD = jax.random.normal(jax.random.key(0), (1, 1, 8))
+  x_BxTx2xD = jax.random.normal(jax.random.key(1), (1, 1, 2, 8))
+  w_DxF, w_2xDxE = (jax.random.normal(jax.random.key(2), s) for s in ((8, 5), (2, 8, 5)))
+  for spec, x, w in (('BTD,DF->BTF', x_BxTxD, w_DxF), ('BTID,IDE->BTE', x_BxTx2xD, w_2xDxE)):
+    expected = jnp.einsum(spec, x, w)
+    for single_row in models.config.SINGLE_ROW:
+      config = _config(2, single_row=single_row)
+      project = functools.partial(models.transformer.project, config, spec)
+      np.testing.assert_allclose(project(x, w), expected, rtol=1e-6, atol=1e-6)
+      padded = single_row == 'padded' or (single_row == 'auto' and jax.default_backend() == 'gpu')
+      assert _two_row_products(jax.jit(project).lower(x, w).as_text()) == padded
+      wide = jnp.concatenate([x, x], axis=1)  # Two positions of their own: no padding.
+      assert 'stablehlo.pad' not in jax.jit(project).lower(wide, w).as_text()
+  with monkeypatch.context() as m:  # 'auto' pads on a GPU.
+    m.setattr(jax, 'default_backend', lambda: 'gpu')
+    project = functools.partial(models.transformer.project, _config(2), 'BTD,DF->BTF')
+    assert _two_row_products(jax.jit(project).lower(x_BxTxD, w_DxF).as_text()) == 1
+  with pytest.raises(ValueError, match='single_row'):
+    _config(2, single_row='always')
+
+
+@pytest.mark.parametrize('layout', ['xla', 'fused'])
+def test_padded_single_rows_decode_the_same_logits(layout):
+  """A batch-1 decode (one position a call) with single_row='padded' gives the plain logits."""
+  config = _config(2, qkv_bias=True)
+  params = models.init_params(config, jax.random.key(0))
+  tokens_BxL = jax.random.randint(jax.random.key(1), (1, 12), 0, VOCAB)
+  outs = []
+  for single_row in ('plain', 'padded'):
+    c, p = _decoding(dataclasses.replace(config, single_row=single_row), params, layout)
+    _, cache = _prefill(c, p, tokens_BxL[:, :5], jnp.array([5]), capacity=16)
+    for t in range(5, 12):
+      out_BxTxV, cache = _extend(c, p, cache, tokens_BxL[:, t:t + 1])
+      outs.append(np.asarray(out_BxTxV))
+    lowered = _extend.lower(c, p, cache, tokens_BxL[:, :1]).as_text()
+    products = {'xla': 7, 'fused': 4}[layout]  # A layer's: q, k, v, out, gate, in, out.
+    assert _two_row_products(lowered) == (single_row == 'padded') * (2 * products + 1)
+  np.testing.assert_allclose(outs[7:], outs[:7], rtol=1e-5, atol=1e-5)
 
 
 def test_kernels_are_the_config_setting_that_packing_sets():

@@ -331,11 +331,13 @@ def test_a_checkpoint_that_predates_a_model_option_resumes():
 
 
 def test_a_checkpoint_meta_leaves_out_the_kernels():
-  """How a placed copy computes (`kernels`, which `models.pack` sets) is no part of the model a
-  checkpoint describes."""
+  """How a placed copy computes (`kernels`, which `models.pack` sets; `single_row`) is no part of
+  the model a checkpoint describes."""
   config = train_helpers.CONFIG.model
-  meta = checkpoint.encode_meta(dataclasses.replace(config, kernels='native'), b'tokenizer', {})
-  assert 'kernels' not in meta['model'] and checkpoint.same_model(meta, config)
+  placed = dataclasses.replace(config, kernels='native', single_row='padded')
+  meta = checkpoint.encode_meta(placed, b'tokenizer', {})
+  assert 'kernels' not in meta['model'] and 'single_row' not in meta['model']
+  assert checkpoint.same_model(meta, config) and checkpoint.same_model(meta, placed)
 
 
 def test_a_draft_can_start_from_the_teachers_first_layers(finished, tmp_path):

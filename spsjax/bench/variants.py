@@ -7,6 +7,8 @@ path), changed in one respect:
 - the parameters' layout: 'fused' (`models.fuse`: q, k and v one product, a gated MLP's gate and
   input one) or 'scanned' (`layer_scan`: the layers applied by `lax.scan` over stacked
   parameters and caches, so one layer is compiled);
+- the products of a single row (`TransformerConfig.single_row`, which pads them on a GPU by
+  default): 'padded' (always a second, zero row) or 'unpadded' (never);
 - XLA's options, for this compile only (`Lowered.compile(compiler_options=)`). They name
   XLA:GPU's passes; another backend ignores them and compiles the plain program again.
 `VARIANTS` names each (a layout and options).
@@ -47,6 +49,8 @@ _GRAPHED = 'FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN'  # XLA:GPU's default CUDA-
 # 'no_graphs': no CUDA graphs; 'graph_loops': the loop itself one CUDA graph (no host round trip
 # for its condition each step).
 VARIANTS = {
+    'padded': ('padded', None),
+    'unpadded': ('unpadded', None),
     'fused': ('fused', None),
     'scanned': ('scanned', None),
     'scanned_slices': ('scanned', {'xla_gpu_enable_dynamic_slice_fusion': True}),
@@ -110,6 +114,9 @@ def _program(model: models.Model, name: str, steps: int, capacity: int, inputs) 
                     [jnp.stack(cache.k), jnp.stack(cache.v)], inputs, options)
   if layout == 'fused':
     model = models.fuse(model)
+  elif layout in ('padded', 'unpadded'):
+    model = model.replace(config=dataclasses.replace(
+        config, single_row='padded' if layout == 'padded' else 'plain'))
   return _Program(decode.extend_program, (model.config, steps), (model.params,),
                   [models.init_cache(model.config, len(inputs[1]), capacity)], inputs, options)
 

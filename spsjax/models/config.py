@@ -14,6 +14,9 @@ _MLP_KINDS = ('gated_silu', 'gelu')
 _NORMS = ('rms', 'layer')
 _POSITIONS = ('rope', 'learned')
 KERNELS = ('xla', 'xla_fused', 'native')
+SINGLE_ROW = ('auto', 'padded', 'plain')
+# How a placed model computes, not what it is: checkpoints do not store these fields.
+COMPUTE_FIELDS = ('kernels', 'single_row')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +49,12 @@ class TransformerConfig:
   # it; `models.unpack` sets 'xla' back). How a placed model computes, not what it is:
   # checkpoints do not store it.
   kernels: str = 'xla'
+  # XLA's products of a single row (batch 1, one position: decoding's steps). XLA:GPU rewrites a
+  # matrix-vector product whose weight has under 10M elements as a multiply and a reduce, which
+  # read the weight at a fraction of a GEMM's rate; 'padded' gives such a product a second, zero
+  # row (one GEMM of two rows, the weight read once), 'plain' leaves it, 'auto' pads where JAX's
+  # default backend is a GPU. Not stored by checkpoints either.
+  single_row: str = 'auto'
 
   def __post_init__(self):
     for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'max_seq_len'):
@@ -74,6 +83,8 @@ class TransformerConfig:
       raise ValueError(f'd_ff must be >= 0, got {self.d_ff}.')
     if self.kernels not in KERNELS:
       raise ValueError(f'kernels must be one of {KERNELS}, got {self.kernels!r}.')
+    if self.single_row not in SINGLE_ROW:
+      raise ValueError(f'single_row must be one of {SINGLE_ROW}, got {self.single_row!r}.')
     if self.kernels == 'native' and (self.dtype != 'float32' or self.gpt2_style):
       raise ValueError(f'The native kernels compute float32 models without GPT-2 options; this '
                        f'one has dtype {self.dtype}, GPT-2 options {self.gpt2_style}.')

@@ -37,7 +37,7 @@ from spsjax.models import kv_cache
 from spsjax.models.api import Model, features, logits
 from spsjax.models.config import TransformerConfig
 from spsjax.models.transformer import (Block, Mlp, RMSNorm, _kept_counts, _param, embed,
-                                        output_logits)
+                                        output_logits, project)
 
 KINDS = ('feature', 'heads')
 
@@ -65,7 +65,7 @@ class _Fuse(nn.Module):
                            self.get_variable('params', 'fuse'), counts=counts_B).astype(c.jnp_dtype)
     w_2xDxE = _param(self, 'fuse', (2, c.d_model, c.d_model), ('fuse', 'embed', 'embed'),
                      2 * c.d_model, c.jnp_dtype)
-    return jnp.einsum('BTID,IDE->BTE', x_BxTx2xD, w_2xDxE)
+    return project(c, 'BTID,IDE->BTE', x_BxTx2xD, w_2xDxE)
 
 
 class FeatureHead(nn.Module):

@@ -10,17 +10,18 @@ one all-reduce after each attention and MLP block.
 
 `config.kernels` chooses what computes the projections and the cached attention, in one place per
 block: 'xla', XLA's ops on the parameters `init_params` makes; 'xla_fused', XLA's ops on a model
-fused for decoding (`models.fuse`, in `spsjax.models.packing`): q, k and v one product (`wqkv`, [D, K, G + 2, H]:
-each kv head's G query heads, its key and its value side by side, so that a Megatron split of
-the kv heads keeps every group on one device) and a gated MLP's gate and input one (`w_gate_in`,
-[D, 2, F]), fewer and larger products a step; 'native', the CPU kernels on a model
-packed for decoding (`spsjax.models.packing`, which sets it), whose parameters hold
+fused for decoding (`models.fuse`, in `spsjax.models.packing`): q, k and v one product (`wqkv`,
+[D, K, G + 2, H]: each kv head's G query heads, its key and its value side by side, so that a
+Megatron split of the kv heads keeps every group on one device) and a gated MLP's gate and input
+one (`w_gate_in`, [D, 2, F]), fewer and larger products a step; 'native', the CPU kernels on a
+model packed for decoding (`spsjax.models.packing`, which sets it), whose parameters hold
 `native.PackedWeight`s in place of its projection weights, q, k and v as one (`wqkv`) and the gate
 and input of a gated MLP as one (`w_gate_in`): each block then asks for its product from
 `native.matmul`, and a cached call rotates, writes the cache and attends in one
 `native.cached_attention`; everything else is the same code. A setting the parameters cannot
 serve (packed weights with 'xla', plain ones with 'native', fused ones with anything but
-'xla_fused') is an error (`_check_kernels`).
+'xla_fused') is an error (`_check_kernels`). On XLA's path every projection goes through
+`project`, which gives a single row a zero second one where `config.single_row` says so.
 
 GPT-2's options (`norm='layer'`, `position='learned'`, `dense_bias`) run on this XLA path only;
 `models.pack` refuses a model that uses them.
@@ -39,6 +40,23 @@ from spsjax.models.config import TransformerConfig
 def _param(module, name, shape, names, fan_in, dtype, zeros=False):
   init = nn.initializers.zeros if zeros else nn.initializers.normal(stddev=fan_in**-0.5)
   return module.param(name, nn.with_logical_partitioning(init, names), shape, dtype)
+
+
+def _pads_single_row(config: TransformerConfig) -> bool:
+  return config.single_row == 'padded' or (config.single_row == 'auto'
+                                           and jax.default_backend() == 'gpu')
+
+
+def project(config: TransformerConfig, spec: str, x_BxTx_, w, **kwargs) -> jax.Array:
+  """`jnp.einsum(spec, x, w)` for a product of the stream's positions (`spec` 'BT...,...->BT...').
+  A single row (B = T = 1) is given a second, zero row where `config.single_row` says so, and its
+  result sliced back: XLA:GPU turns a matrix-vector product of fewer than 10M weight elements into
+  a multiply and a reduce (on an H200, llama1b's attention output, 8.4 MB: 16 us a layer; its MLP
+  output, 34 MB through a GEMM: 10 us), while two rows make a GEMM that reads the weight once."""
+  if x_BxTx_.shape[0] * x_BxTx_.shape[1] != 1 or not _pads_single_row(config):
+    return jnp.einsum(spec, x_BxTx_, w, **kwargs)
+  padding = [(0, 0), (0, 1)] + [(0, 0)] * (x_BxTx_.ndim - 2)
+  return jnp.einsum(spec, jnp.pad(x_BxTx_, padding), w, **kwargs)[:, :1]
 
 
 def _kept_counts(keep_BxL: jax.Array, counts_B: jax.Array | None) -> jax.Array | None:
@@ -163,14 +181,14 @@ class Attention(nn.Module):
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = jnp.split(qkv_BxTxMxH, [N, N + K], axis=2)
       elif c.kernels == 'xla_fused':
         G = N // K
-        qkv_BxTxKxCxH = jnp.einsum('BTD,DKCH->BTKCH', norm(x_BxTxD), wqkv)
+        qkv_BxTxKxCxH = project(c, 'BTD,DKCH->BTKCH', norm(x_BxTxD), wqkv)
         q_BxTxNxH = qkv_BxTxKxCxH[:, :, :, :G].reshape(B, T, N, H)
         k_BxTxKxH, v_BxTxKxH = qkv_BxTxKxCxH[:, :, :, G], qkv_BxTxKxCxH[:, :, :, G + 1]
       else:
         h_BxTxD = norm(x_BxTxD)
-        q_BxTxNxH = jnp.einsum('BTD,DNH->BTNH', h_BxTxD, wq)
-        k_BxTxKxH = jnp.einsum('BTD,DKH->BTKH', h_BxTxD, wk)
-        v_BxTxKxH = jnp.einsum('BTD,DKH->BTKH', h_BxTxD, wv)
+        q_BxTxNxH = project(c, 'BTD,DNH->BTNH', h_BxTxD, wq)
+        k_BxTxKxH = project(c, 'BTD,DKH->BTKH', h_BxTxD, wk)
+        v_BxTxKxH = project(c, 'BTD,DKH->BTKH', h_BxTxD, wv)
       if c.qkv_bias and not packed:
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = (
             q_BxTxNxH + bias_MxH[None, None, :N], k_BxTxKxH + bias_MxH[None, None, N:N + K],
@@ -198,7 +216,7 @@ class Attention(nn.Module):
                             for a in (out_BxTxF, x_BxTxD))
       counts_B = _kept_counts(keep_BxL, counts_B)
     if not packed:
-      x_BxTxD = x_BxTxD + jnp.einsum('BTF,FD->BTD', out_BxTxF, wo.reshape(N * H, D))
+      x_BxTxD = x_BxTxD + project(c, 'BTF,FD->BTD', out_BxTxF, wo.reshape(N * H, D))
       if c.dense_bias:
         x_BxTxD = x_BxTxD + _param(self, 'bo', (D,), ('embed',), 1, dt, zeros=True)[None, None]
     else:
@@ -230,12 +248,12 @@ class Mlp(nn.Module):
     if c.kernels == 'xla_fused' and c.mlp == 'gated_silu':  # One product, gate then input.
       w_gate_in = _param(self, 'w_gate_in', (D, 2, F), ('embed', None, 'mlp'), D, dt)
       w_out = _param(self, 'w_out', (F, D), ('mlp', 'embed'), F, dt)
-      gate_in_BxTx2xF = jnp.einsum('BTD,DCF->BTCF', h_BxTxD, w_gate_in)
+      gate_in_BxTx2xF = project(c, 'BTD,DCF->BTCF', h_BxTxD, w_gate_in)
       gate_BxTxF, h_BxTxF = gate_in_BxTx2xF[:, :, 0], gate_in_BxTx2xF[:, :, 1]
     else:
       w_in = _param(self, 'w_in', (D, F), ('embed', 'mlp'), D, dt)
       w_out = _param(self, 'w_out', (F, D), ('mlp', 'embed'), F, dt)
-      gate_BxTxF, h_BxTxF = None, jnp.einsum('BTD,DF->BTF', h_BxTxD, w_in)
+      gate_BxTxF, h_BxTxF = None, project(c, 'BTD,DF->BTF', h_BxTxD, w_in)
     if c.dense_bias:
       h_BxTxF = h_BxTxF + _param(self, 'b_in', (F,), ('mlp',), 1, dt, zeros=True)[None, None]
     if c.mlp == 'gated_silu':
@@ -243,11 +261,11 @@ class Mlp(nn.Module):
         w_gate = _param(self, 'w_gate', (D, F), ('embed', 'mlp'), D, dt)
         # Gate and input as two products, not one stacked tensor: stacking made training's
         # backward pass pad, add and transpose [B, T, 2, F] (a tenth of a reference step).
-        gate_BxTxF = jnp.einsum('BTD,DF->BTF', h_BxTxD, w_gate)
+        gate_BxTxF = project(c, 'BTD,DF->BTF', h_BxTxD, w_gate)
       h_BxTxF = native.silu_gate(gate_BxTxF, h_BxTxF)
     else:
       h_BxTxF = jax.nn.gelu(h_BxTxF)
-    out_BxTxD = jnp.einsum('BTF,FD->BTD', h_BxTxF, w_out)
+    out_BxTxD = project(c, 'BTF,FD->BTD', h_BxTxF, w_out)
     if c.dense_bias:
       out_BxTxD = out_BxTxD + _param(self, 'b_out', (D,), ('embed',), 1, dt, zeros=True)[None, None]
     return x_BxTxD + out_BxTxD
@@ -339,8 +357,9 @@ def _output(config: TransformerConfig, final_norm: RMSNorm, embedding_VxD, head,
     return native.matmul(x_BxTxD, head, norm=final_norm.fused, counts=counts_B)
   x_BxTxD = final_norm(x_BxTxD)
   if head is None:
-    return jnp.einsum('BTD,VD->BTV', x_BxTxD, embedding_VxD, preferred_element_type=jnp.float32)
-  return jnp.einsum('BTD,DV->BTV', x_BxTxD, head, preferred_element_type=jnp.float32)
+    return project(config, 'BTD,VD->BTV', x_BxTxD, embedding_VxD,
+                   preferred_element_type=jnp.float32)
+  return project(config, 'BTD,DV->BTV', x_BxTxD, head, preferred_element_type=jnp.float32)
 
 
 def output_logits(config: TransformerConfig, params, x_BxTxD: jax.Array,

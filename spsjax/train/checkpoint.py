@@ -18,6 +18,7 @@ import orbax.checkpoint as ocp
 
 from spsjax import storage
 from spsjax.models import TransformerConfig
+from spsjax.models.config import COMPUTE_FIELDS
 
 
 def manager(directory: str, *, keep: int = 3, save_every: int = 1,
@@ -31,9 +32,9 @@ def manager(directory: str, *, keep: int = 3, save_every: int = 1,
 
 
 def encode_meta(model_config: TransformerConfig, tokenizer_bytes: bytes, extra: dict) -> dict:
-  # The model, not how a placed copy computes: `kernels` is left out (parameters are saved in
-  # XLA's layout), so a checkpoint's meta reads the same with or without that field.
-  model = {k: v for k, v in dataclasses.asdict(model_config).items() if k != 'kernels'}
+  # The model, not how a placed copy computes: `kernels` and `single_row` are left out
+  # (parameters are saved in XLA's layout), so a checkpoint's meta reads the same without them.
+  model = {k: v for k, v in dataclasses.asdict(model_config).items() if k not in COMPUTE_FIELDS}
   return dict(model=model,
               tokenizer=base64.b64encode(tokenizer_bytes).decode('ascii'), **extra)
 
@@ -45,8 +46,10 @@ def decode_meta(meta: dict) -> tuple[TransformerConfig, bytes]:
 def same_model(meta: dict, model_config: TransformerConfig) -> bool:
   """Whether a checkpoint's meta describes `model_config`. A field the checkpoint predates takes
   its default (the model it trained computed exactly that), so adding an option with a default to
-  TransformerConfig never strands a checkpoint."""
-  return decode_meta(meta)[0] == model_config
+  TransformerConfig never strands a checkpoint; how `model_config` computes does not count."""
+  defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)
+              if f.name in COMPUTE_FIELDS}
+  return decode_meta(meta)[0] == dataclasses.replace(model_config, **defaults)
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state, data_state: dict, meta: dict,
