@@ -1,5 +1,6 @@
 """Profile parsing: HLO phase rules, a real SpS trace, and attribution that follows the work."""
 
+import dataclasses
 import functools
 import glob
 import os
@@ -251,6 +252,10 @@ def test_refuses_two_runs_and_foreign_hlo(toy, tmp_path):
   other = profile.parse_hlo(HLO.replace('HloModule jit_f', f'HloModule {hlo.module}'))
   with pytest.raises(profile.ProfileError, match='different compilations'):
     profile.attribute(one_run, other)
+  # A GPU's kernels inside a CUDA graph carry the graph's thunk as their op (the H100 trace).
+  graphed = [dataclasses.replace(e, name='command_buffer_71') for e in one_run[:1]] + one_run[1:]
+  with pytest.raises(profile.ProfileError, match='xla_gpu_enable_command_buffer='):
+    profile.attribute(graphed, hlo)
   with pytest.raises(profile.ProfileError, match='No XLA op events'):
     profile.read_op_events(xplane, 'jit_not_run')
 

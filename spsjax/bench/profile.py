@@ -247,6 +247,11 @@ def attribute(events: Sequence[OpEvent], hlo: Hlo, *, num_loops: int | None = No
                        'profile a single call.')
   traced = {e.name for e in events}
   unknown = traced - set(hlo.instructions)
+  graphs = sorted(n for n in unknown if n.startswith('command_buffer'))
+  if graphs:  # XLA:GPU names a CUDA graph's kernels by the graph's thunk, no HLO instruction.
+    raise ProfileError(f'{len(graphs)} traced ops are CUDA graphs (e.g. {graphs[0]}), whose '
+                       'kernels name no HLO instruction: profile a GPU program compiled without '
+                       'them (XLA_FLAGS=--xla_gpu_enable_command_buffer=).')
   if unknown:
     raise ProfileError(f'{len(unknown)} traced ops are not in the HLO of {hlo.module} (e.g. '
                        f'{sorted(unknown)[:3]}): the trace and the HLO come from different '

@@ -15,9 +15,11 @@ events are taken from every line of every plane. Only events with an `hlo_op` st
 are used: host events (Python, dispatch, `ThunkExecutor::Execute`, the `end: <op>` completion
 markers, thread-pool markers) carry none, and small programs JAX runs around ours
 (`jit__threefry_seed`) have another module. Durations are wall time on the thread, so they include
-any time the thread was preempted. GPU kernel events carry the same stats; on TPU the device
-planes' `XLA Ops` line is used, named by instruction, with modules from the `XLA Modules` line.
-Neither was run here: the reader fails loudly if it finds no op events rather than guessing.
+any time the thread was preempted. GPU kernel events carry the same stats, except that a kernel
+launched from a CUDA graph (XLA's command buffers) has the graph's thunk as `hlo_op`
+(`command_buffer_71`, seen on an H100 and an H200), which `profile.attribute` refuses by name. On
+TPU the device planes' `XLA Ops` line is used, named by instruction, with modules from the
+`XLA Modules` line (not run here): the reader fails loudly if it finds no op events.
 """
 
 import dataclasses
