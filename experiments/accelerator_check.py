@@ -40,7 +40,9 @@ _ROWS = flags.DEFINE_integer('rows', None, 'Rows of each law check (default 100,
 _REPEATS = flags.DEFINE_integer('repeats', None, 'Timed calls per figure (default 7; small 2).')
 _COMPILE_THREADS = flags.DEFINE_integer(
     'compile_threads', 1, 'Programs compiled side by side: the law checks, a figure\'s extend '
-    'programs, its ArS and a ceiling\'s samplers (1: one after another).')
+    'programs, its ArS and a ceiling\'s samplers (1: one after another). On a GPU, XLA times '
+    'candidate kernels while compiling: beside other compiles it may pick slower ones (an H200 '
+    'run at 8 was 7% slower at llama1b batch 1, XLA warning "Delay kernel timed out").')
 _VARIANTS = flags.DEFINE_list(
     'variants', [], 'Step variants to compile and time beside each preset\'s one-position '
     f'extend at the first batch (`spsjax.bench.variants`), of {", ".join(variants.NAMES)}.')
