@@ -13,7 +13,10 @@ path), changed in one respect:
   XLA:GPU's passes; another backend ignores them and compiles the plain program again.
 `VARIANTS` names each (a layout and options).
 
-For each: XLA's compile seconds, the median step (every variant timed in turn, `timing.medians`),
+For each: XLA's compile seconds, the median step (a `steps`-th of a call, so it carries a share of
+what a call costs outside its steps: on an H200, llama1b's 4-step call spends ~0.9 ms on the
+weight transposes XLA hoists out of the loop and a host gap before the loop's CUDA graph, which
+XLA:GPU unrolls; every variant timed in turn, `timing.medians`),
 the operations a step runs (`hlo.launches` of the loop body; 'scanned' counts its layer once)
 and how far its logits are from the plain program's: the first vocabulary entry of each row's
 last position, which every program's checksum carries (each step of the loop computes the same
