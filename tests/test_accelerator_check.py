@@ -62,6 +62,10 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
             or line.startswith('| bfloat16') or line.startswith('| one compiled')]
   assert len(checks) == 4 and all('| pass |' in line for line in checks), checks
   assert '1 executable(s) dispatched' in report
+  # The same trace's loop time per phase, its loops found in the trace as the program counted them.
+  phases = re.search(r'dispatched for (\d+) loops: .*op time per loop: draft (\d+) us, score '
+                     r'(\d+) us, accept (\d+) us, other \d+ us \(loops: (\d+) found', report)
+  assert phases and phases[1] == phases[5] and min(map(int, phases.groups()[1:4])) > 0, phases
   assert 'CUDA-graph' not in report  # No kernel of a CPU trace runs in a graph.
   decode_rows = [line for line in report.splitlines()
                  if line.startswith('| tiny_target fused | bfloat16 |')]

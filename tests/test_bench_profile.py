@@ -1,8 +1,11 @@
 """Profile parsing: HLO phase rules, a real SpS trace, and attribution that follows the work."""
 
+import collections
 import dataclasses
 import functools
 import glob
+import gzip
+import json
 import os
 
 import jax
@@ -13,7 +16,7 @@ import pytest
 from spsjax import models
 from spsjax.bench import hlo as hlo_lib
 from spsjax.bench import profile
-from spsjax.sampling import SamplingConfig, speculative, speculative_sample
+from spsjax.sampling import speculative, speculative_sample
 
 # --- HLO rules on a hand-written module ---------------------------------------------------------
 
@@ -124,13 +127,17 @@ def sps(tmp_path_factory):
   return target, draft, log_dir, out, prof
 
 
-def test_sps_hlo_has_all_three_phases(sps):
+@pytest.fixture(scope='module')
+def sps_hlo(sps):
+  """The HLO of the program `sps` profiled, compiled the way `profile_speculative` does."""
   target, draft, *_ = sps
-  loop = speculative.Loop(k=3, max_new_tokens=12, sampling=SamplingConfig(),
-                          draft_sampling=SamplingConfig())
-  text = speculative.Loop.run.lower(
-      loop, target, draft, PROMPTS, LENGTHS, jax.random.key(2)).compile().as_text()
-  hlo = profile.parse_hlo(text)
+  loop, placed = speculative.prepare(target, draft, PROMPTS, LENGTHS, k=3, max_new_tokens=12)
+  return profile.parse_hlo(
+      speculative.Loop.run.lower(loop, *placed, jax.random.key(2)).compile().as_text())
+
+
+def test_sps_hlo_has_all_three_phases(sps_hlo):
+  hlo = sps_hlo
   assert set(hlo.phase.values()) == {'draft', 'score', 'accept', 'other'}
   body = hlo.subtree([hlo.main_loop().body])
   assert {hlo.phase[n] for n in body} == {'draft', 'score', 'accept', 'other'}
@@ -189,9 +196,158 @@ def test_idle_gaps_go_to_the_phase_on_both_sides_else_to_none():
             ev('s2', 42, 45),  # Inside s1's span: no gap, though it starts after a shorter op.
             ev('d1', 47, 60),
             ev('s2', 70, 71)]  # After d1 (ended last, at 60), not s2 (45): a change of phase.
-  assert profile._gaps_ns(events, phase_of) == [
+  assert profile._gaps_ns(events, [phase_of[e.name] for e in events]) == [
       (0.0, None), (0.0, None), (5.0, 'draft'), (10.0, None), (0.0, None), (0.0, None),
       (10.0, None)]
+
+
+# --- GPU kernels run by CUDA graphs ------------------------------------------------------------
+
+def _data(name):
+  return os.path.join(os.path.dirname(__file__), 'data', name)
+
+
+def test_graph_kernels_keep_their_names_on_the_h100_trace():
+  """The H100 SpS trace: kernels run by CUDA graphs carry the graph's thunk as their op."""
+  with gzip.open(_data('h100_sps_generation.xplane.pb.gz')) as f:
+    events = profile.read_op_events(f.read(), 'jit_run')
+  graphed = [e for e in events if e.kernel]
+  assert len(graphed) == 1232 and all(e.name.startswith('command_buffer_') for e in graphed)
+  assert not any(e.name.startswith('command_buffer_') for e in events if not e.kernel)
+  assert {'fusion_939', 'memcpy32_post'} <= {e.kernel for e in graphed}
+
+
+@pytest.fixture(scope='module')
+def h200_step():
+  """An H200 trace of llama1b's batch-1 step program (4 decode steps in a while loop, every
+  kernel in CUDA graphs) with its HLO: `spsjax.bench.trace` events, kept as JSON rows."""
+  with gzip.open(_data('h200_llama1b_step.kernels.json.gz'), 'rt') as f:
+    data = json.load(f)
+  events = [profile.OpEvent(name, start, end, data['device'], data['run'], kernel)
+            for name, kernel, start, end in data['rows']]
+  with gzip.open(_data('h200_llama1b_step.hlo.txt.gz'), 'rt') as f:
+    return events, profile.parse_hlo(f.read(), ('attn', 'mlp'))
+
+
+def test_kernels_of_a_real_h200_program_are_as_many_as_their_fusions_runs(h200_step):
+  """Each class of equal fusions ran as often as its fusions together: once each outside the
+  loop, 4 times in its body; only the graphs' memcpys name no fusion."""
+  events, hlo = h200_step
+  owners = hlo.kernel_owners()
+  body = set(hlo.computations[hlo.main_loop().body])
+  ran = collections.Counter(owners[e.kernel] for e in events if e.kernel in owners)
+  assert len(ran) > 30 and max(len(own) for own in ran) == 32  # Every layer's wk and wv copies.
+  for own, count in ran.items():
+    assert count == sum(4 if n in body else 1 for n in own), own
+  assert {e.kernel for e in events if e.kernel not in owners} == {'memcpy32_post'}
+
+
+def test_a_real_h200_program_is_profiled_through_its_graphs(h200_step):
+  events, hlo = h200_step
+  prof = profile.attribute(events, hlo, num_loops=4)
+  assert len(prof.iterations) == 4 and prof.unnamed_ops == 2
+  assert sum(prof.phase_s.values()) == pytest.approx(prof.busy_s + prof.overlap_s, rel=1e-9)
+  # 16 layers, each running the same kernels for its MLP at every step; attention every step.
+  assert prof.phase_ops['mlp'] % (4 * 16) == 0 and prof.phase_ops['attn'] % 4 == 0
+  for p in ('attn', 'mlp'):
+    each = [it.phase_s[p] for it in prof.iterations]
+    assert 0 < max(each) < 1.05 * min(each), (p, each)
+  text = '\n'.join(prof.report())
+  assert 'MISMATCH' not in text and '2 GPU kernels' in text
+
+
+KERNELS_HLO = """HloModule jit_k
+
+%fused_sine (p.1: f32[4]) -> f32[4] {
+  %p.1 = f32[4]{0} parameter(0)
+  ROOT %sin.1 = f32[4]{0} sine(%p.1), metadata={op_name="jit(k)/draft/sin"}
+}
+
+%fused_cosine (p.2: f32[4]) -> f32[4] {
+  %p.2 = f32[4]{0} parameter(0)
+  ROOT %cos.1 = f32[4]{0} cosine(%p.2), metadata={op_name="jit(k)/score/cos"}
+}
+
+%fused_exp (p.3: f32[4]) -> f32[4] {
+  %p.3 = f32[4]{0} parameter(0)
+  ROOT %exp.1 = f32[4]{0} exponential(%p.3), metadata={op_name="jit(k)/draft/exp"}
+}
+
+%fused_exp.1 (p.4: f32[4]) -> f32[4] {
+  %p.4 = f32[4]{0} parameter(0)
+  ROOT %exp.2 = f32[4]{0} exponential(%p.4), metadata={op_name="jit(k)/score/exp"}
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %d = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_sine, metadata={op_name="jit(k)/draft/sin"}
+  %fusion.1 = f32[4]{0} fusion(%d), kind=kLoop, calls=%fused_exp, metadata={op_name="jit(k)/draft/exp"}
+  %s = f32[4]{0} fusion(%fusion.1), kind=kLoop, calls=%fused_cosine, metadata={op_name="jit(k)/score/cos"}
+  ROOT %fusion.2 = f32[4]{0} fusion(%s), kind=kLoop, calls=%fused_exp.1, metadata={op_name="jit(k)/score/exp"}
+}
+"""
+
+
+def test_shared_and_library_kernels_go_to_the_phase_around_them():
+  hlo = profile.parse_hlo(KERNELS_HLO)
+  owners = hlo.kernel_owners()  # fusion.2 runs fusion.1's kernel: equal code, other names.
+  assert owners['fusion_1'] == owners['fusion_2'] == ('fusion.1', 'fusion.2')
+  assert owners['d'] == ('d',) and owners['s'] == ('s',)
+  kernels = ['d', 'fusion_1', 'd',  # Between two draft ops: draft.
+             's', 'fusion_1', 's',  # Between two score ops: score.
+             'fusion_1', 'd',  # Between score and draft: the named fusion's (fusion.1), draft.
+             'cublas_gemm', 's',  # Library kernel between draft and score: other.
+             'cublas_gemm', 's']  # Between two score ops: score.
+  events = [profile.OpEvent('command_buffer_3', 10 * i, 10 * i + 2 ** i, '0', 'r', kernel)
+            for i, kernel in enumerate(kernels)]
+  prof = profile.attribute(events, hlo)
+  charged = {'draft': [0, 1, 2, 6, 7], 'score': [3, 4, 5, 9, 10, 11], 'other': [8]}
+  for p, which in charged.items():
+    assert prof.phase_s[p] == pytest.approx(sum(2 ** i for i in which) * 1e-9, rel=1e-12), p
+  assert prof.phase_ops['accept'] == 0
+  assert (prof.mixed_ops, prof.unnamed_ops) == (3, 2)
+  assert prof.unnamed_s == pytest.approx((2 ** 8 + 2 ** 10) * 1e-9, rel=1e-12)
+
+
+def _as_graph_kernels(events, hlo, kernel_of):
+  """CPU op events as a GPU trace shows them: each fusion a kernel `kernel_of(name)` run by a CUDA
+  graph, each custom call (the native kernels) a library kernel naming nothing."""
+  def graphed(e):
+    opcode = hlo.instructions[e.name].opcode
+    if opcode == 'fusion':
+      return dataclasses.replace(e, name='command_buffer_1', kernel=kernel_of(e.name))
+    if opcode == 'custom-call':
+      return dataclasses.replace(e, name='command_buffer_1', kernel='library_gemm_kernel')
+    return e
+  return [graphed(e) for e in events]
+
+
+def test_graph_kernels_of_an_sps_program_are_charged_like_their_fusions(sps, sps_hlo):
+  *_, out, prof = sps
+  hlo = sps_hlo
+  events = profile.read_op_events(glob.glob(os.path.join(prof.trace_dir, '*.xplane.pb'))[0],
+                                  hlo.module)
+  assert {'fusion', 'custom-call'} <= {hlo.instructions[e.name].opcode for e in events}
+  ref = profile.attribute(events, hlo, num_loops=prof.num_loops)
+  owners = hlo.kernel_owners()
+  assert any(len({hlo.phase[n] for n in own}) > 1 for own in owners.values())  # Draft = target.
+
+  # Each fusion its own kernel: only library kernels can go elsewhere than their instruction.
+  own = profile.attribute(_as_graph_kernels(events, hlo, lambda n: n.replace('.', '_')), hlo,
+                          num_loops=prof.num_loops)
+  # The kernels as XLA:GPU names them: after the first of each class of equal fusions.
+  first = profile.attribute(
+      _as_graph_kernels(events, hlo, lambda n: owners[n.replace('.', '_')][0].replace('.', '_')),
+      hlo, num_loops=prof.num_loops)
+  library = sum(hlo.instructions[e.name].opcode == 'custom-call' for e in events)
+  for got, unsure in ((own, own.unnamed_s), (first, first.unnamed_s + first.mixed_s)):
+    assert got.unnamed_ops == library > 0
+    assert (got.total_s, got.busy_s) == (ref.total_s, ref.busy_s)
+    assert len(got.iterations) == len(ref.iterations) == prof.num_loops
+    assert sum(got.phase_s.values()) == pytest.approx(sum(ref.phase_s.values()), rel=1e-9)
+    for p in ref.phase_s:
+      assert abs(got.phase_s[p] - ref.phase_s[p]) <= unsure + 1e-12, (p, got.phase_s, ref.phase_s)
+  assert first.mixed_s > ref.mixed_s  # Kernels shared by the draft's and the target's fusions.
 
 
 # --- Attribution follows the work ---------------------------------------------------------------
@@ -252,9 +408,9 @@ def test_refuses_two_runs_and_foreign_hlo(toy, tmp_path):
   other = profile.parse_hlo(HLO.replace('HloModule jit_f', f'HloModule {hlo.module}'))
   with pytest.raises(profile.ProfileError, match='different compilations'):
     profile.attribute(one_run, other)
-  # A GPU's kernels inside a CUDA graph carry the graph's thunk as their op (the H100 trace).
-  graphed = [dataclasses.replace(e, name='command_buffer_71') for e in one_run[:1]] + one_run[1:]
-  with pytest.raises(profile.ProfileError, match='xla_gpu_enable_command_buffer='):
+  # GPU kernels in CUDA graphs (op: the graph's thunk) of which none names a fusion of the HLO.
+  graphed = [dataclasses.replace(e, name='command_buffer_71', kernel='sm90_gemm') for e in one_run]
+  with pytest.raises(profile.ProfileError, match='different compilations'):
     profile.attribute(graphed, hlo)
   with pytest.raises(profile.ProfileError, match='No XLA op events'):
     profile.read_op_events(xplane, 'jit_not_run')

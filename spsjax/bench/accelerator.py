@@ -7,7 +7,8 @@ Three parts, each usable alone:
   bfloat16, where the cached and uncached forwards round differently, SpS against ArS of the same
   bfloat16 model (a two-sample test); and greedy SpS against greedy ArS token for token.
 - `one_program_check`: a whole SpS generation dispatches one executable (counted in a profiler
-  trace of the call: every execution of every XLA module).
+  trace of the call: every execution of every XLA module); the same trace gives its loop's time
+  per phase (`profile.attribute`, through the CUDA graphs on a GPU).
 - `decode_figures` / `ceilings`: per model and batch, ArS time per token and per decoding step,
   the rate at which a step reads the weights against the device's copy bandwidth, s(k + 1) =
   `extend` on k + 1 positions / on 1, and the perfect-draft ceiling (`bench.ceiling`).
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spsjax import models, sampling, sharding
-from spsjax.bench import ceiling, decode, timing, trace, variants
+from spsjax.bench import ceiling, decode, profile, timing, trace, variants
 from spsjax.eval import exactness
 from spsjax.sampling import SamplingConfig, speculative
 
@@ -244,17 +245,19 @@ def graph_idle(xspace: bytes) -> GraphIdle | None:
 def one_program_check(*, k: int = 4, max_new_tokens: int = 10,
                       keep: Callable[[bytes], None] | None = None) -> Check:
   """A whole SpS generation (prefill and every loop, 6 ragged rows at temperature 1) dispatches
-  exactly one executable: no host round trip between loops."""
+  exactly one executable: no host round trip between loops. The detail gives the loop's op time
+  per phase from the same trace (or why not: the check does not depend on it)."""
   mesh = one_device_mesh()
   target, draft = _tiny_pair('float32')
   prompts, lengths = _interleaved(6)
   loop, args = speculative.prepare(target, draft, prompts, lengths, k=k,
                                    max_new_tokens=max_new_tokens, sampling=SamplingConfig(),
                                    mesh=mesh)
-  key = jax.random.key(0)
-  out = jax.block_until_ready(loop.run(*args, key))  # Compiles.
+  args += (jax.random.key(0),)
+  compiled = speculative.Loop.run.lower(loop, *args).compile()
+  out = jax.block_until_ready(compiled(*args))
   with tempfile.TemporaryDirectory() as log_dir:
-    out, _, xspace = trace.record(lambda: loop.run(*args, key), log_dir)
+    out, _, xspace = trace.record(lambda: compiled(*args), log_dir)
   if keep:
     keep(xspace)
   ran = executions(xspace)
@@ -268,7 +271,24 @@ def one_program_check(*, k: int = 4, max_new_tokens: int = 10,
                   if copies else '')
                + (f'; kernels busy {idle.busy_us / idle.span_us:.0%} of {idle.span_us:.0f} us, '
                   f'idle {idle.idle_between_us:.0f} us at {idle.boundaries} CUDA-graph '
-                  f'boundaries, {idle.idle_in_graphs_us:.0f} us inside graphs' if idle else ''))
+                  f'boundaries, {idle.idle_in_graphs_us:.0f} us inside graphs' if idle else '')
+               + '; ' + loop_phases(xspace, compiled.as_text(), loops))
+
+
+def loop_phases(xspace: bytes, hlo_text: str, loops: int) -> str:
+  """'op time per loop: draft .. us, ...' of an SpS program's trace and HLO, or why not."""
+  try:
+    hlo = profile.parse_hlo(hlo_text)
+    prof = profile.attribute(trace.read_op_events(xspace, hlo.module), hlo, num_loops=loops)
+  except trace.ProfileError as e:
+    return f'phases not attributed: {e}'
+  found = (f'{len(prof.iterations)} found in the trace' if prof.iterations is not None
+           else f'none found in the trace: {prof.iterations_note}')
+  return ('op time per loop: ' + ', '.join(
+      f'{p} {prof.per_loop_s(p) * 1e6:.0f} us' for p in prof.phases + (profile.OTHER,))
+          + f' (loops: {found}'
+          + (f'; {prof.unnamed_ops} library kernels charged by their neighbours'
+             if prof.unnamed_ops else '') + ')')
 
 
 @dataclasses.dataclass(frozen=True)

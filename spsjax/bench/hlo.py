@@ -24,10 +24,21 @@ each still goes to exactly one phase.
 
 Invariant: every instruction of the module gets exactly one phase; those whose own and fused
 metadata name several are also listed in `Hlo.mixed`.
+
+Kernels. XLA:GPU compiles fusions whose fused code, shapes, layouts, kind and backend config are
+equal into one kernel, named after the first of them with `.` as `_` (`loop_add_fusion.14` ->
+`loop_add_fusion_14`; every layer's copy of a fusion launches the first layer's kernel). A trace's
+kernels inside CUDA graphs name only that kernel, so `Hlo.kernel_owners` gives, per kernel name,
+the fusions that may have launched it: the named fusion's class of equal fusions
+(`Hlo.kernel_class`); another instruction a kernel is named after owns it alone. On the H200's
+llama1b step programs each class's kernels ran exactly as often as its fusions
+(`tests/test_bench_profile.py`). XLA's own `deduplicated_name` metadata does not say this: it
+misses fusions that share kernels and names other ones.
 """
 
 import collections
 import dataclasses
+import hashlib
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -46,6 +57,9 @@ _CONTROL = ('body', 'condition', 'true_computation', 'false_computation', 'branc
 _LENDS = ('calls', 'called_computations')  # And `to_apply` of a `call`, not of a reducer.
 _PRODUCTS = ('dot', 'convolution')
 _PLUMBING = ('parameter', 'get-tuple-element', 'tuple', 'constant')  # Pass values, run nothing.
+# What does not change a kernel: source locations, scheduling names, the stream a fusion runs on.
+_NOT_CODE = re.compile(r',\s*(?:metadata|frontend_attributes|statistics)='
+                       r'\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}|"operation_queue_id":"[^"]*",?')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +83,20 @@ class Hlo:
   computations: Mapping[str, tuple[str, ...]]  # Computation -> its instructions.
   phase: Mapping[str, str]  # Instruction -> phase, for every instruction.
   mixed: frozenset[str]  # Instructions whose own and fused metadata name several phases.
+  # Fusion -> a key shared by the fusions XLA:GPU compiles to one kernel (module docstring).
+  kernel_class: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+  def kernel_owners(self) -> dict[str, tuple[str, ...]]:
+    """{GPU kernel name: the instructions that may have launched it}: the instruction whose name
+    with `.` as `_` is the kernel's and, for a fusion, every fusion of its class. Names two
+    instructions would share are left out (no kernel can be told by them)."""
+    classes, named = collections.defaultdict(list), collections.defaultdict(list)
+    for name, key in self.kernel_class.items():
+      classes[key].append(name)
+    for name in self.instructions:
+      named[name.replace('.', '_')].append(name)
+    return {kernel: tuple(classes[self.kernel_class[n]]) if n in self.kernel_class else (n,)
+            for kernel, (n, *others) in named.items() if not others}
 
   def subtree(self, computations: Sequence[str]) -> set[str]:
     """Instructions in `computations` and, recursively, in everything they call."""
@@ -114,11 +142,11 @@ def parse_hlo(text: str, phases: Sequence[str] = PHASES) -> Hlo:
   module = _MODULE.match(text)
   if module is None:
     raise ValueError('Not HLO text: no `HloModule` header (pass `compiled.as_text()`).')
-  instructions, computations, current = {}, {}, None
+  instructions, computations, texts, current = {}, {}, {}, None
   for line in text.splitlines():
     if (header := _COMPUTATION.match(line)) is not None:
       current = header.group(2)
-      computations[current] = []
+      computations[current], texts[current] = [], []
     elif current is not None and (m := _INSTRUCTION.match(line)) is not None:
       op_name, opcode = _OP_NAME.search(line), _OPCODE.search(m.group(2))
       opcode = opcode.group(1) if opcode else ''
@@ -132,6 +160,7 @@ def parse_hlo(text: str, phases: Sequence[str] = PHASES) -> Hlo:
                                              tuple(called), tuple(applied), tuple(control), body,
                                              _operands(m.group(2)))
       computations[current].append(m.group(1))
+      texts[current].append(m.group(2))
   computations = {c: tuple(names) for c, names in computations.items()}
 
   def scope(op_name):
@@ -215,7 +244,39 @@ def parse_hlo(text: str, phases: Sequence[str] = PHASES) -> Hlo:
     if name in pending or instructions[name].opcode in _PLUMBING:
       phase[name] = context(home[name])
   return Hlo(module.group(1), tuple(phases), instructions, computations, phase,
-             frozenset(mixed))
+             frozenset(mixed), _kernel_classes(instructions, computations, texts))
+
+
+def _kernel_classes(instructions: Mapping[str, Instruction],
+                    computations: Mapping[str, tuple[str, ...]],
+                    texts: Mapping[str, Sequence[str]]) -> dict[str, str]:
+  """{fusion: key}, equal for fusions of equal code (see the module docstring): the fusion's
+  own text but for its operands' names, with its computation's text in place of its name, in
+  which values are numbered in order and called computations replaced likewise, recursively;
+  metadata and scheduling left out."""
+  memo = {}
+
+  def code(computation):
+    if computation not in memo:
+      memo[computation] = '(recursion)'
+      local = {n: f'%{i}' for i, n in enumerate(computations.get(computation, ()))}
+      body = '\n'.join(_canonical(t, local, code) for t in texts.get(computation, ()))
+      memo[computation] = hashlib.sha1(body.encode()).hexdigest()
+    return memo[computation]
+
+  own = {n: t for c, names in computations.items() for n, t in zip(names, texts[c])}
+  return {name: hashlib.sha1(_canonical(own[name], dict.fromkeys(i.operands, '%'),
+                                        code).encode()).hexdigest()
+          for name, i in instructions.items() if i.opcode == 'fusion'}
+
+
+def _canonical(text: str, local: Mapping[str, str], code: Callable[[str], str]) -> str:
+  """An instruction's text with metadata left out, local values renamed by `local` and called
+  computations by `code`."""
+  def rename(m):
+    name = m.group(1)
+    return local[name] if name in local else '%{' + code(name) + '}'
+  return re.sub(r'%([^\s,(){}]+)', rename, _NOT_CODE.sub('', text))
 
 
 # Instructions that run no work of their own: plumbing, views, and control flow (whose bodies'

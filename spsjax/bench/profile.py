@@ -22,6 +22,15 @@ that starts it both belong to that phase (the dispatch gaps inside a forward pas
 its wall time); a gap at a change of phase goes to none. So a phase's wall time is
 phase_wall_s + phase_gap_s, and sum over phases <= total_s.
 
+CUDA graphs. A GPU kernel run by a CUDA graph names no instruction, only its kernel, which every
+fusion of equal code launches (`hlo.Hlo.kernel_owners`). Such an event is an op of the fusion its
+kernel is named after, charged to the phase its owners share. Owners of several phases make it
+mixed: it goes to the phase of the nearest ops before and after it whose phase is sure when they
+agree on one of its owners' phases, else to the named fusion's phase. Library kernels (cuBLAS and
+cuDNN products, a graph's memcpy) name nothing: they go to the phase of such neighbours when they
+agree, else to `other`, and are counted as `unnamed`. In the loop marks below a class of k equal
+fusions in the loop's body counts as one op run k times an iteration.
+
 Loops. The main loop is the `while` whose body holds phased instructions (the outermost one; with no
 phases, the largest). Each top-level instruction of its body runs once per iteration, so the i-th
 event of each marks iteration i, which runs from its first body op to the next iteration's first
@@ -92,6 +101,8 @@ class PhaseProfile:
   num_loops: int | None  # Program loops as the caller counted them (None: not given).
   iterations: tuple[Iteration, ...] | None  # Main-loop iterations found in the trace, or None,
   iterations_note: str  # and then why.
+  unnamed_s: float = 0.0  # GPU library kernels in CUDA graphs, naming no instruction (see above).
+  unnamed_ops: int = 0
 
   @property
   def idle_s(self) -> float:
@@ -157,6 +168,10 @@ class PhaseProfile:
               f'condition, unscoped body code), {ms(outside)} outside it',
               f'{self.mixed_ops} op events ({ms(self.mixed_s)}) hold code of several phases; each '
               'is charged to its own metadata\'s phase, else to the majority of its code']
+    if self.unnamed_ops:
+      lines.append(f'{self.unnamed_ops} GPU kernels ({ms(self.unnamed_s)}) name no instruction '
+                   '(library kernels in CUDA graphs): charged to the phase of the kernels on both '
+                   'sides where they agree, else to other')
     return lines
 
 
@@ -174,54 +189,60 @@ def _wall_shares_ns(events: Sequence[OpEvent]) -> list[float]:
   return shares
 
 
-def _gaps_ns(events: Sequence[OpEvent], phase_of: Mapping[str, str]
+def _gaps_ns(events: Sequence[OpEvent], phases: Sequence[str]
              ) -> list[tuple[float, str | None]]:
-  """Per event (sorted by start): the idle time just before it, and the phase it is charged to.
+  """Per event (sorted by start; `phases[i]` is event i's): the idle time just before it, and the
+  phase it is charged to.
 
   The phase is the event's own if the op that ended last before the gap has the same phase (a gap
   inside one phase's stretch of ops), else None (a change of phase).
   """
-  gaps, last = [], None  # `last`: the event with the latest end so far.
-  for e in events:
-    if last is None or e.start_ns <= last.end_ns:
+  gaps, last = [], None  # `last`: the index of the event with the latest end so far.
+  for i, e in enumerate(events):
+    if last is None or e.start_ns <= events[last].end_ns:
       gaps.append((0.0, None))
     else:
-      same = phase_of[last.name] == phase_of[e.name]
-      gaps.append((float(e.start_ns - last.end_ns), phase_of[e.name] if same else None))
-    if last is None or e.end_ns > last.end_ns:
-      last = e
+      same = phases[last] == phases[i]
+      gaps.append((float(e.start_ns - events[last].end_ns), phases[i] if same else None))
+    if last is None or e.end_ns > events[last].end_ns:
+      last = i
   return gaps
 
 
 def _iterations(hlo: Hlo, loop: Instruction | None, run: Sequence[OpEvent],
-                leaves: Sequence[OpEvent], wall_ns: Sequence[float],
-                gaps: Sequence[tuple[float, str | None]]
+                owners: Sequence[tuple[str, ...]], leaves: Sequence[OpEvent],
+                leaf_phase: Sequence[str], leaf_inside: Sequence[bool],
+                wall_ns: Sequence[float], gaps: Sequence[tuple[float, str | None]]
                 ) -> tuple[tuple[Iteration, ...] | None, str]:
-  """(iterations, '') of the main loop, or (None, why not); see the module docstring."""
+  """(iterations, '') of the main loop, or (None, why not); see the module docstring. `owners[i]`:
+  the instructions that may have run `run[i]`; `leaf_inside[i]`: whether leaf i is loop code."""
   if loop is None:
     return None, 'the program has no while loop'
   body = set(hlo.computations.get(loop.body, ()))
-  by_name = collections.defaultdict(list)
-  for e in run:
-    if e.name in body:
-      by_name[e.name].append(e.start_ns)
-  counts = {len(v) for v in by_name.values()}
-  if len(counts) != 1:
-    return None, (f'the ops of {loop.name}\'s body ran different numbers of times ({counts})'
-                  if counts else f'no op of {loop.name}\'s body has events')
-  n = counts.pop()
-  starts = [min(ith) for ith in zip(*(sorted(v) for v in by_name.values()))]
+  by_owners = collections.defaultdict(list)
+  for e, own in zip(run, owners):
+    if own and all(n in body for n in own):
+      by_owners[own].append(e.start_ns)
+  counts = {len(v) / len(own) for own, v in by_owners.items()}
+  if not by_owners:
+    return None, f'no op of {loop.name}\'s body has events'
+  if len(counts) != 1 or not next(iter(counts)).is_integer():
+    return None, f'the ops of {loop.name}\'s body ran different numbers of times ({sorted(counts)})'
+  marks = [sorted(v)[::len(own)] for own, v in by_owners.items()]
+  starts = [min(ith) for ith in zip(*marks)]
+  n = len(starts)
   if starts != sorted(starts):
     return None, f'iterations of {loop.name} overlap in time'
-  inside = hlo.subtree(list(loop.control))
-  bounds = starts + [max(e.end_ns for e in run if e.name in inside)]
+  in_loop = hlo.subtree(list(loop.control))
+  bounds = starts + [max(e.end_ns for e, own in zip(run, owners)
+                         if own and all(n in in_loop for n in own))]
   keys = hlo.phases + (OTHER,)
   op_s = [dict.fromkeys(keys, 0.0) for _ in range(n)]
   wall_s = [dict.fromkeys(keys, 0.0) for _ in range(n)]
   gap_s = [dict.fromkeys(keys, 0.0) for _ in range(n)]
-  for e, wall, (gap, gap_phase) in zip(leaves, wall_ns, gaps):
-    if e.name in inside and e.start_ns >= starts[0]:
-      i, p = bisect.bisect_right(starts, e.start_ns) - 1, hlo.phase[e.name]
+  for e, p, inside, wall, (gap, gap_phase) in zip(leaves, leaf_phase, leaf_inside, wall_ns, gaps):
+    if inside and e.start_ns >= starts[0]:
+      i = bisect.bisect_right(starts, e.start_ns) - 1
       op_s[i][p] += (e.end_ns - e.start_ns) * 1e-9
       wall_s[i][p] += wall * 1e-9
       # The gap ends at this op: it lies in the iteration where it starts (an iteration starts
@@ -231,6 +252,20 @@ def _iterations(hlo: Hlo, loop: Instruction | None, run: Sequence[OpEvent],
         gap_s[j][gap_phase] += gap * 1e-9
   return tuple(Iteration((bounds[i + 1] - bounds[i]) * 1e-9, op_s[i], wall_s[i], gap_s[i])
                for i in range(n)), ''
+
+
+def _name_kernels(events: Sequence[OpEvent], hlo: Hlo
+                  ) -> tuple[list[OpEvent], list[tuple[str, ...]]]:
+  """(events, owners): a GPU kernel run by a CUDA graph renamed to the fusion its kernel is named
+  after ('' if none), owned by that fusion's class; any other event owned by its instruction."""
+  kernels = hlo.kernel_owners() if any(e.kernel for e in events) else {}
+  named, owners = [], []
+  for e in events:
+    own = kernels.get(e.kernel, ()) if e.kernel else (e.name,)
+    name = next((n for n in own if n.replace('.', '_') == e.kernel), '') if e.kernel else e.name
+    named.append(dataclasses.replace(e, name=name))
+    owners.append(own)
+  return named, owners
 
 
 def attribute(events: Sequence[OpEvent], hlo: Hlo, *, num_loops: int | None = None,
@@ -245,47 +280,66 @@ def attribute(events: Sequence[OpEvent], hlo: Hlo, *, num_loops: int | None = No
   if len(runs) != 1:
     raise ProfileError(f'The trace holds {len(runs)} runs of {hlo.module} on device {device}; '
                        'profile a single call.')
-  traced = {e.name for e in events}
+  events, owners = _name_kernels(events, hlo)
+  traced = {e.name for e in events if e.name}
   unknown = traced - set(hlo.instructions)
-  graphs = sorted(n for n in unknown if n.startswith('command_buffer'))
-  if graphs:  # XLA:GPU names a CUDA graph's kernels by the graph's thunk, no HLO instruction.
-    raise ProfileError(f'{len(graphs)} traced ops are CUDA graphs (e.g. {graphs[0]}), whose '
-                       'kernels name no HLO instruction: profile a GPU program compiled without '
-                       'them (XLA_FLAGS=--xla_gpu_enable_command_buffer=).')
-  if unknown:
-    raise ProfileError(f'{len(unknown)} traced ops are not in the HLO of {hlo.module} (e.g. '
-                       f'{sorted(unknown)[:3]}): the trace and the HLO come from different '
-                       'compilations.')
+  kernels = [e.kernel for e in events if e.kernel]
+  if unknown or (kernels and not any(e.name for e in events if e.kernel)):
+    example = sorted(unknown)[:3] or sorted(set(kernels))[:3]
+    raise ProfileError(f'{len(unknown) or len(set(kernels))} traced ops or kernels name nothing in '
+                       f'the HLO of {hlo.module} (e.g. {example}): the trace and the HLO come '
+                       'from different compilations.')
+
+  ran = set().union(*owners)  # What may have run: a kernel's event, for each of its owners.
 
   def container(name):
-    i = hlo.instructions[name]
-    return any(n in traced for c in i.called + i.applied + i.control
-               for n in hlo.computations.get(c, ()))
+    i = hlo.instructions.get(name)
+    return i is not None and any(n in ran for c in i.called + i.applied + i.control
+                                 for n in hlo.computations.get(c, ()))
 
-  leaves = sorted((e for e in events if not container(e.name)), key=lambda e: e.start_ns)
+  loop = hlo.main_loop()
+  in_loop = hlo.subtree(list(loop.control)) if loop is not None else set()
+  order = sorted((i for i, e in enumerate(events) if not container(e.name)),
+                 key=lambda i: events[i].start_ns)
+  leaves = [events[i] for i in order]
+  leaf_owners = [owners[i] for i in order]
+  owned = [{hlo.phase[n] for n in own} for own in leaf_owners]  # The phases a leaf may be of.
+  sure = [len(ps) == 1 for ps in owned]
+  phases = [next(iter(ps)) if len(ps) == 1 else None for ps in owned]
+  inside = [bool(own) and all(n in in_loop for n in own) for own in leaf_owners]
+  for i, (e, ps) in enumerate(zip(leaves, owned)):  # Else the sure neighbours decide (see above).
+    if not sure[i]:
+      before = next((j for j in range(i - 1, -1, -1) if sure[j]), None)
+      after = next((j for j in range(i + 1, len(leaves)) if sure[j]), None)
+      agree = (before is not None and after is not None and phases[before] == phases[after] and
+               (not ps or phases[before] in ps))
+      phases[i] = phases[before] if agree else hlo.phase[e.name] if ps else OTHER
+      if not ps:
+        inside[i] = before is not None and after is not None and inside[before] and inside[after]
   wall_ns = _wall_shares_ns(leaves)
-  gaps = _gaps_ns(leaves, hlo.phase)
+  gaps = _gaps_ns(leaves, phases)
   keys = hlo.phases + (OTHER,)
   phase_s, phase_wall_s, phase_gap_s, phase_ops = (
       dict.fromkeys(keys, 0.0), dict.fromkeys(keys, 0.0), dict.fromkeys(keys, 0.0),
       dict.fromkeys(keys, 0))
-  loop = hlo.main_loop()
-  in_loop = hlo.subtree(list(loop.control)) if loop is not None else set()
-  loop_other_s = mixed_s = 0.0
-  mixed_ops = 0
-  for e, wall, (gap, gap_phase) in zip(leaves, wall_ns, gaps):
-    seconds, p = (e.end_ns - e.start_ns) * 1e-9, hlo.phase[e.name]
+  loop_other_s = mixed_s = unnamed_s = 0.0
+  mixed_ops = unnamed_ops = 0
+  for e, p, own, phases_owned, in_it, wall, (gap, gap_phase) in zip(
+      leaves, phases, leaf_owners, owned, inside, wall_ns, gaps):
+    seconds = (e.end_ns - e.start_ns) * 1e-9
     phase_s[p] += seconds
     phase_wall_s[p] += wall * 1e-9
     if gap_phase is not None:
       phase_gap_s[gap_phase] += gap * 1e-9
     phase_ops[p] += 1
-    loop_other_s += seconds if p == OTHER and e.name in in_loop else 0.0
-    if e.name in hlo.mixed:
+    loop_other_s += seconds if p == OTHER and in_it else 0.0
+    if len(phases_owned) > 1 or any(n in hlo.mixed for n in own):
       mixed_s, mixed_ops = mixed_s + seconds, mixed_ops + 1
+    if not own:
+      unnamed_s, unnamed_ops = unnamed_s + seconds, unnamed_ops + 1
   busy_ns = sum(wall_ns)
   overlap_ns = sum(e.end_ns - e.start_ns for e in leaves) - busy_ns
-  iterations, note = _iterations(hlo, loop, events, leaves, wall_ns, gaps)
+  iterations, note = _iterations(hlo, loop, events, owners, leaves, phases, inside, wall_ns, gaps)
   return PhaseProfile(
       trace_dir=trace_dir, module=hlo.module, device=device, phases=hlo.phases,
       total_s=(max(e.end_ns for e in events) - min(e.start_ns for e in events)) * 1e-9,
@@ -293,7 +347,7 @@ def attribute(events: Sequence[OpEvent], hlo: Hlo, *, num_loops: int | None = No
       phase_wall_s=phase_wall_s, phase_gap_s=phase_gap_s, phase_ops=phase_ops,
       loop_other_s=loop_other_s,
       mixed_s=mixed_s, mixed_ops=mixed_ops, num_loops=num_loops, iterations=iterations,
-      iterations_note=note)
+      iterations_note=note, unnamed_s=unnamed_s, unnamed_ops=unnamed_ops)
 
 
 # --- Entry points -------------------------------------------------------------------------------

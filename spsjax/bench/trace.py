@@ -16,10 +16,13 @@ are used: host events (Python, dispatch, `ThunkExecutor::Execute`, the `end: <op
 markers, thread-pool markers) carry none, and small programs JAX runs around ours
 (`jit__threefry_seed`) have another module. Durations are wall time on the thread, so they include
 any time the thread was preempted. GPU kernel events carry the same stats, except that a kernel
-launched from a CUDA graph (XLA's command buffers) has the graph's thunk as `hlo_op`
-(`command_buffer_71`, seen on an H100 and an H200), which `profile.attribute` refuses by name. On
-TPU the device planes' `XLA Ops` line is used, named by instruction, with modules from the
-`XLA Modules` line (not run here): the reader fails loudly if it finds no op events.
+launched from a CUDA graph (XLA's command buffers; stat `cuda_graph_id`) has the graph's thunk as
+`hlo_op` (`command_buffer_71`, seen on an H100 and an H200): the event's own name, the kernel's,
+is kept as `OpEvent.kernel`, from which `profile.attribute` finds the fusions
+(`hlo.Hlo.kernel_owners`). With loops in graphs too (`--xla_gpu_enable_command_buffer=...,WHILE`)
+an H200 trace held one iteration's kernels of a 4-iteration loop. On TPU the device planes'
+`XLA Ops` line is used, named by instruction, with modules from the `XLA Modules` line (not run
+here): the reader fails loudly if it finds no op events.
 """
 
 import dataclasses
@@ -45,6 +48,7 @@ class OpEvent:
   end_ns: float
   device: str  # `device_ordinal` on CPU/GPU, the plane name on TPU.
   run: str  # One execution of the module.
+  kernel: str = ''  # A GPU kernel run by a CUDA graph: its name (`name` is the graph's thunk).
 
 
 def record(fn: Callable[[], Any], log_dir: str,
@@ -94,7 +98,8 @@ def read_op_events(xplane: str | bytes, module: str) -> list[OpEvent]:
           if _module_matches(str(stats.get('hlo_module', '')), module):
             tagged.append(OpEvent(str(stats['hlo_op']), e.start_ns, e.end_ns,
                                   str(stats.get('device_ordinal', plane.name)),
-                                  str(stats.get('run_id', ''))))
+                                  str(stats.get('run_id', '')),
+                                  e.name if 'cuda_graph_id' in stats else ''))
         elif line.name == 'XLA Ops' and plane.name.startswith('/device:'):
           runs = [i for i, m in enumerate(modules) if m.start_ns <= e.start_ns <= m.end_ns]
           if runs:
