@@ -17,13 +17,14 @@ import dataclasses
 import os
 import shlex
 import sys
+import tempfile
 import time
 
 from absl import app, flags
 import jax
 
 from spsjax import models, storage
-from spsjax.bench import accelerator, decode, timing, variants
+from spsjax.bench import accelerator, ceiling, decode, timing, variants
 from spsjax.models import presets
 
 _SMALL = flags.DEFINE_bool('small', None, 'Tiny sizes (a smoke run); default: on a CPU only.')
@@ -48,7 +49,11 @@ _VARIANTS = flags.DEFINE_list(
     f'extend at the first batch (`spsjax.bench.variants`), of {", ".join(variants.NAMES)}.')
 _DUMP_DIR = flags.DEFINE_string(
     'dump_dir', None, 'With --variants: write each variant\'s optimized HLO and a profiler trace of '
-    'one call under DIR/<preset>_b<batch>/ (local or gs://).')
+    'one call under DIR/<preset>_b<batch>/ (local or gs://); with --profile_ceilings, their '
+    'traces under DIR/<preset>_ceiling/.')
+_PROFILE_CEILINGS = flags.DEFINE_bool(
+    'profile_ceilings', False, 'Profile one SpS call of each perfect-draft ceiling: a loop\'s wall '
+    'time and its op time per phase beside the k c + s steps the formula charges it.')
 _FUSED = flags.DEFINE_bool(
     'fused', False, 'Time the decode figures and ceilings on models fused for XLA (`models.fuse`: '
     'q, k and v one product, gate and input one); their rows say "fused".')
@@ -99,8 +104,9 @@ def _plan() -> _Plan:
     variants.check_names(_VARIANTS.value)
   except ValueError as e:
     raise app.UsageError(f'--variants: {e}') from e
-  if _DUMP_DIR.value and not _VARIANTS.value:
-    raise app.UsageError('--dump_dir writes the step variants\' programs: pass --variants too.')
+  if _DUMP_DIR.value and not (_VARIANTS.value or _PROFILE_CEILINGS.value):
+    raise app.UsageError('--dump_dir writes the step variants\' programs and the ceilings\' '
+                         'traces: pass --variants or --profile_ceilings too.')
   return plan
 
 
@@ -129,15 +135,18 @@ def _ceilings(plan, report, name, target, i, write, log):
     return
   draft, label = _layout(accelerator.random_model(presets.get(draft_name), _DTYPE.value,
                                                   seed=2 * i + 1))
-  for k in plan.ceiling_ks:
-    c = report.attempt(f'{name} perfect-draft ceiling k={k}', lambda: accelerator.ceilings(
-        target, draft, ks=[k], prompt_len=plan.prompt_len, max_new_tokens=plan.max_new,
-        repeats=plan.repeats, capacity=plan.capacity, compile_threads=plan.compile_threads)[0])
-    if c:
-      report.ceiling_rows.append((f'{name} / {draft_name}{label}', c))
-      log(f'{name} ceiling k={k}: c {c.c:.3f}, s {c.s:.2f}, decoding {c.decode_speedup:.2f}x, '
-          f'whole calls {c.speedup:.2f}x')
-      write()  # Each row as it comes: a run cut short keeps it.
+  with tempfile.TemporaryDirectory(prefix='spsjax-ceiling-') as scratch:
+    traces = (None if not _PROFILE_CEILINGS.value else
+              f'{_DUMP_DIR.value}/{name}_ceiling' if _DUMP_DIR.value else scratch)
+    for k in plan.ceiling_ks:
+      c = report.attempt(f'{name} perfect-draft ceiling k={k}', lambda: accelerator.ceilings(
+          target, draft, ks=[k], prompt_len=plan.prompt_len, max_new_tokens=plan.max_new,
+          repeats=plan.repeats, capacity=plan.capacity, compile_threads=plan.compile_threads,
+          profile_dir=traces)[0])
+      if c:
+        report.ceiling_rows.append((f'{name} / {draft_name}{label}', c))
+        log(ceiling.report(c, f'{name} / {draft_name}{label}')[0])
+        write()  # Each row as it comes: a run cut short keeps it.
 
 
 def _variants(plan, report, name, target, batch, write, log):

@@ -42,6 +42,7 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
           '--compile_threads=2',  # Each group's programs compiled side by side.
           '--variants=fused,scanned',
           f'--dump_dir={tmp_path / "dump"}',
+          '--profile_ceilings',  # Its trace goes to the dump too.
           '--fused']  # Decode figures and ceilings on fused models; the variants start plain.
   code = _RUN_WITHOUT.format(absent=set(_ABSENT), argv=argv)
   result = subprocess.run([sys.executable, '-c', code], cwd=_ROOT, capture_output=True, text=True,
@@ -73,6 +74,14 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
   assert '| ops/step |' in report and int(decode_rows[0].split('|')[8]) > 0, decode_rows
   assert 's(5)' in report
   assert '| tiny_target / tiny_draft fused | 4 |' in report
+  # The ceiling's SpS loop profiled: its loops found in the trace, a wall time and each phase.
+  loop = re.search(r'\| tiny_target / tiny_draft fused \| 4 \| (\d+) \| ([\d.]+) \| ([\d.]+) \| '
+                   r'([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|', report)
+  # 16 new tokens: the prefill's, then 3 loops of k + 1.
+  assert loop and int(loop[1]) == 3 and all(float(x) > 0 for x in loop.groups()[1:6]), loop
+  assert '| perfect draft | k | loops | wall | k c + s steps | draft | score | accept | other |' in report
+  assert len(list((tmp_path / 'dump' / 'tiny_target_ceiling' / 'k4').glob(
+      'plugins/profile/*/*.xplane.pb'))) == 1
   found = re.findall(r'\| tiny_target \| 1 \| (\w+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \| (\S+) \|',
                      report.split('Step variants')[-1])
   assert [v[0] for v in found] == ['plain', 'fused', 'scanned'], report[-2500:]
@@ -88,7 +97,7 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
     ('--batches=1,-8', 'positive integers'), ('--ceiling_ks=four', 'take integers'),
     ('--compile_threads=0', 'positive integers'),
     ('--presets=nope', 'nope'), ('--variants=fused,nope', 'Unknown step variants'),
-    ('--dump_dir=/tmp/x', 'pass --variants too')])
+    ('--dump_dir=/tmp/x', 'pass --variants or --profile_ceilings')])
 def test_bad_flags_are_usage_errors_before_anything_runs(flag, message):
   result = subprocess.run(
       [sys.executable, os.path.join(_ROOT, 'experiments', 'accelerator_check.py'), flag,

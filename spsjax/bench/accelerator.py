@@ -353,12 +353,14 @@ def decode_figures(model: models.Model, preset: str, *, batch: int, blocks: Sequ
 
 def ceilings(target: models.Model, draft: models.Model, *, ks: Sequence[int], prompt_len: int,
              max_new_tokens: int, repeats: int, capacity: int | None = None,
-             compile_threads: int = 1) -> list[ceiling.Ceiling]:
+             compile_threads: int = 1, profile_dir: str | None = None) -> list[ceiling.Ceiling]:
   """The perfect-draft ceiling (zero output layers: every draft accepted) at each k, batch 1;
-  c and s at a cache of `capacity` slots (`decode_figures`' capacity reuses its programs)."""
+  c and s at a cache of `capacity` slots (`decode_figures`' capacity reuses its programs). With
+  `profile_dir`, one SpS call per k is profiled under `profile_dir/k<k>`."""
   pair = ceiling.perfect_pair(target, draft)
   return [ceiling.measure(*pair, k=k, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                          repeats=repeats, capacity=capacity, compile_threads=compile_threads)
+                          repeats=repeats, capacity=capacity, compile_threads=compile_threads,
+                          profile_dir=profile_dir and f'{profile_dir}/k{k}')
           for k in ks]
 
 
@@ -455,6 +457,16 @@ def markdown(*, device: str, copy: decode.CopyBandwidth | None, checks: Sequence
     for label, c in ceiling_rows:
       lines.append(f'| {label} | {c.k} | {c.c:.3f} | {c.s:.2f} | {c.decode_speedup:.2f}x | '
                    f'{c.predicted:.2f}x | {c.speedup:.2f}x |')
+    profiled = [(label, c) for label, c in ceiling_rows if c.loop is not None]
+    if profiled:
+      phases = list(profiled[0][1].loop.phase)
+      lines += ['', 'Perfect-draft loops profiled (one SpS call; ms a loop; op time per phase):', '',
+                '| perfect draft | k | loops | wall | k c + s steps | '
+                + ' | '.join(phases) + ' |', '|---|---|---|---|---|' + '---|' * len(phases)]
+      for label, c in profiled:
+        wall = '-' if c.loop.wall is None else f'{c.loop.wall * 1e3:.3f}'
+        lines.append(f'| {label} | {c.k} | {c.loop.loops} | {wall} | {c.formula_loop * 1e3:.3f} | '
+                     + ' | '.join(f'{c.loop.phase[p] * 1e3:.3f}' for p in phases) + ' |')
   if variant_rows:
     lines += [''] if lines[-1] else []
     lines += ['Step variants (`spsjax.bench.variants`): one-position extend compiled other ways '

@@ -6,6 +6,9 @@ and every loop emits k + 1 tokens. What is left is the cost of a loop, so the me
 should be the formula's (k + 1) / (k c + s) with c and s measured in the same run; a shortfall is
 overhead of the loop itself, a low ceiling means the model steps cost too much (s, c).
 
+With `profile_dir`, one SpS call is also profiled (`bench.profile`): a loop's wall time and its
+ops' time per phase, to hold against the k c + s steps the formula charges a loop.
+
 The formula counts loops only; a whole call also prefills the prompt (ArS the target, SpS both
 models), which at 128 prompt and 128 new tokens is a tenth of an ArS call. So the same interleaved
 run also times calls that stop after the prefill's token (max_new_tokens = 1): subtracted, they
@@ -16,13 +19,14 @@ waits for.
 import dataclasses
 import functools
 import statistics
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from spsjax import models, sampling
-from spsjax.bench import decode, timing
+from spsjax.bench import decode, profile, timing
 from spsjax.sampling import common
 
 
@@ -42,6 +46,14 @@ def perfect_pair(target: models.Model, draft: models.Model) -> tuple[models.Mode
 
 
 @dataclasses.dataclass(frozen=True)
+class LoopProfile:
+  """One profiled SpS call of the pair; seconds per loop."""
+  loops: int
+  wall: float | None  # Mean wall time of the loop's iterations in the trace (None: not found).
+  phase: Mapping[str, float]  # Op time per phase (`profile.PhaseProfile.per_loop_s`).
+
+
+@dataclasses.dataclass(frozen=True)
 class Ceiling:
   """Times in seconds: medians of whole calls (compile excluded), every method timed call by call
   in turn; `*_prefill` are calls that stop after the prefill's token. c and s from `extend`."""
@@ -54,6 +66,13 @@ class Ceiling:
   tokens_per_loop: float  # Measured: k + 1 when every draft is accepted.
   c: float
   s: float
+  target_step: float = float('nan')  # The target's one-position step, which c and s divide.
+  loop: LoopProfile | None = None
+
+  @property
+  def formula_loop(self) -> float:
+    """What the formula charges a loop: k c + s target steps, in seconds."""
+    return (self.k * self.c + self.s) * self.target_step
 
   @property
   def speedup(self) -> float:
@@ -83,12 +102,13 @@ class Ceiling:
 
 def measure(target: models.Model, draft: models.Model, *, k: int = 4, prompt_len: int = 64,
             max_new_tokens: int = 128, repeats: int = 5, mesh: Mesh | None = None,
-            capacity: int | None = None, compile_threads: int = 1) -> Ceiling:
+            capacity: int | None = None, compile_threads: int = 1,
+            profile_dir: str | None = None) -> Ceiling:
   """ArS and SpS of a perfect pair (from `perfect_pair`, packed or not) at batch 1, temperature 1
   (on `mesh`, if given: the pair is placed on it before anything is timed). c and s are measured
   at a cache of `capacity` slots (default: prompt, new tokens and k; another run's capacity
   reuses its compiled `extend` programs). Its four programs compile `compile_threads` at a time
-  (`timing.warm`)."""
+  (`timing.warm`). With `profile_dir` (local or a URI), one more SpS call is profiled there."""
   target, draft = (common.place_params(m, mesh) for m in (target, draft))
   prompts_BxP = (jnp.arange(prompt_len, dtype=jnp.int32)[None, :] * 7 + 1) % target.config.vocab_size
   lengths_B = jnp.full((1,), prompt_len, jnp.int32)
@@ -111,8 +131,18 @@ def measure(target: models.Model, draft: models.Model, *, k: int = 4, prompt_len
   median = {name: statistics.median(c.seconds for c in t.calls) for name, t in timings.items()}
   costs = decode.measure_costs(target, draft, k, batch=1,
                                 capacity=capacity or prompt_len + max_new_tokens + k, mesh=mesh)
+  loop = None
+  if profile_dir is not None:
+    _, prof = profile.profile_speculative(
+        target, draft, prompts_BxP, lengths_B, jax.random.key(0), k=k,
+        max_new_tokens=max_new_tokens, log_dir=profile_dir, sampling=config, mesh=mesh)
+    its = prof.iterations
+    loop = LoopProfile(loops=prof.loops, wall=statistics.mean(it.wall_s for it in its)
+                       if its else None,
+                       phase={p: prof.per_loop_s(p) for p in prof.phases + (profile.OTHER,)})
   return Ceiling(k=k, max_new_tokens=max_new_tokens, **median,
-                 tokens_per_loop=timings['sps'].tokens_per_loop, c=costs.c, s=costs.s)
+                 tokens_per_loop=timings['sps'].tokens_per_loop, c=costs.c, s=costs.s,
+                 target_step=costs.target_step, loop=loop)
 
 
 def report(result: Ceiling, label: str) -> list[str]:
@@ -122,4 +152,9 @@ def report(result: Ceiling, label: str) -> list[str]:
           f'decoding (prefill calls subtracted) SpS/ArS {r.decode_speedup:.2f}x, formula '
           f'(k + 1) / (k c + s) = {r.predicted:.2f}x; whole calls ArS {r.ars * ms:.1f} ms, SpS '
           f'{r.sps * ms:.1f} ms (prefills {r.ars_prefill * ms:.1f} / {r.sps_prefill * ms:.1f} ms): '
-          f'{r.speedup:.2f}x, formula with these prefills {r.predicted_whole:.2f}x']
+          f'{r.speedup:.2f}x, formula with these prefills {r.predicted_whole:.2f}x'
+          + ('' if r.loop is None else
+             f'; profiled: {r.loop.loops} loops, ' + (
+                 '' if r.loop.wall is None else f'{r.loop.wall * ms:.3f} ms a loop ') +
+             f'(k c + s steps: {r.formula_loop * ms:.3f} ms), op time ' + ', '.join(
+                 f'{p} {t * ms:.3f}' for p, t in r.loop.phase.items()) + ' ms')]
