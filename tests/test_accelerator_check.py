@@ -79,7 +79,8 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
                    r'([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|', report)
   # 16 new tokens: the prefill's, then 3 loops of k + 1.
   assert loop and int(loop[1]) == 3 and all(float(x) > 0 for x in loop.groups()[1:6]), loop
-  assert '| perfect draft | k | loops | wall | k c + s steps | draft | score | accept | other |' in report
+  assert ('| perfect draft | k | loops | wall | k c + s steps | draft | score | accept | other |'
+          in report)
   assert len(list((tmp_path / 'dump' / 'tiny_target_ceiling' / 'k4').glob(
       'plugins/profile/*/*.xplane.pb'))) == 1
   found = re.findall(r'\| tiny_target \| 1 \| (\w+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \| (\S+) \|',
