@@ -96,8 +96,8 @@ class PhaseProfile:
   phase_gap_s: Mapping[str, float]
   phase_ops: Mapping[str, int]  # Leaf-op events per phase.
   loop_other_s: float  # The part of phase_s['other'] run by the main loop (body and condition).
-  mixed_s: float  # Op time of ops whose code comes from several phases (charged by the rules).
-  mixed_ops: int
+  mixed_s: float  # Op time of ops whose code comes from several phases, or of GPU kernels that
+  mixed_ops: int  # fusions of several phases share (each charged by the rules above).
   num_loops: int | None  # Program loops as the caller counted them (None: not given).
   iterations: tuple[Iteration, ...] | None  # Main-loop iterations found in the trace, or None,
   iterations_note: str  # and then why.
@@ -166,8 +166,9 @@ class PhaseProfile:
     lines += [f'outside the {"/".join(self.phases)} scopes: {ms(self.phase_s[OTHER])} in '
               f'{self.phase_ops[OTHER]} ops; {ms(self.loop_other_s)} in the main loop (its '
               f'condition, unscoped body code), {ms(outside)} outside it',
-              f'{self.mixed_ops} op events ({ms(self.mixed_s)}) hold code of several phases; each '
-              'is charged to its own metadata\'s phase, else to the majority of its code']
+              f'{self.mixed_ops} op events ({ms(self.mixed_s)}) hold code of several phases '
+              '(or run a GPU kernel that fusions of several phases share); each is charged to one '
+              'by the rules of spsjax.bench.profile']
     if self.unnamed_ops:
       lines.append(f'{self.unnamed_ops} GPU kernels ({ms(self.unnamed_s)}) name no instruction '
                    '(library kernels in CUDA graphs): charged to the phase of the kernels on both '
