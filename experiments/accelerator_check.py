@@ -143,6 +143,8 @@ def _ceilings(plan, report, name, target, i, write, log):
           target, draft, ks=[k], prompt_len=plan.prompt_len, max_new_tokens=plan.max_new,
           repeats=plan.repeats, capacity=plan.capacity, compile_threads=plan.compile_threads,
           profile_dir=traces)[0])
+      if c and c.loop and c.loop.error:
+        report.errors.append(f'{name} perfect-draft ceiling k={k}, its profile: {c.loop.error}')
       if c:
         report.ceiling_rows.append((f'{name} / {draft_name}{label}', c))
         log(ceiling.report(c, f'{name} / {draft_name}{label}')[0])

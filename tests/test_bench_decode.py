@@ -165,6 +165,9 @@ def test_ceiling_decode_speedup_subtracts_prefills_and_refuses_no_decoding():
   line = ceiling.report(dataclasses.replace(step, loop=loop), 'x')[0]
   assert line.endswith('; profiled: 25 loops, 3.000 ms a loop (k c + s steps: 2.800 ms), op time '
                        'draft 0.400, score 2.000 ms'), line
+  failed = ceiling.LoopProfile(loops=0, wall=None, phase={}, error='ProfileError: no events')
+  line = ceiling.report(dataclasses.replace(step, loop=failed), 'x')[0]
+  assert line.endswith('; profile failed: ProfileError: no events'), line
 
 
 def test_a_step_runs_as_many_more_operations_for_each_layer_and_counting_compiles_nothing():

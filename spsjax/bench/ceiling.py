@@ -51,6 +51,7 @@ class LoopProfile:
   loops: int
   wall: float | None  # Mean wall time of the loop's iterations in the trace (None: not found).
   phase: Mapping[str, float]  # Op time per phase (`profile.PhaseProfile.per_loop_s`).
+  error: str = ''  # Why the call could not be profiled (then no figures); the timings stand.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,13 +134,16 @@ def measure(target: models.Model, draft: models.Model, *, k: int = 4, prompt_len
                                 capacity=capacity or prompt_len + max_new_tokens + k, mesh=mesh)
   loop = None
   if profile_dir is not None:
-    _, prof = profile.profile_speculative(
-        target, draft, prompts_BxP, lengths_B, jax.random.key(0), k=k,
-        max_new_tokens=max_new_tokens, log_dir=profile_dir, sampling=config, mesh=mesh)
-    its = prof.iterations
-    loop = LoopProfile(loops=prof.loops, wall=statistics.mean(it.wall_s for it in its)
-                       if its else None,
-                       phase={p: prof.per_loop_s(p) for p in prof.phases + (profile.OTHER,)})
+    try:
+      _, prof = profile.profile_speculative(
+          target, draft, prompts_BxP, lengths_B, jax.random.key(0), k=k,
+          max_new_tokens=max_new_tokens, log_dir=profile_dir, sampling=config, mesh=mesh)
+      its = prof.iterations
+      loop = LoopProfile(loops=prof.loops, wall=statistics.mean(it.wall_s for it in its)
+                         if its else None,
+                         phase={p: prof.per_loop_s(p) for p in prof.phases + (profile.OTHER,)})
+    except Exception as e:  # pylint: disable=broad-except
+      loop = LoopProfile(loops=0, wall=None, phase={}, error=f'{type(e).__name__}: {e}'[:300])
   return Ceiling(k=k, max_new_tokens=max_new_tokens, **median,
                  tokens_per_loop=timings['sps'].tokens_per_loop, c=costs.c, s=costs.s,
                  target_step=costs.target_step, loop=loop)
@@ -153,7 +157,7 @@ def report(result: Ceiling, label: str) -> list[str]:
           f'(k + 1) / (k c + s) = {r.predicted:.2f}x; whole calls ArS {r.ars * ms:.1f} ms, SpS '
           f'{r.sps * ms:.1f} ms (prefills {r.ars_prefill * ms:.1f} / {r.sps_prefill * ms:.1f} ms): '
           f'{r.speedup:.2f}x, formula with these prefills {r.predicted_whole:.2f}x'
-          + ('' if r.loop is None else
+          + ('' if r.loop is None else f'; profile failed: {r.loop.error}' if r.loop.error else
              f'; profiled: {r.loop.loops} loops, ' + (
                  '' if r.loop.wall is None else f'{r.loop.wall * ms:.3f} ms a loop ') +
              f'(k c + s steps: {r.formula_loop * ms:.3f} ms), op time ' + ', '.join(
