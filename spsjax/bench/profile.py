@@ -255,6 +255,19 @@ def _iterations(hlo: Hlo, loop: Instruction | None, run: Sequence[OpEvent],
                for i in range(n)), ''
 
 
+def _nearest(flags: Sequence[bool]) -> tuple[list[int | None], list[int | None]]:
+  """For each index, the nearest index before it and after it whose flag is set (None: none)."""
+  before, after, last = [], [None] * len(flags), None
+  for i, flag in enumerate(flags):
+    before.append(last)
+    last = i if flag else last
+  last = None
+  for i in range(len(flags) - 1, -1, -1):
+    after[i] = last
+    last = i if flags[i] else last
+  return before, after
+
+
 def _name_kernels(events: Sequence[OpEvent], hlo: Hlo
                   ) -> tuple[list[OpEvent], list[tuple[str, ...]]]:
   """(events, owners): a GPU kernel run by a CUDA graph renamed to the fusion its kernel is named
@@ -308,10 +321,10 @@ def attribute(events: Sequence[OpEvent], hlo: Hlo, *, num_loops: int | None = No
   sure = [len(ps) == 1 for ps in owned]
   phases = [next(iter(ps)) if len(ps) == 1 else None for ps in owned]
   inside = [bool(own) and all(n in in_loop for n in own) for own in leaf_owners]
+  sure_before, sure_after = _nearest(sure)
   for i, (e, ps) in enumerate(zip(leaves, owned)):  # Else the sure neighbours decide (see above).
     if not sure[i]:
-      before = next((j for j in range(i - 1, -1, -1) if sure[j]), None)
-      after = next((j for j in range(i + 1, len(leaves)) if sure[j]), None)
+      before, after = sure_before[i], sure_after[i]
       agree = (before is not None and after is not None and phases[before] == phases[after] and
                (not ps or phases[before] in ps))
       phases[i] = phases[before] if agree else hlo.phase[e.name] if ps else OTHER
