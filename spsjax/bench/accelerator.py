@@ -286,7 +286,7 @@ def loop_phases(xspace: bytes, hlo_text: str, loops: int) -> str:
   found = (f'{len(prof.iterations)} found in the trace' if prof.iterations is not None
            else f'none found in the trace: {prof.iterations_note}')
   return ('op time per loop: ' + ', '.join(
-      f'{p} {prof.per_loop_s(p) * 1e6:.0f} us' for p in prof.phases + (profile.OTHER,))
+      f'{p} {t * 1e6:.0f} us' for p, t in prof.per_loop().items())
           + f' (loops: {found}'
           + (f'; {prof.unnamed_ops} library kernels charged by their neighbours'
              if prof.unnamed_ops else '') + ')')

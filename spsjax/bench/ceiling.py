@@ -50,7 +50,7 @@ class LoopProfile:
   """One profiled SpS call of the pair; seconds per loop."""
   loops: int
   wall: float | None  # Mean wall time of the loop's iterations in the trace (None: not found).
-  phase: Mapping[str, float]  # Op time per phase (`profile.PhaseProfile.per_loop_s`).
+  phase: Mapping[str, float]  # Op time per phase (`profile.PhaseProfile.per_loop`).
   error: str = ''  # Why the call could not be profiled (then no figures); the timings stand.
 
 
@@ -141,7 +141,7 @@ def measure(target: models.Model, draft: models.Model, *, k: int = 4, prompt_len
       its = prof.iterations
       loop = LoopProfile(loops=prof.loops, wall=statistics.mean(it.wall_s for it in its)
                          if its else None,
-                         phase={p: prof.per_loop_s(p) for p in prof.phases + (profile.OTHER,)})
+                         phase=prof.per_loop())
     except Exception as e:  # pylint: disable=broad-except
       loop = LoopProfile(loops=0, wall=None, phase={}, error=f'{type(e).__name__}: {e}'[:300])
   return Ceiling(k=k, max_new_tokens=max_new_tokens, **median,

@@ -121,6 +121,10 @@ class PhaseProfile:
       raise ProfileError('No loop count (none given, none found in the trace, or 0).')
     return (self.loop_other_s if phase == OTHER else self.phase_s[phase]) / self.loops
 
+  def per_loop(self) -> dict[str, float]:
+    """`per_loop_s` of every phase, `other` last."""
+    return {p: self.per_loop_s(p) for p in self.phases + (OTHER,)}
+
   def report(self) -> list[str]:
     """Readable lines: totals, per-loop time and share per phase, the loop's spread, the rest."""
     ms = lambda s: f'{s * 1e3:.3f} ms'
@@ -210,13 +214,14 @@ def _gaps_ns(events: Sequence[OpEvent], phases: Sequence[str]
   return gaps
 
 
-def _iterations(hlo: Hlo, loop: Instruction | None, run: Sequence[OpEvent],
+def _iterations(hlo: Hlo, loop: Instruction | None, in_loop: set[str], run: Sequence[OpEvent],
                 owners: Sequence[tuple[str, ...]], leaves: Sequence[OpEvent],
                 leaf_phase: Sequence[str], leaf_inside: Sequence[bool],
                 wall_ns: Sequence[float], gaps: Sequence[tuple[float, str | None]]
                 ) -> tuple[tuple[Iteration, ...] | None, str]:
-  """(iterations, '') of the main loop, or (None, why not); see the module docstring. `owners[i]`:
-  the instructions that may have run `run[i]`; `leaf_inside[i]`: whether leaf i is loop code."""
+  """(iterations, '') of the main loop, or (None, why not); see the module docstring. `in_loop`:
+  the loop's instructions, nested ones included; `owners[i]`: the instructions that may have run
+  `run[i]`; `leaf_inside[i]`: whether leaf i is loop code."""
   if loop is None:
     return None, 'the program has no while loop'
   body = set(hlo.computations.get(loop.body, ()))
@@ -234,7 +239,6 @@ def _iterations(hlo: Hlo, loop: Instruction | None, run: Sequence[OpEvent],
   n = len(starts)
   if starts != sorted(starts):
     return None, f'iterations of {loop.name} overlap in time'
-  in_loop = hlo.subtree(list(loop.control))
   bounds = starts + [max(e.end_ns for e, own in zip(run, owners)
                          if own and all(n in in_loop for n in own))]
   keys = hlo.phases + (OTHER,)
@@ -353,7 +357,8 @@ def attribute(events: Sequence[OpEvent], hlo: Hlo, *, num_loops: int | None = No
       unnamed_s, unnamed_ops = unnamed_s + seconds, unnamed_ops + 1
   busy_ns = sum(wall_ns)
   overlap_ns = sum(e.end_ns - e.start_ns for e in leaves) - busy_ns
-  iterations, note = _iterations(hlo, loop, events, owners, leaves, phases, inside, wall_ns, gaps)
+  iterations, note = _iterations(hlo, loop, in_loop, events, owners, leaves, phases, inside,
+                                 wall_ns, gaps)
   return PhaseProfile(
       trace_dir=trace_dir, module=hlo.module, device=device, phases=hlo.phases,
       total_s=(max(e.end_ns for e in events) - min(e.start_ns for e in events)) * 1e-9,
