@@ -139,6 +139,11 @@ def sps_hlo(sps):
 def test_sps_hlo_has_all_three_phases(sps_hlo):
   hlo = sps_hlo
   assert set(hlo.phase.values()) == {'draft', 'score', 'accept', 'other'}
+  once = hlo_lib.launches_by_phase(hlo, hlo.main_loop().body)
+  runs = hlo_lib.launches_by_phase(hlo, hlo.main_loop().body, trips=True)
+  assert set(runs) == {'draft', 'score', 'accept', 'other'}
+  assert all(runs[p] >= once[p] for p in runs)
+  assert runs['draft'] > once['draft']  # k = 3: the draft's loop of k - 1 steps, twice more.
   body = hlo.subtree([hlo.main_loop().body])
   assert {hlo.phase[n] for n in body} == {'draft', 'score', 'accept', 'other'}
   for name, i in hlo.instructions.items():  # Own metadata decides whenever it names a phase.
@@ -487,3 +492,18 @@ def test_launches_count_what_runs_work_once_and_fused_code_not_at_all():
   assert hlo_lib.launches(hlo, 'body') == 6
   assert hlo_lib.launches(hlo, 'inner_body') == 1
   assert hlo_lib.launches(hlo, 'main') == 6 + 1  # The outer condition's compare too.
+
+
+def test_launches_count_a_nested_loop_by_its_trip_count():
+  known = LOOP_HLO.replace('body=%inner_body', 'body=%inner_body, backend_config='
+                           '{"known_trip_count":{"n":"3"}}')
+  hlo = hlo_lib.parse_hlo(known)
+  assert hlo.instructions['w'].trip_count == 3
+  assert hlo_lib.launches_by_phase(hlo, 'body') == {'other': 6}
+  # The body's four, and the inner loop's add and compare three times each.
+  assert hlo_lib.launches_by_phase(hlo, 'body', trips=True) == {'other': 4 + 2 * 3}
+  assert hlo_lib.parse_hlo(LOOP_HLO).instructions['w'].trip_count is None
+  assert hlo_lib.launches_by_phase(hlo_lib.parse_hlo(LOOP_HLO), 'body', trips=True) == {
+      'other': 6}  # A trip count XLA does not know counts once.
+  assert hlo_lib.loop_launches_by_phase(known, trips=True) == {'other': 10}
+  assert hlo_lib.loop_launches(known) == 6

@@ -56,6 +56,7 @@ _CALLED = re.compile(r'\b(calls|to_apply|called_computations|body|condition|true
 _CONTROL = ('body', 'condition', 'true_computation', 'false_computation', 'branch_computations')
 _LENDS = ('calls', 'called_computations')  # And `to_apply` of a `call`, not of a reducer.
 _PRODUCTS = ('dot', 'convolution')
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _PLUMBING = ('parameter', 'get-tuple-element', 'tuple', 'constant')  # Pass values, run nothing.
 # What does not change a kernel: source locations, scheduling names, the stream a fusion runs on.
 _NOT_CODE = re.compile(r',\s*(?:metadata|frontend_attributes|statistics)='
@@ -72,6 +73,7 @@ class Instruction:
   control: tuple[str, ...]  # Control flow: `body=`, `condition=`, branches.
   body: str | None  # For a `while`: its body computation.
   operands: tuple[str, ...] = ()
+  trip_count: int | None = None  # For a `while` whose trip count XLA knows (`known_trip_count`).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,9 +158,11 @@ def parse_hlo(text: str, phases: Sequence[str] = PHASES) -> Hlo:
         lends = kind in _LENDS or (kind == 'to_apply' and opcode == 'call')
         (control if kind in _CONTROL else called if lends else applied).extend(names)
         body = names[0] if kind == 'body' else body
+      trips = _TRIP_COUNT.search(line) if body is not None else None
       instructions[m.group(1)] = Instruction(m.group(1), opcode, op_name and op_name.group(1),
                                              tuple(called), tuple(applied), tuple(control), body,
-                                             _operands(m.group(2)))
+                                             _operands(m.group(2)),
+                                             trips and int(trips.group(1)))
       computations[current].append(m.group(1))
       texts[current].append(m.group(2))
   computations = {c: tuple(names) for c, names in computations.items()}
@@ -284,15 +288,35 @@ def _canonical(text: str, local: Mapping[str, str], code: Callable[[str], str]) 
 _NO_WORK = _PLUMBING + ('bitcast', 'while', 'conditional', 'call')
 
 
+def launches_by_phase(hlo: Hlo, computation: str, *, trips: bool = False) -> dict[str, int]:
+  """{phase: the instructions of that phase that run work in `computation` and in the
+  computations its control flow runs (loop bodies and conditions, branches, `call`s)}: a fusion
+  counts as one (its fused code not at all), reducers and comparators not at all; plumbing,
+  bitcasts and the control-flow instructions themselves run no work. On a GPU each is about one
+  kernel launch. Each instruction is counted once, or with `trips` as often as one run of
+  `computation` runs it: a nested loop's body and condition times the loop's trip count where
+  XLA knows it (`known_trip_count`), else once. Phases with none are left out."""
+  counts, seen = collections.Counter(), set()
+
+  def count(c, times, path):
+    if c in (path if trips else seen):
+      return
+    seen.add(c)
+    for name in hlo.computations.get(c, ()):
+      i = hlo.instructions[name]
+      if i.opcode not in _NO_WORK:
+        counts[hlo.phase[name]] += times
+      inner = times * (i.trip_count or 1) if trips and i.body is not None else times
+      for callee in i.control + (i.called if i.opcode == 'call' else ()):
+        count(callee, inner, path | {c})
+
+  count(computation, 1, frozenset())
+  return dict(counts)
+
+
 def launches(hlo: Hlo, computation: str) -> int:
-  """The instructions that run work in `computation` and in the computations its control flow
-  runs (loop bodies and conditions, branches, `call`s), each counted once whatever its trip
-  count: a fusion counts as one (its fused code not at all), reducers and comparators not at
-  all; plumbing, bitcasts and the control-flow instructions themselves run no work. On a GPU each
-  is about one kernel launch."""
-  runs = lambda i: i.control + (i.called if i.opcode == 'call' else ())
-  return sum(hlo.instructions[name].opcode not in _NO_WORK
-             for name in hlo.walk([computation], runs))
+  """All `launches_by_phase` of `computation`."""
+  return sum(launches_by_phase(hlo, computation).values())
 
 
 def hlo_phases(text: str, phases: Sequence[str] = PHASES) -> dict[str, str]:
@@ -300,9 +324,16 @@ def hlo_phases(text: str, phases: Sequence[str] = PHASES) -> dict[str, str]:
   return dict(parse_hlo(text, phases).phase)
 
 
-def loop_launches(text: str) -> int | None:
-  """`launches` of the main loop's body of a compiled program (`compiled.as_text()`): the
-  operations one iteration runs; None if XLA left no loop (unrolled it)."""
+def loop_launches_by_phase(text: str, *, trips: bool = False) -> dict[str, int] | None:
+  """`launches_by_phase` of the main loop's body of a compiled program (`compiled.as_text()`):
+  the operations one iteration runs (nested loops by their trip counts with `trips`, else each
+  once); None if XLA left no loop (unrolled it)."""
   parsed = parse_hlo(text)
   loop = parsed.main_loop()
-  return None if loop is None else launches(parsed, loop.body)
+  return None if loop is None else launches_by_phase(parsed, loop.body, trips=trips)
+
+
+def loop_launches(text: str) -> int | None:
+  """All `loop_launches_by_phase`, each instruction once (a `layer_scan` program's layer too)."""
+  by_phase = loop_launches_by_phase(text)
+  return None if by_phase is None else sum(by_phase.values())

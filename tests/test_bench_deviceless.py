@@ -1,0 +1,58 @@
+"""`spsjax.bench.deviceless`: programs compiled from shapes alone, and the compile-only GPU device
+(whose CUDA plugin CI does not install: there, the error says what to install)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from spsjax import models
+from spsjax.bench import decode, deviceless, hlo
+from tests.test_bench_profile import CONFIG, random_model
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_a_step_compiled_from_shapes_is_the_step_compiled_from_values():
+  cpu = jax.devices('cpu')[0]
+  text = deviceless.step_hlo(deviceless.abstract_model(CONFIG, cpu), cpu, capacity=16, steps=4)
+  by_phase = hlo.loop_launches_by_phase(text, trips=True)
+  assert set(by_phase) == {'other'} and by_phase['other'] > 10 * CONFIG.num_layers
+  assert sum(by_phase.values()) == decode.extend_launches(random_model(CONFIG, 0), 1, 16, steps=4)
+
+
+def test_gpu_targets():
+  assert deviceless.TARGETS == ('h100', 'h200')
+  config = deviceless.target_config('h200')
+  assert 'memory_bandwidth: 4800000000000' in config and 'NVIDIA H200' in config
+  assert 'major: 9' in deviceless.target_config('h100')
+  with pytest.raises(ValueError, match='Unknown GPU target'):
+    deviceless.target_config('a100')
+
+
+def test_a_compile_only_gpu_device_or_what_to_install():
+  if importlib.util.find_spec('jax_cuda12_plugin') is None:
+    with pytest.raises(RuntimeError, match=f'jax-cuda12-plugin=={jax.__version__}'):
+      deviceless.device('h200')
+    return
+  try:  # With the plugin: a GEMM fusion in a GPU's HLO, if the plugin could start.
+    gpu = deviceless.device('h200')
+  except RuntimeError as e:  # It looked for a GPU (JAX_PLATFORMS not cpu) and found none.
+    assert 'JAX_PLATFORMS=cpu' in str(e)
+    return
+  config = models.TransformerConfig(**dict(CONFIG.__dict__, dtype='bfloat16', single_row='padded'))
+  assert 'gemm_fusion' in deviceless.step_hlo(deviceless.abstract_model(config, gpu), gpu)
+
+
+def test_the_binary_counts_on_this_machines_cpu(tmp_path):
+  out = tmp_path / 'launches.md'
+  subprocess.run([sys.executable, os.path.join(_ROOT, 'experiments', 'gpu_launches.py'),
+                  '--target=cpu', '--target_preset=tiny_target', '--program=step',
+                  '--single_row=plain', f'--dump_dir={tmp_path}', f'--out={out}'],
+                 check=True, cwd=_ROOT, env=dict(os.environ, PYTHONPATH=_ROOT))
+  row = [line for line in out.read_text().splitlines() if line.startswith('| step | plain |')]
+  assert int(row[0].split('|')[-3]) == hlo.loop_launches(
+      (tmp_path / 'step_plain.hlo.txt').read_text()) > 0
