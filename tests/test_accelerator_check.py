@@ -76,9 +76,11 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
   assert '| tiny_target / tiny_draft fused | 4 |' in report
   # The ceiling's SpS loop profiled: its loops found in the trace, a wall time and each phase.
   loop = re.search(r'\| tiny_target / tiny_draft fused \| 4 \| (\d+) \| ([\d.]+) \| ([\d.]+) \| '
-                   r'([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|', report)
-  # 16 new tokens: the prefill's, then 3 loops of k + 1.
-  assert loop and int(loop[1]) == 3 and all(float(x) > 0 for x in loop.groups()[1:6]), loop
+                   r'([\d.]+) \((\d+) ops\) \| ([\d.]+) \((\d+) ops\) \| ([\d.]+) \((\d+) ops\) \| '
+                   r'([\d.]+) \|', report)
+  # 16 new tokens: the prefill's, then 3 loops of k + 1; each phase's time and ops a loop.
+  assert loop and int(loop[1]) == 3 and all(float(x) > 0 for x in loop.groups()[1:9]), loop
+  assert int(loop[5]) > int(loop[9]), loop  # k = 4 draft steps run more ops than accepting.
   assert ('| perfect draft | k | loops | wall | k c + s steps | draft | score | accept | other |'
           in report)
   assert len(list((tmp_path / 'dump' / 'tiny_target_ceiling' / 'k4').glob(

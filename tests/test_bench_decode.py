@@ -161,10 +161,11 @@ def test_ceiling_decode_speedup_subtracts_prefills_and_refuses_no_decoding():
   # A loop as the formula charges it: k draft steps at c and a scoring call at s target steps.
   step = ceiling.Ceiling(sps=0.1, sps_prefill=0.03, target_step=0.002, **fields)
   assert abs(step.formula_loop - (4 * 0.05 + 1.2) * 0.002) < 1e-15
-  loop = ceiling.LoopProfile(loops=25, wall=0.003, phase={'draft': 4e-4, 'score': 2e-3})
+  loop = ceiling.LoopProfile(loops=25, wall=0.003, phase={'draft': 4e-4, 'score': 2e-3},
+                             ops={'draft': 302.0})
   line = ceiling.report(dataclasses.replace(step, loop=loop), 'x')[0]
   assert line.endswith('; profiled: 25 loops, 3.000 ms a loop (k c + s steps: 2.800 ms), op time '
-                       'draft 0.400, score 2.000 ms'), line
+                       '(ms) draft 0.400 (302 ops), score 2.000'), line
   failed = ceiling.LoopProfile(loops=0, wall=None, phase={}, error='ProfileError: no events')
   line = ceiling.report(dataclasses.replace(step, loop=failed), 'x')[0]
   assert line.endswith('; profile failed: ProfileError: no events'), line

@@ -461,13 +461,14 @@ def markdown(*, device: str, copy: decode.CopyBandwidth | None, checks: Sequence
     profiled = [(label, c) for label, c in ceiling_rows if c.loop is not None and c.loop.phase]
     if profiled:
       phases = list(profiled[0][1].loop.phase)
-      lines += ['', 'Perfect-draft loops profiled (one SpS call; ms a loop; op time per phase):',
+      lines += ['', 'Perfect-draft loops profiled (one SpS call; ms a loop; op time per phase, '
+                'with its ops a loop):',
                 '', '| perfect draft | k | loops | wall | k c + s steps | ' + ' | '.join(phases)
                 + ' |', '|---|---|---|---|---|' + '---|' * len(phases)]
       for label, c in profiled:
         wall = '-' if c.loop.wall is None else f'{c.loop.wall * 1e3:.3f}'
         lines.append(f'| {label} | {c.k} | {c.loop.loops} | {wall} | {c.formula_loop * 1e3:.3f} | '
-                     + ' | '.join(f'{c.loop.phase[p] * 1e3:.3f}' for p in phases) + ' |')
+                     + ' | '.join(c.loop.phase_text(p) for p in phases) + ' |')
   if variant_rows:
     lines += [''] if lines[-1] else []
     lines += ['Step variants (`spsjax.bench.variants`): one-position extend compiled other ways '

@@ -125,6 +125,12 @@ class PhaseProfile:
     """`per_loop_s` of every phase, `other` last."""
     return {p: self.per_loop_s(p) for p in self.phases + (OTHER,)}
 
+  def per_loop_ops(self) -> dict[str, float]:
+    """Op events per loop of each phase but `other` (whose events in the loop are not counted
+    apart from those outside it). On a GPU, about its kernel launches."""
+    self.per_loop_s(self.phases[0])  # The same error without a loop count.
+    return {p: self.phase_ops[p] / self.loops for p in self.phases}
+
   def report(self) -> list[str]:
     """Readable lines: totals, per-loop time and share per phase, the loop's spread, the rest."""
     ms = lambda s: f'{s * 1e3:.3f} ms'
