@@ -67,8 +67,11 @@ def probabilities(logits_xV: jax.Array, sampling: SamplingConfig) -> jax.Array:
   """
   logits_xV = logits_xV.astype(jnp.float32)
   V = logits_xV.shape[-1]
-  max_x1 = jnp.max(logits_xV, axis=-1, keepdims=True)
-  defined_x1 = jnp.isfinite(max_x1) & ~jnp.any(jnp.isnan(logits_xV), axis=-1, keepdims=True)
+  # One reduction finds the max and the rows without a distribution: a NaN counts as +inf, so
+  # the max of such a row is not finite (whatever XLA's max does with NaNs), and that of any
+  # other row is its max.
+  max_x1 = jnp.max(jnp.where(jnp.isnan(logits_xV), jnp.inf, logits_xV), axis=-1, keepdims=True)
+  defined_x1 = jnp.isfinite(max_x1)
   if sampling.greedy:
     probs_xV = jax.nn.one_hot(jnp.argmax(logits_xV, axis=-1), V, dtype=jnp.float32)
     return jnp.where(defined_x1, probs_xV, jnp.nan)
