@@ -65,7 +65,9 @@ def _in_parallel(compile_sources):
   this process may use CPUs: the kernels' sources take ~50 s one after another (-O3, each for
   three instruction sets)."""
   def compile_each(sources, *args, **kwargs):
-    threads = min(len(sources), len(os.sched_getaffinity(0)))
+    usable = os.sched_getaffinity(0) if hasattr(os, 'sched_getaffinity') else range(
+        os.cpu_count() or 1)  # macOS has no affinity.
+    threads = min(len(sources), len(usable))
     if threads < 2:
       return compile_sources(sources, *args, **kwargs)
     with futures.ThreadPoolExecutor(threads) as pool:
