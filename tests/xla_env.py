@@ -1,14 +1,19 @@
 """XLA flags of the test process and of the processes tests start (binaries, workers).
 
 Compiling is most of the suite's time (63% of tests/test_speculative.py, by JAX's own compile-time
-events): it compiles over a thousand small programs. Two flags make XLA:CPU compile them faster,
-both XLA's own code generation of the same HLO:
+events): it compiles over a thousand small programs. These flags make XLA:CPU compile them faster,
+each XLA's own code generation of the same HLO:
 - its legacy fusion emitters instead of the MLIR ones: a quarter faster (test_speculative's greedy
   and law tests: compile 88.6 -> 66.3 s);
 - LLVM at optimisation level 0 for the generated code (`--xla_backend_optimization_level=0`): a
   sampler program of the law tests compiles in 1.2-1.4 s instead of 3.9-4.4 s and runs its 100k
   rows in ~4.3 s instead of ~1.9 s; over the suite (2 workers, 2 cores, 2026-11-26) pytest took
-  11:39 instead of 18:39, every test file faster (the training tests 218 -> 72 s).
+  11:39 instead of 18:39, every test file faster (the training tests 218 -> 72 s);
+- no HLO verifier between XLA's passes (it checks XLA's own rewrites, not our programs) and LLVM's
+  code generated as one module instead of split for parallel threads: 7% less CPU for
+  tests/test_autoregressive.py and test_bench_decode.py (126 s against 133 s, median of 3 pairs,
+  2-core AMD EPYC, AVX2; the same tokens). A single process's wall time grows a little (the split
+  kept a second core busy), but the suite's two workers keep both cores busy: CPU is its cost.
 The binaries, benchmarks and the library keep XLA's defaults: only test processes and the
 processes they start use these. Processes a test starts get the same flags, so that what they
 compute is bit-identical to the test process (a killed and resumed training run is compared bit
@@ -17,7 +22,8 @@ for bit).
 
 import os
 
-QUICK_COMPILE = '--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0'
+QUICK_COMPILE = ('--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0 '
+                 '--xla_disable_hlo_passes=hlo-verifier --xla_cpu_parallel_codegen_split_count=1')
 
 
 def flags(devices: int | None = None) -> str:
