@@ -1,8 +1,8 @@
 """XLA flags of the test process and of the processes tests start (binaries, workers).
 
 Compiling is most of the suite's time (63% of tests/test_speculative.py, by JAX's own compile-time
-events): it compiles over a thousand small programs. These flags make XLA:CPU compile them faster;
-none changes what a program computes:
+events): it compiles over a thousand small programs. These flags make XLA:CPU compile them faster,
+each a change of how XLA compiles the same HLO:
 - its legacy fusion emitters instead of the MLIR ones: a quarter faster (test_speculative's greedy
   and law tests: compile 88.6 -> 66.3 s);
 - LLVM at optimisation level 0 for the generated code (`--xla_backend_optimization_level=0`): a
@@ -12,8 +12,9 @@ none changes what a program computes:
 - no HLO verifier between XLA's passes (it checks XLA's own rewrites, not our programs) and LLVM's
   code generated as one module instead of split for parallel threads: 7% less CPU for
   tests/test_autoregressive.py and test_bench_decode.py (126 s against 133 s, median of 3 pairs,
-  2-core AMD EPYC, AVX2; 11 sampler programs gave the same tokens). A single process's wall time grows a little (the split
-  kept a second core busy), but the suite's two workers keep both cores busy: CPU is its cost.
+  2-core AMD EPYC, AVX2; 11 sampler programs gave the same tokens). A single process's wall time
+  grows a little (the split kept a second core busy), but the suite's two workers keep both cores
+  busy: CPU is its cost.
 The binaries, benchmarks and the library keep XLA's defaults: only test processes and the
 processes they start use these. Processes a test starts get the same flags, so that what they
 compute is bit-identical to the test process (a killed and resumed training run is compared bit
