@@ -6,8 +6,7 @@ The mesh is 2 x 2 with each `data` row holding one device of each process (`layo
 process holds every row of a batch and half of the model. `first` runs `multihost_worker.check`
 (generation on other meshes of the same processes, and a checkpoint; OUT_DIR/result.json), then
 evaluates as `experiments/evaluate.py` does (held-out loss, and alpha of a target/draft pair),
-runs a short Table 1 (`bench.speedup.run_rows`), (process 0) writes OUT_DIR/first.json, and
-trains `CONFIG` in OUT_DIR/run, where both processes SIGKILL themselves after its step-4 save.
+(process 0) writes OUT_DIR/first.json, and trains `CONFIG` in OUT_DIR/run, where both processes SIGKILL themselves after its step-4 save.
 `resume` runs the same command again in OUT_DIR/run and (process 0) writes OUT_DIR/resume.json
 and OUT_DIR/resume.npz. The tokenizer is OUT_DIR/tokenizer.model.
 """
@@ -79,7 +78,6 @@ def main(address: str, process_id: int, out_dir: str, mode: str) -> None:
   if mode == 'first':
     multihost_worker.check(out_dir)
     result = dict(evaluate=evaluate(tok, mesh),
-                  table=multihost_worker.table_completions(tok, mesh),
                   model_rows=[sorted(d.process_index for d in row) for row in mesh.devices])
     _write(out_dir, 'first', result)
     run('run', kill_at=KILL_AT)  # Dies.
