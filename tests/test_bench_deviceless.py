@@ -47,12 +47,32 @@ def test_a_compile_only_gpu_device_or_what_to_install():
   assert 'gemm_fusion' in deviceless.step_hlo(deviceless.abstract_model(config, gpu), gpu)
 
 
+def _run_binary(*flags: str, check: bool = True) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, os.path.join(_ROOT, 'experiments', 'gpu_launches.py'),
+                         *flags], check=check, cwd=_ROOT, env=dict(os.environ, PYTHONPATH=_ROOT),
+                        capture_output=True, text=True)
+
+
 def test_the_binary_counts_on_this_machines_cpu(tmp_path):
   out = tmp_path / 'launches.md'
-  subprocess.run([sys.executable, os.path.join(_ROOT, 'experiments', 'gpu_launches.py'),
-                  '--target=cpu', '--target_preset=tiny_target', '--program=step',
-                  '--single_row=plain', f'--dump_dir={tmp_path}', f'--out={out}'],
-                 check=True, cwd=_ROOT, env=dict(os.environ, PYTHONPATH=_ROOT))
-  row = [line for line in out.read_text().splitlines() if line.startswith('| step | plain |')]
-  assert int(row[0].split('|')[-3]) == hlo.loop_launches(
+  _run_binary('--target=cpu', '--target_preset=tiny_target', '--program=step', '--program=sps',
+              '--drafter=heads', '--k=3', '--single_row=plain', f'--dump_dir={tmp_path}',
+              f'--out={out}')
+  rows = {tuple(c.strip() for c in line.split('|')[1:3]): [int(c) for c in line.split('|')[4:9]]
+          for line in out.read_text().splitlines() if line.startswith('| s')}
+  assert list(rows) == [('step', '-'), ('sps', 'heads')], rows
+  # The step: XLA's CPU code has no phases; all = the loop's launches in its HLO.
+  assert rows['step', '-'][-1] == rows['step', '-'][3] == hlo.loop_launches(
       (tmp_path / 'step_plain.hlo.txt').read_text()) > 0
+  # SpS with k = 3 parallel heads (a head model with 3): every phase launches something.
+  draft, score, accept, _, total = rows['sps', 'heads']
+  assert min(draft, score, accept) > 0 and total == sum(rows['sps', 'heads'][:4])
+  assert total == sum(hlo.loop_launches_by_phase(
+      (tmp_path / 'sps_heads_plain.hlo.txt').read_text(), trips=True).values())
+
+
+def test_dynamic_k_without_a_drafter_that_has_it_is_a_usage_error():
+  result = _run_binary('--target=cpu', '--program=sps', '--drafter=lookup', '--stop_below=0.3',
+                       check=False)
+  assert result.returncode == 1 and 'pass --program=sps and --drafter=model or hybrid' in (
+      result.stderr), result.stderr[-2000:]

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from spsjax import models, sharding
 from spsjax.bench import decode
+from spsjax.models import feature_head
 from spsjax.sampling import SamplingConfig, autoregressive, drafters, speculative
 
 # Hopper GPUs as XLA's own target specs describe them (xla/backends/gpu/target_config/specs),
@@ -83,6 +84,16 @@ def abstract_model(config: models.TransformerConfig, dev: jax.Device) -> models.
   return models.Model(config, _abstract(models.param_shapes(config), dev))
 
 
+def abstract_head(kind: str, target: models.TransformerConfig, dev: jax.Device, *,
+                  num_layers: int = 1) -> models.Model:
+  """A `feature_head` of `kind` over `target`'s features ('feature': `num_layers` blocks,
+  'heads': `num_layers` heads) whose parameters are shapes placed on `dev`."""
+  config = feature_head.head_config(target, num_layers)
+  shapes = jax.eval_shape(functools.partial(feature_head.init_head, kind, config),
+                          jax.random.key(0))
+  return models.Model(config, _abstract(shapes, dev))
+
+
 def _key(dev: jax.Device):
   return _abstract(jax.eval_shape(lambda: jax.random.key(0)), dev)
 
@@ -113,13 +124,16 @@ def ars_hlo(model: models.Model, dev: jax.Device, *, batch: int = 1, prompt_len:
                                        _key(dev)).compile().as_text()
 
 
-def sps_hlo(target: models.Model, draft: models.Model, dev: jax.Device, *, k: int = 4,
+def sps_hlo(target: models.Model, draft: models.Model | None, dev: jax.Device, *, k: int = 4,
             batch: int = 1, prompt_len: int = 64, max_new_tokens: int = 128,
-            sampling: SamplingConfig = SamplingConfig()) -> str:
+            sampling: SamplingConfig = SamplingConfig(),
+            drafter: drafters.Drafter = drafters.ModelDrafter()) -> str:
   """The optimized HLO of SpS's whole generation (`speculative.Loop.run`) on a 1 x 1 mesh of
-  `dev`, drafting k tokens a loop with `draft`."""
-  speculative.check_pair(target, draft, k, drafters.ModelDrafter())
+  `dev`, drafting up to k tokens a loop with `drafter` and `draft` (a transformer, a head of
+  `abstract_head`, or None for prompt lookup)."""
+  speculative.check_pair(target, draft, k, drafter)
   loop = speculative.Loop(k=k, max_new_tokens=max_new_tokens, sampling=sampling,
-                          draft_sampling=sampling, mesh=sharding.make_mesh(1, 1, [dev]))
+                          draft_sampling=sampling, mesh=sharding.make_mesh(1, 1, [dev]),
+                          drafter=drafter)
   return speculative.Loop.run.lower(loop, target, draft, *_prompts(dev, batch, prompt_len),
                                     _key(dev)).compile().as_text()
