@@ -48,7 +48,8 @@ _DRAFTER = flags.DEFINE_multi_enum('drafter', ['model'], list(drafter_config.KIN
                                    'EAGLE head, heads: k parallel heads.')
 _STOP_BELOW = flags.DEFINE_float('stop_below', 0.0, 'Dynamic k for the model and hybrid drafters: '
                                  'a row stops drafting below this draft probability.')
-_DUMP_DIR = flags.DEFINE_string('dump_dir', None, 'Write <program>_<single_row>.hlo.txt here.')
+_DUMP_DIR = flags.DEFINE_string('dump_dir', None, 'Write each program\'s HLO here: '
+                                '<program>[_<drafter>][_dynamic]_<single_row>.hlo.txt.')
 _OUT = flags.DEFINE_string('out', None, 'Also write the table (Markdown) to this file.')
 
 
@@ -80,7 +81,7 @@ def count(program: str, single_row: str, dev: jax.Device, dump_dir: str | None,
   """One program's launches per phase (`Row`), its HLO written to `dump_dir` if given."""
   start = time.perf_counter()
   target = _model(_TARGET_PRESET.value, single_row, dev)
-  name = program
+  name, label = program, '-'
   if program == 'step':
     text = deviceless.step_hlo(target, dev)
   elif program == 'ars':
@@ -90,15 +91,15 @@ def count(program: str, single_row: str, dev: jax.Device, dump_dir: str | None,
     text = deviceless.sps_hlo(target, _draft(drafter, target, single_row, dev), dev, k=_K.value,
                               drafter=drafter_config.build(drafter, stop_below=stop_below))
     name = f'{program}_{drafter}' if drafter != 'model' else program
-    if stop_below:
-      name, drafter = f'{name}_dynamic', f'{drafter}, stop_below {stop_below:g}'
+    label = f'{drafter}, stop_below {stop_below:g}' if stop_below else drafter
+    name += '_dynamic' if stop_below else ''
   seconds = time.perf_counter() - start
   if dump_dir:
     storage.write_text(storage.join(dump_dir, f'{name}_{single_row}.hlo.txt'), text)
   launches = hlo.loop_launches_by_phase(text, trips=True)
   if launches is None:
     raise RuntimeError(f'{name} ({single_row}): XLA left no loop to count.')
-  return Row(program, drafter if program == 'sps' else '-', single_row, launches, seconds)
+  return Row(program, label, single_row, launches, seconds)
 
 
 def table(rows: list[Row], device: str) -> str:
@@ -117,10 +118,11 @@ def table(rows: list[Row], device: str) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  if _STOP_BELOW.value and ('sps' not in _PROGRAM.value
-                            or not {'model', 'hybrid'} & set(_DRAFTER.value)):
+  if (_DRAFTER.value != ['model'] or _STOP_BELOW.value) and 'sps' not in _PROGRAM.value:
+    raise app.UsageError('--drafter and --stop_below are SpS\'s: pass --program=sps too.')
+  if _STOP_BELOW.value and not {'model', 'hybrid'} & set(_DRAFTER.value):
     raise app.UsageError('--stop_below is dynamic k of the model and hybrid drafters: pass '
-                         '--program=sps and --drafter=model or hybrid.')
+                         '--drafter=model or hybrid.')
   if _TARGET.value == 'cpu':
     dev = jax.devices('cpu')[0]
   else:

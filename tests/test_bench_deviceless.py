@@ -71,8 +71,9 @@ def test_the_binary_counts_on_this_machines_cpu(tmp_path):
       (tmp_path / 'sps_heads_plain.hlo.txt').read_text(), trips=True).values())
 
 
-def test_dynamic_k_without_a_drafter_that_has_it_is_a_usage_error():
-  result = _run_binary('--target=cpu', '--program=sps', '--drafter=lookup', '--stop_below=0.3',
-                       check=False)
-  assert result.returncode == 1 and 'pass --program=sps and --drafter=model or hybrid' in (
-      result.stderr), result.stderr[-2000:]
+@pytest.mark.parametrize('flags,message', [
+    (('--program=sps', '--drafter=lookup', '--stop_below=0.3'), 'pass --drafter=model or hybrid'),
+    (('--program=step', '--drafter=feature'), 'pass --program=sps too')])
+def test_drafter_flags_that_would_do_nothing_are_usage_errors(flags, message):
+  result = _run_binary('--target=cpu', *flags, check=False)
+  assert result.returncode == 1 and message in result.stderr, result.stderr[-2000:]
