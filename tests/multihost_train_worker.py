@@ -6,7 +6,8 @@ The mesh is 2 x 2 with each `data` row holding one device of each process (`layo
 process holds every row of a batch and half of the model. `first` runs `multihost_worker.check`
 (generation on other meshes of the same processes, and a checkpoint; OUT_DIR/result.json), then
 evaluates as `experiments/evaluate.py` does (held-out loss, and alpha of a target/draft pair),
-(process 0) writes OUT_DIR/first.json, and trains `CONFIG` in OUT_DIR/run, where both processes SIGKILL themselves after its step-4 save.
+(process 0) writes OUT_DIR/first.json, and trains `CONFIG` in OUT_DIR/run, where both processes
+SIGKILL themselves after its step-4 save.
 `resume` runs the same command again in OUT_DIR/run and (process 0) writes OUT_DIR/resume.json
 and OUT_DIR/resume.npz. The tokenizer is OUT_DIR/tokenizer.model.
 """
