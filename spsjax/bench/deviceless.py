@@ -89,9 +89,7 @@ def abstract_head(kind: str, target: models.TransformerConfig, dev: jax.Device, 
   """A `feature_head` of `kind` over `target`'s features ('feature': `num_layers` blocks,
   'heads': `num_layers` heads) whose parameters are shapes placed on `dev`."""
   config = feature_head.head_config(target, num_layers)
-  shapes = jax.eval_shape(functools.partial(feature_head.init_head, kind, config),
-                          jax.random.key(0))
-  return models.Model(config, _abstract(shapes, dev))
+  return models.Model(config, _abstract(feature_head.param_shapes(kind, config), dev))
 
 
 def _key(dev: jax.Device):

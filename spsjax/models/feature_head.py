@@ -140,6 +140,11 @@ def init_head(kind_: str, config: TransformerConfig, rng: jax.Array) -> dict:
   return _random_head_program(kind_, config)(rng)
 
 
+def param_shapes(kind_: str, config: TransformerConfig) -> dict:
+  """The parameter tree of `init_head` as jax.ShapeDtypeStructs (nothing is computed)."""
+  return jax.eval_shape(functools.partial(init_head, kind_, config), jax.random.key(0))
+
+
 @functools.lru_cache(maxsize=16)
 def param_shardings(kind_: str, config: TransformerConfig, mesh: Mesh,
                     rules: sharding.Rules = sharding.DEFAULT_RULES):

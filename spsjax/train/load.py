@@ -64,8 +64,7 @@ def load_model(workdir: str, *, step: int | None = None, mesh: Mesh | None = Non
     mesh = mesh or sharding.make_mesh(1, 1, jax.devices()[:1])
     head = saved_meta.get('head')  # A head over a target's features (`models.feature_head`).
     if head:
-      shapes = jax.eval_shape(lambda key: models.feature_head.init_head(head, config, key),
-                              jax.random.key(0))
+      shapes = models.feature_head.param_shapes(head, config)
       shardings = models.feature_head.param_shardings(head, config, mesh, rules)
     else:
       shapes = models.param_shapes(config)
