@@ -2,6 +2,9 @@
 drafter in the SpS loop: exact output law (G-test against enumeration), greedy parity with ArS,
 the draft cache's invariant, ragged proposals and their statistics."""
 
+import dataclasses
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -189,6 +192,44 @@ def test_greedy_sps_equals_greedy_ars(pair, drafter, k):
     np.testing.assert_array_equal(sps.tokens, ars.tokens)
     np.testing.assert_array_equal(sps.num_generated, ars.num_generated)
   assert int(np.sum(sps.num_accepted)) > 0  # Greedy text repeats itself: lookup hits too.
+
+
+def check_unrolled_drafts(target, draft, drafter, prompts, lengths, k=3):
+  """SpS at temperature 1 with the drafter's steps unrolled (`Loop.drafts_unrolled`, forced here
+  on the CPU) and in their `fori_loop`: the same tokens and loop counts, and the unrolled program
+  has no loop left inside the draft phase."""
+  loop, args = speculative.prepare(target, draft, prompts, lengths, k=k, max_new_tokens=10,
+                                   drafter=drafter)
+  assert not loop.drafts_unrolled  # The default on a CPU: the loop.
+  outs = []
+  for unrolled in (False, True):
+    program = speculative.Loop.run.lower(
+        dataclasses.replace(loop, unroll_drafts=unrolled), *args, jax.random.key(2)).compile()
+    draft_loops = [line for line in program.as_text().splitlines()
+                   if ' while(' in line and '/draft/while' in line]
+    assert bool(draft_loops) != unrolled, draft_loops
+    outs.append(program(*args, jax.random.key(2)))
+  rolled, unrolled = outs
+  np.testing.assert_array_equal(unrolled.tokens, rolled.tokens)
+  np.testing.assert_array_equal(unrolled.num_accepted, rolled.num_accepted)
+  assert 0 < int(np.sum(rolled.num_accepted)) < k * int(np.sum(rolled.num_loops))
+
+
+@pytest.mark.parametrize('drafter', [drafters.ModelDrafter(), drafters.Hybrid()], ids=str)
+def test_unrolled_draft_steps_give_the_same_tokens(pair, drafter):
+  check_unrolled_drafts(*pair, drafter, *_ragged(9, batch=4))
+
+
+def test_draft_steps_unroll_by_default_off_a_cpu():
+  loop = speculative.Loop(k=2, max_new_tokens=4, sampling=SamplingConfig(),
+                          draft_sampling=SamplingConfig())
+  on = lambda platform: types.SimpleNamespace(devices=np.array([types.SimpleNamespace(
+      platform=platform)]))
+  assert not loop.drafts_unrolled and loop.platform == 'cpu'
+  assert dataclasses.replace(loop, mesh=on('gpu')).drafts_unrolled
+  assert dataclasses.replace(loop, mesh=on('tpu')).drafts_unrolled
+  assert not dataclasses.replace(loop, mesh=on('tpu'), unroll_drafts=False).drafts_unrolled
+  assert dataclasses.replace(loop, unroll_drafts=True).drafts_unrolled
 
 
 @pytest.mark.parametrize('drafter,trim_score', [(drafters.Hybrid(), False),

@@ -17,6 +17,7 @@ from spsjax.sampling import (SamplingConfig, autoregressive_sample, drafters, pr
 from spsjax.sampling.feature_drafters import FeatureDrafter, HeadsDrafter
 from tests import forwards, xla_env
 from tests.stats import scaled_model
+from tests.test_drafters import check_unrolled_drafts
 from tests.test_speculative import check_interleaved_law, interleaved
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -208,6 +209,12 @@ def test_greedy_sps_equals_greedy_ars(tiny_target, kind, k):
   np.testing.assert_array_equal(sps.tokens, ars.tokens)
   np.testing.assert_array_equal(sps.num_generated, ars.num_generated)
   assert int(np.sum(sps.num_accepted)) > 0
+
+
+def test_unrolled_head_steps_give_the_same_tokens(pair48):
+  """The EAGLE head's k - 1 steps after the first, unrolled as on an accelerator."""
+  check_unrolled_drafts(pair48, _head(pair48, 'feature', 1, 3, scale=3.0), FeatureDrafter(),
+                        *_ragged(4, batch=4))
 
 
 def test_heads_that_do_not_fit_are_refused(pair48):

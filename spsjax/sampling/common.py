@@ -52,6 +52,12 @@ class LoopSettings:
     """Whether the native sampling kernel computes the distributions (one device: no mesh)."""
     return self.mesh is None
 
+  @property
+  def platform(self) -> str:
+    """The platform the program is for: its mesh's devices' ('cpu', 'gpu', 'tpu'), else JAX's
+    default backend's."""
+    return self.mesh.devices.flat[0].platform if self.mesh is not None else jax.default_backend()
+
 
 def compiler_options(options: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
   """`LoopSettings.compiler_options` of a mapping of XLA option names to values (None: none)."""

@@ -313,7 +313,7 @@ class ModelDrafter(Drafter):
     if self.ragged:  # Stops when no row drafts on.
       drafts = jax.lax.while_loop(lambda d: (d.i < k) & jnp.any(d.num_B == d.i), step, drafts)
     else:
-      drafts = jax.lax.fori_loop(1, k, lambda _, d: step(d), drafts)
+      drafts = jax.lax.fori_loop(1, k, lambda _, d: step(d), drafts, unroll=loop.drafts_unrolled)
     return Proposal(drafts.tokens_BxK, drafts.q_BxKxV, drafts.num_B), drafts.cache
 
   def _choose(self, loop, uniforms_BxK, forced_BxK, num_forced_B, i, logits_BxV):

@@ -161,7 +161,7 @@ class FeatureDrafter(_FeatureDrafterBase):
               cache)
 
     tokens_BxK, q_BxKxV, _, cache = jax.lax.fori_loop(
-        1, k, step, (tokens_BxK, q_BxKxV, features_BxD, cache))
+        1, k, step, (tokens_BxK, q_BxKxV, features_BxD, cache), unroll=loop.drafts_unrolled)
     cache = kv_cache.constrain(cache, loop.mesh, loop.rules)
     return (Proposal(tokens_BxK, q_BxKxV, jnp.full((B,), k, jnp.int32)),
             state.replace(cache=cache))

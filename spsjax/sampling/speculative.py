@@ -4,7 +4,7 @@ Prefill of the target (and of the drafter's model, if it has one), then an outer
 that runs while any row generates (`Loop.cond`) and whose body (`Loop.body`) takes every row
 through the same steps, whatever the drafter:
 - draft: the drafter proposes up to k tokens per row with the laws q they were drawn from
-  (`drafters.Drafter.propose`);
+  (`drafters.Drafter.propose`; its steps unrolled on accelerators: `Loop.drafts_unrolled`);
 - score: the target on the last committed token and the drafts, k + 1 positions in one call
   (`Loop._score`);
 - accept: modified rejection sampling per row (`Loop._accept`, `spsjax.sampling.rejection`);
@@ -126,6 +126,20 @@ class Loop(common.LoopSettings):
   drafter: Drafter = drafters.ModelDrafter()
   lenience: float = 1.0  # < 1: LOSSY (`rejection.lenient_law`); 1: exact.
   trim_score: bool = False  # Ragged drafters: score only the positions the longest proposal needs.
+  unroll_drafts: bool | None = None  # None: `drafts_unrolled` chooses by platform.
+
+  @property
+  def drafts_unrolled(self) -> bool:
+    """Whether a drafter's k - 1 steps after the first are straight-line code instead of a
+    `fori_loop` (`unroll_drafts`; by default on accelerators, not on a CPU). On a GPU an inner
+    loop splits the loop body's CUDA graphs: an H100 trace of the tiny pair
+    (tests/data/h100_sps_generation.xplane.pb.gz) ran each SpS loop as three graphs (before, in
+    and after the draft loop, the inner one launched once a step), the GPU idle 20-47 us a loop
+    at the two inner boundaries; unrolled, the body is one graph, and XLA:GPU compiles llama1b's
+    loop (k = 4) to 643 ops instead of 695 (`experiments/gpu_launches.py`). On a CPU the loop
+    costs next to nothing a step and unrolling only lengthens compiles. The same tokens either
+    way."""
+    return self.platform != 'cpu' if self.unroll_drafts is None else self.unroll_drafts
 
   def init(self, target: Model, draft: Model | None, prompts_BxP, prompt_lengths_B,
            rng) -> _State:
