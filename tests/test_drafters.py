@@ -212,6 +212,7 @@ def check_unrolled_drafts(target, draft, drafter, prompts, lengths, k=3):
   rolled, unrolled = outs
   np.testing.assert_array_equal(unrolled.tokens, rolled.tokens)
   np.testing.assert_array_equal(unrolled.num_accepted, rolled.num_accepted)
+  np.testing.assert_array_equal(unrolled.num_loops, rolled.num_loops)
   assert 0 < int(np.sum(rolled.num_accepted)) < k * int(np.sum(rolled.num_loops))
 
 
