@@ -82,8 +82,12 @@ def test_output_law_is_target_law(tiny_pair, setting, k):
   pvalue = g_test_pvalue(sequence_counts(tokens, V_SMALL), exact_joint(target, sampling))
   assert pvalue > P_MIN, f'{setting}, k={k}: G-test p-value {pvalue:.2e}'
   if setting == 'draft_is_target':
-    assert int(np.sum(out.num_accepted)) == k * int(np.sum(out.num_loops))
-    assert int(out.accepted_histogram[k]) == int(np.sum(out.num_loops))
+    # The draft's one-position steps and the target's (k + 1)-position pass round apart (logits
+    # within ~1e-6): a draft is then rejected with probability 1 - p/q ~ 1e-7, not 0 (one in 2.4
+    # million drafts over six keys here), where a wrong acceptance rejects thousands.
+    loops = int(np.sum(out.num_loops))
+    assert k * loops - int(np.sum(out.num_accepted)) <= 3
+    assert loops - int(out.accepted_histogram[k]) <= 3
   assert int(np.sum(out.accepted_histogram)) == int(np.sum(out.num_loops))
 
 

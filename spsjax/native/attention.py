@@ -43,6 +43,12 @@ def rope(x_BxTxNxH, positions_BxT, base):
 
 def write_rows(cache_BxSxNxH: jax.Array, new_BxTxNxH: jax.Array, starts_B: jax.Array) -> jax.Array:
   """Writes each row's T new entries at that row's own offset."""
+  if cache_BxSxNxH.shape[0] == 1:
+    # A batch of one: one dynamic-update-slice. The vmapped form's scatter over a batch of one
+    # made XLA:GPU (JAX 0.10) carry the value cache in the key cache's layout through a decoding
+    # loop and transpose it there and back every step (5 ops a layer, not 1).
+    return jax.lax.dynamic_update_slice(cache_BxSxNxH, new_BxTxNxH.astype(cache_BxSxNxH.dtype),
+                                        (0, starts_B[0], 0, 0))
 
   def one_row(row_SxNxH, new_TxNxH, start):
     return jax.lax.dynamic_update_slice(row_SxNxH, new_TxNxH.astype(row_SxNxH.dtype),
@@ -53,14 +59,22 @@ def write_rows(cache_BxSxNxH: jax.Array, new_BxTxNxH: jax.Array, starts_B: jax.A
 
 def attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT, key_positions_BxS):
   """XLA ops: each query at `positions` sees the keys at `key_positions` up to its own; scores in
-  float32. The model's attention on every path but the kernel's."""
+  float32. The model's attention on every path but the kernel's.
+
+  The scores keep the products' natural order, S last ([B, K, T, G, S]: query dims before key
+  dims, so jnp.einsum keeps q as the left operand): XLA:GPU then makes the softmax over S one
+  kernel (max, sum and normalise across a minor dim) where S in the middle took three, and
+  XLA:CPU's causal passes run 1.3-2.4x faster.
+  """
   H = keys_BxSxKxH.shape[3]
   mask_BxTxS = key_positions_BxS[:, None, :] <= positions_BxT[:, :, None]
-  scores = jnp.einsum('BTKGH,BSKH->BKGTS', q_BxTxKxGxH, keys_BxSxKxH,
-                      preferred_element_type=jnp.float32) * H**-0.5
-  scores = jnp.where(mask_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(values_BxSxKxH.dtype)
-  return jnp.einsum('BKGTS,BSKH->BTKGH', probs, values_BxSxKxH)
+  scores_BxKxTxGxS = jnp.einsum('BTKGH,BSKH->BKTGS', q_BxTxKxGxH, keys_BxSxKxH,
+                                preferred_element_type=jnp.float32) * H**-0.5
+  scores_BxKxTxGxS = jnp.where(mask_BxTxS[:, None, :, None], scores_BxKxTxGxS,
+                               jnp.finfo(jnp.float32).min)
+  probs_BxKxTxGxS = jax.nn.softmax(scores_BxKxTxGxS, axis=-1).astype(values_BxSxKxH.dtype)
+  out_BxKxTxGxH = jnp.einsum('BKTGS,BSKH->BKTGH', probs_BxKxTxGxS, values_BxSxKxH)
+  return out_BxKxTxGxH.transpose(0, 2, 1, 3, 4)
 
 
 def _split(qkv_BxTxMxH, K):
