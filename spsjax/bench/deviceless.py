@@ -9,10 +9,11 @@ check's programs (a step, ArS, SpS).
 
 What it does not give: times, and autotuning: Triton GEMMs get default tiles, often split in K
 (a GEMM and a reduce where the autotuned program may have one kernel). The plugin's XLA is the
-installed JAX's, and layouts move between versions: llama1b's unpadded step loop compiled this
-way by JAX 0.10.2 for an H200 launches 426 ops, the H200's own JAX 0.11.2 compile 362 (its XLA
-hoists 64 weight-layout copies and transposes out of the loop); the projections' forms and the
-attention's kernels agree.
+installed JAX's, and layouts move between versions: at fd1366c llama1b's unpadded step loop
+compiled this way by JAX 0.10.2 for an H200 launched 426 ops, the H200's own JAX 0.11.2 compile
+362 (0.10.2 carried the value cache in another layout and transposed it there and back every
+step, 4 ops a layer that a batch of one's write as one dynamic-update-slice now avoids); the
+projections' forms and the attention's kernels agreed.
 
 Needs the plugin of the installed JAX (`pip install jax-cuda12-plugin==V jax-cuda12-pjrt==V`,
 V = `jax.__version__`) and, on a machine without CUDA, `JAX_PLATFORMS=cpu` before JAX starts: the

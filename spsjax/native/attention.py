@@ -63,8 +63,8 @@ def attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT, key_positio
 
   The scores keep the products' natural order, S last ([B, K, T, G, S]: query dims before key
   dims, so jnp.einsum keeps q as the left operand): XLA:GPU then makes the softmax over S one
-  kernel (max, sum and normalise across a minor dim) where S in the middle took three, and
-  XLA:CPU's causal passes run 1.3-2.4x faster.
+  kernel (max, sum and normalise across a minor dim) where S in the middle took three; on XLA:CPU
+  the attention of a causal pass (T = S = 128 to 512) runs 1.3-2.4x faster.
   """
   H = keys_BxSxKxH.shape[3]
   mask_BxTxS = key_positions_BxS[:, None, :] <= positions_BxT[:, :, None]
