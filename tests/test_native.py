@@ -292,6 +292,21 @@ _attention_reference = jax.jit(attention.reference, static_argnums=4)
 
 
 @functools.cache
+def test_write_rows_writes_each_rows_slots_a_batch_of_one_too():
+  """A batch of one takes one dynamic-update-slice, more rows a vmapped one: both write row b's
+  T entries at starts[b], clamped (as XLA clamps) where starts[b] + T passes the end."""
+  S, T, N, H = 9, 3, 2, 4
+  for starts in ([0, 4, 8], [8], [2]):
+    B = len(starts)
+    cache, new = _normal(0, (B, S, N, H)), _normal(1, (B, T, N, H))
+    want = np.array(cache)
+    for b, start in enumerate(starts):
+      at = min(start, S - T)
+      want[b, at:at + T] = new[b]
+    got = jax.jit(attention.write_rows)(cache, new, jnp.array(starts, jnp.int32))
+    np.testing.assert_array_equal(got, want)
+
+
 def _attention_case():
   """Inputs (qkv, keys, values, starts) of every ATTENTION_SHAPES case, batch 3, and the XLA
   reference's outputs and caches for them (one program for all)."""
