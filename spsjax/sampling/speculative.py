@@ -135,10 +135,10 @@ class Loop(common.LoopSettings):
     loop splits the loop body's CUDA graphs: an H100 trace of the tiny pair
     (tests/data/h100_sps_generation.xplane.pb.gz) ran each SpS loop as three graphs (before, in
     and after the draft loop, the inner one launched once a step), the GPU idle 20-47 us a loop
-    at the two inner boundaries; unrolled, the body is one graph, and XLA:GPU compiles llama1b's
-    loop (k = 4) to 643 ops instead of 695 (`experiments/gpu_launches.py`). On a CPU the loop
-    costs next to nothing a step and unrolling only lengthens compiles. The same tokens either
-    way."""
+    at the two inner boundaries; unrolled, the body is one graph, and XLA:GPU compiled llama1b's
+    loop (k = 4) at bba396b to 643 ops instead of 695 (`experiments/gpu_launches.py`). On a CPU
+    the loop costs next to nothing a step and unrolling only lengthens compiles. The same tokens
+    either way."""
     return self.platform != 'cpu' if self.unroll_drafts is None else self.unroll_drafts
 
   def init(self, target: Model, draft: Model | None, prompts_BxP, prompt_lengths_B,
