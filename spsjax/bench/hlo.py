@@ -288,14 +288,16 @@ def _canonical(text: str, local: Mapping[str, str], code: Callable[[str], str]) 
 _NO_WORK = _PLUMBING + ('bitcast', 'while', 'conditional', 'call')
 
 
-def launches_by_phase(hlo: Hlo, computation: str, *, trips: bool = False) -> dict[str, int]:
+def launches_by_phase(hlo: Hlo, computation: str, *, trips: bool = False,
+                      opcodes: Sequence[str] | None = None) -> dict[str, int]:
   """{phase: the instructions of that phase that run work in `computation` and in the
   computations its control flow runs (loop bodies and conditions, branches, `call`s)}: a fusion
   counts as one (its fused code not at all), reducers and comparators not at all; plumbing,
   bitcasts and the control-flow instructions themselves run no work. On a GPU each is about one
   kernel launch. Each instruction is counted once, or with `trips` as often as one run of
   `computation` runs it: a nested loop's body and condition times the loop's trip count where
-  XLA knows it (`known_trip_count`), else once. Phases with none are left out."""
+  XLA knows it (`known_trip_count`), else once. With `opcodes`, only instructions of those
+  opcodes count. Phases with none are left out."""
   counts, seen = collections.Counter(), set()
 
   def count(c, times, path):
@@ -304,7 +306,7 @@ def launches_by_phase(hlo: Hlo, computation: str, *, trips: bool = False) -> dic
     seen.add(c)
     for name in hlo.computations.get(c, ()):
       i = hlo.instructions[name]
-      if i.opcode not in _NO_WORK:
+      if i.opcode not in _NO_WORK and (opcodes is None or i.opcode in opcodes):
         counts[hlo.phase[name]] += times
       inner = times * (i.trip_count or 1) if trips and i.body is not None else times
       for callee in i.control + (i.called if i.opcode == 'call' else ()):
@@ -331,6 +333,23 @@ def loop_launches_by_phase(text: str, *, trips: bool = False) -> dict[str, int] 
   parsed = parse_hlo(text)
   loop = parsed.main_loop()
   return None if loop is None else launches_by_phase(parsed, loop.body, trips=trips)
+
+
+# Cross-device communication: each one a wait on the interconnect on a mesh of chips.
+COLLECTIVES = ('all-reduce', 'all-reduce-start', 'all-gather', 'all-gather-start',
+               'reduce-scatter', 'collective-permute', 'collective-permute-start', 'all-to-all',
+               'ragged-all-to-all', 'collective-broadcast')
+
+
+def loop_collectives(text: str) -> int | None:
+  """The collectives (`COLLECTIVES`; an asynchronous one by its start) one iteration of the
+  main loop of a compiled program runs, nested loops by their trip counts; None if XLA left no
+  loop."""
+  parsed = parse_hlo(text)
+  loop = parsed.main_loop()
+  if loop is None:
+    return None
+  return sum(launches_by_phase(parsed, loop.body, trips=True, opcodes=COLLECTIVES).values())
 
 
 def loop_launches(text: str) -> int | None:

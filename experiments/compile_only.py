@@ -1,0 +1,183 @@
+"""Compiles the accelerator check's programs for a GPU or a TPU without one: ops per loop phase,
+collectives and memory per device.
+
+  pip install jax-cuda12-plugin==$V jax-cuda12-pjrt==$V   # V: the installed JAX's version
+  pip install "libtpu==0.0.42.*"                          # the libtpu jax[tpu]==$V pins (TPUs)
+  python experiments/compile_only.py                      # llama1b on an H200, padded and not
+  python experiments/compile_only.py --target=v5e --mesh=1x4 --single_row=plain  # 4 TPU chips
+  python experiments/compile_only.py --target=cpu --target_preset=tiny_target \\
+      --draft_preset=tiny_draft                           # this machine's CPU, for comparison
+  python experiments/compile_only.py --program=sps --single_row=padded \\
+      --drafter=model --drafter=lookup --drafter=hybrid --drafter=feature --drafter=heads
+
+For each program (`step`: the plain one-position extend loop `variants` times; `ars`, `sps`: the
+whole generations of the perfect-draft ceiling, temperature 1; `sps` with each `--drafter`: the
+draft preset, prompt lookup, both, an EAGLE head or k parallel heads over the target's features)
+and each treatment of single-row products (`TransformerConfig.single_row`: 'padded' is what a GPU
+runs by default), on a ('data', 'model') mesh of `--mesh` devices (several: TPU chips, or this
+machine's CPU devices): the operations one iteration of its main loop runs, per phase
+(`hlo.launches_by_phase`; on a GPU each launches about one kernel; an inner loop times its trip
+count where XLA knows it, else once: dynamic k's drafting, whose every step then also reads its
+condition on the host), the collectives among them, and the memory a device holds
+(`deviceless.device_bytes`), from XLA's optimized HLO (`spsjax.bench.deviceless`): no times, no
+autotuning. With --dump_dir each program's HLO is written there. JAX_PLATFORMS defaults to cpu
+here, so the plugins start without an accelerator, and ALLOW_MULTIPLE_LIBTPU_LOAD to 1, so that
+several such processes can compile for a TPU at once.
+"""
+
+import dataclasses
+import os
+import time
+
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
+
+from absl import app, flags  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from spsjax import cli, models, sharding, storage  # pylint: disable=wrong-import-position
+from spsjax.bench import deviceless, hlo  # pylint: disable=wrong-import-position
+from spsjax.models import presets  # pylint: disable=wrong-import-position
+from spsjax.sampling import drafter_config  # pylint: disable=wrong-import-position
+
+_PROGRAMS = ('step', 'ars', 'sps')
+_TARGET = flags.DEFINE_enum('target', 'h200', [*deviceless.TARGETS, 'cpu'],
+                            'The GPU or TPU to compile for, or cpu: this machine\'s CPU.')
+_MESH = flags.DEFINE_string('mesh', '1x1', 'DATAxMODEL: the mesh\'s axes (several devices: a '
+                            'TPU target, or cpu with that many devices).')
+_BATCH = flags.DEFINE_integer('batch', 1, 'Rows (a multiple of the mesh\'s data axis).')
+_TARGET_PRESET = flags.DEFINE_string('target_preset', 'llama1b', 'The target model\'s preset.')
+_DRAFT_PRESET = flags.DEFINE_string('draft_preset', 'llama1b_draft', 'The draft\'s preset (sps).')
+_DTYPE = flags.DEFINE_enum('dtype', 'bfloat16', ['bfloat16', 'float32'], 'The models\' dtype.')
+_SINGLE_ROW = flags.DEFINE_multi_enum('single_row', ['padded', 'plain'], ['padded', 'plain'],
+                                      'Single-row products: padded (a GPU\'s default) or plain.')
+_PROGRAM = flags.DEFINE_multi_enum('program', list(_PROGRAMS), list(_PROGRAMS), 'Programs.')
+_K = flags.DEFINE_integer('k', 4, 'SpS lookahead.')
+_DRAFTER = flags.DEFINE_multi_enum('drafter', ['model'], list(drafter_config.KINDS),
+                                   'SpS drafters (`sampling.drafter_config`); feature: a 1-block '
+                                   'EAGLE head, heads: k parallel heads.')
+_STOP_BELOW = flags.DEFINE_float('stop_below', 0.0, 'Dynamic k for the model and hybrid drafters: '
+                                 'a row stops drafting below this draft probability.')
+_DUMP_DIR = flags.DEFINE_string('dump_dir', None, 'Write each program\'s HLO here: '
+                                '<program>[_<drafter>][_dynamic]_<single_row>.hlo.txt.')
+_OUT = flags.DEFINE_string('out', None, 'Also write the table (Markdown) to this file.')
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  program: str
+  drafter: str  # SpS's drafter; '-' for the other programs.
+  single_row: str
+  launches: dict[str, int]  # Phase -> operations one iteration of the main loop runs.
+  collectives: int  # Of those, the collectives (`hlo.COLLECTIVES`).
+  device_bytes: int | None  # What one device holds (`deviceless.device_bytes`).
+  compile_seconds: float
+
+
+def _model(preset: str, single_row: str, mesh) -> models.Model:
+  config = models.TransformerConfig(**dict(presets.get(preset), dtype=_DTYPE.value,
+                                           single_row=single_row))
+  return deviceless.abstract_model(config, mesh)
+
+
+def _draft(kind: str, target: models.Model, single_row: str, mesh):
+  """The draft `kind`'s drafter reads: the draft preset, a head over `target`, or None."""
+  if kind in drafter_config.HEAD_KINDS:
+    return deviceless.abstract_head(kind, target.config, mesh,
+                                    num_layers=_K.value if kind == 'heads' else 1)
+  return None if kind == 'lookup' else _model(_DRAFT_PRESET.value, single_row, mesh)
+
+
+def count(program: str, single_row: str, mesh, dump_dir: str | None,
+          drafter: str = 'model') -> Row:
+  """One program's operations per phase (`Row`), its HLO written to `dump_dir` if given."""
+  start = time.perf_counter()
+  target = _model(_TARGET_PRESET.value, single_row, mesh)
+  name, label, batch = program, '-', _BATCH.value
+  if program == 'step':
+    compiled = deviceless.compile_step(target, mesh, batch=batch)
+  elif program == 'ars':
+    compiled = deviceless.compile_ars(target, mesh, batch=batch)
+  else:
+    stop_below = _STOP_BELOW.value if drafter in ('model', 'hybrid') else 0.0
+    compiled = deviceless.compile_sps(
+        target, _draft(drafter, target, single_row, mesh), mesh, k=_K.value, batch=batch,
+        drafter=drafter_config.build(drafter, stop_below=stop_below))
+    name = f'{program}_{drafter}' if drafter != 'model' else program
+    label = f'{drafter}, stop_below {stop_below:g}' if stop_below else drafter
+    name += '_dynamic' if stop_below else ''
+  seconds = time.perf_counter() - start
+  text = compiled.as_text()
+  if dump_dir:
+    storage.write_text(storage.join(dump_dir, f'{name}_{single_row}.hlo.txt'), text)
+  launches = hlo.loop_launches_by_phase(text, trips=True)
+  if launches is None:
+    raise RuntimeError(f'{name} ({single_row}): XLA left no loop to count.')
+  return Row(program, label, single_row, launches, hlo.loop_collectives(text),
+             deviceless.device_bytes(compiled), seconds)
+
+
+def table(rows: list[Row], device: str, mesh_shape: str) -> str:
+  phases = (*hlo.PHASES, hlo.OTHER)
+  lines = [f'Operations one loop iteration runs on {device}, mesh {mesh_shape} (JAX '
+           f'{jax.__version__}; {_TARGET_PRESET.value}, draft {_DRAFT_PRESET.value}, batch '
+           f'{_BATCH.value}, k = {_K.value}, {_DTYPE.value})', '',
+           '| program | drafter | single rows | ' + ' | '.join(phases)
+           + ' | all | collectives | MiB a device | compile s |',
+           '|---' * (len(phases) + 7) + '|']
+  for r in rows:
+    mib = '-' if r.device_bytes is None else f'{r.device_bytes / 2**20:.1f}'
+    lines.append(f'| {r.program} | {r.drafter} | {r.single_row} | '
+                 + ' | '.join(str(r.launches.get(p, 0)) for p in phases)
+                 + f' | {sum(r.launches.values())} | {r.collectives} | {mib} | '
+                 f'{r.compile_seconds:.0f} |')
+  return '\n'.join(lines) + '\n'
+
+
+def _mesh_axes(text: str) -> tuple[int, int]:
+  try:
+    data, model = (int(n) for n in text.lower().split('x'))
+  except ValueError:
+    raise app.UsageError(f'--mesh is DATAxMODEL (e.g. 1x4), got {text!r}.') from None
+  if data < 1 or model < 1:
+    raise app.UsageError(f'--mesh axes must be >= 1, got {text!r}.')
+  return data, model
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  if (_DRAFTER.value != ['model'] or _STOP_BELOW.value) and 'sps' not in _PROGRAM.value:
+    raise app.UsageError('--drafter and --stop_below are SpS\'s: pass --program=sps too.')
+  if _STOP_BELOW.value and not {'model', 'hybrid'} & set(_DRAFTER.value):
+    raise app.UsageError('--stop_below is dynamic k of the model and hybrid drafters: pass '
+                         '--drafter=model or hybrid.')
+  data, model_axis = _mesh_axes(_MESH.value)
+  if _BATCH.value < 1 or _BATCH.value % data:
+    raise app.UsageError(f'--batch={_BATCH.value} must be a positive multiple of the mesh\'s '
+                         f'data axis ({data}).')
+  if _TARGET.value == 'cpu':
+    devices = jax.devices('cpu')
+    if len(devices) < data * model_axis:
+      raise app.UsageError(f'--mesh={_MESH.value} needs {data * model_axis} CPU devices, this '
+                           f'process has {len(devices)} (XLA_FLAGS='
+                           '--xla_force_host_platform_device_count=N).')
+    devices = devices[:data * model_axis]
+  else:
+    try:
+      devices = deviceless.devices(_TARGET.value, data * model_axis)
+    except (RuntimeError, ValueError) as e:  # What to install, or what mesh it has: one line.
+      raise app.UsageError(str(e)) from e
+  mesh = sharding.make_mesh(data, model_axis, devices)
+  rows = [count(p, s, mesh, _DUMP_DIR.value, d)
+          for p in _PROGRAMS if p in _PROGRAM.value
+          for d in (_DRAFTER.value if p == 'sps' else ['model']) for s in _SINGLE_ROW.value]
+  kind = getattr(devices[0], 'device_kind', devices[0].platform)
+  text = table(rows, f'{_TARGET.value} ({kind})', f'{data} x {model_axis}')
+  print(text)
+  if _OUT.value:
+    storage.write_text(_OUT.value, text)
+
+
+if __name__ == '__main__':
+  cli.run(main)
