@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spsjax import models, sharding
+from spsjax.bench import deviceless, hlo as hlo_lib
 from spsjax.models import kv_cache
 from spsjax.sampling import (SamplingConfig, autoregressive, autoregressive_sample, common,
                              drafters, speculative, speculative_sample)
@@ -330,3 +331,29 @@ def test_sharded_sps_with_other_drafters_equals_single_device(drafter, trim_scor
                                               mesh=sharding.make_mesh(2, 4), **kw))
   for field in ('tokens', 'num_loops', 'num_accepted', 'num_drafted'):
     np.testing.assert_array_equal(getattr(sharded, field), getattr(single, field), err_msg=field)
+
+
+def _phase_collectives(compiled, phase):
+  parsed = hlo_lib.parse_hlo(compiled.as_text())
+  return hlo_lib.launches_by_phase(parsed, parsed.main_loop().body, trips=True,
+                                   opcodes=hlo_lib.COLLECTIVES).get(phase, 0)
+
+
+def test_a_draw_gathers_the_vocabulary_once_not_once_per_reduction(monkeypatch):
+  """On a mesh that splits the vocabulary, the logits a draw reads are made whole first
+  (`common.whole_vocabulary`): each draft step then adds one collective to its layers' and its
+  embedding lookup's, where a draw over the split vocabulary adds one per reduction (max, sum,
+  total, first token) besides the gather its prefix sums make. Compiled only, at nucleus."""
+  mesh = sharding.make_mesh(1, 4, jax.devices()[:4])
+  target = deviceless.abstract_model(_config(4), mesh)
+  draft = deviceless.abstract_model(_draft(4)[0], mesh)
+  nucleus = SamplingConfig(temperature=0.8, top_p=0.9)
+  per_step = {}
+  for whole, k in ((True, 3), (False, 2)):  # Another k: another trace, not a cached one.
+    if not whole:
+      monkeypatch.setattr(common, 'whole_vocabulary', lambda logits_BxV, mesh, rules: logits_BxV)
+    compiled = deviceless.compile_sps(target, draft, mesh, k=k, batch=BATCH, prompt_len=WIDTH,
+                                      max_new_tokens=MAX_NEW, sampling=nucleus)
+    per_step[whole] = _phase_collectives(compiled, 'draft') / k
+  draft_layers = _draft(4)[0].num_layers
+  assert per_step[True] <= 2 * draft_layers + 2 < per_step[False], per_step

@@ -43,8 +43,9 @@ class Loop(common.LoopSettings):
   def _emit(self, state: _State, logits_BxV) -> _State:
     """Samples one token per active row and records it; stopped rows are left as they are."""
     keys_B = common.step_keys(state.row_keys_B, state.num_generated_B)
-    _, new_B = probabilities_and_sample(keys_B, logits_BxV, self.sampling,
-                                        native_kernel=self.native_kernel)
+    _, new_B = probabilities_and_sample(
+        keys_B, common.whole_vocabulary(logits_BxV, self.mesh, self.rules), self.sampling,
+        native_kernel=self.native_kernel)
     tokens_BxW, num_generated_B, done_B, _ = common.commit(
         state.tokens_BxW, state.num_generated_B, state.done_B, new_B[:, None],
         jnp.ones_like(new_B), eos_id=self.eos_id, max_new_tokens=self.max_new_tokens)

@@ -184,6 +184,20 @@ def step_keys(row_keys_B: jax.Array, counters_B: jax.Array) -> jax.Array:
   return jax.vmap(jax.random.fold_in)(row_keys_B, counters_B)
 
 
+def whole_vocabulary(logits_BxV: jax.Array, mesh: Mesh | None,
+                     rules: sharding.Rules = sharding.DEFAULT_RULES) -> jax.Array:
+  """Logits [B, ..., V] about to be drawn from, their rows on `data` and each row whole on every
+  device of `model` (no-op without a mesh or where `model` is 1). The model's output layer leaves
+  the vocabulary split over `model`, and a draw's prefix sums gather it anyway (one all-gather);
+  gathered before the draw, its max, sum, total and first-token reductions need no collective
+  each (llama1b on 4 TPU v5e chips, compiled without one: an ArS step 34 collectives instead of
+  42, an SpS loop with its draft at k = 4 67 instead of 100, a top-p draw's search none)."""
+  if mesh is None or mesh.shape['model'] == 1:
+    return logits_BxV
+  return jax.lax.with_sharding_constraint(logits_BxV, sharding.named(
+      ('batch',) + (None,) * (logits_BxV.ndim - 1), logits_BxV.shape, mesh, rules))
+
+
 def place(model: Model, prompts, prompt_lengths, mesh: Mesh | None,
           rules: sharding.Rules = sharding.DEFAULT_RULES):
   """Puts params, prompts and lengths on the mesh (params by their logical rules, rows on `data`)."""

@@ -250,6 +250,17 @@ class _Drafts:
                num_B=jnp.ones((B,), jnp.int32), cache=cache)
 
 
+def draw_draft(loop, uniforms_B: jax.Array, logits_BxV: jax.Array
+               ) -> tuple[jax.Array, jax.Array]:
+  """(q [B, V], a draft [B]) of one draft slot: `probabilities_and_sample_with` under the loop's
+  draft sampling, on a mesh over rows whole on every device (`common.whole_vocabulary`; q too,
+  or the partitioner splits the draw's work again to match where q is kept)."""
+  whole = lambda x_BxV: common.whole_vocabulary(x_BxV, loop.mesh, loop.rules)
+  q_BxV, d_B = probabilities_and_sample_with(uniforms_B, whole(logits_BxV), loop.draft_sampling,
+                                             native_kernel=loop.native_kernel)
+  return whole(q_BxV), d_B
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelDrafter(Drafter):
   """A draft model sampling k tokens one after another (the paper's draft).
@@ -320,9 +331,9 @@ class ModelDrafter(Drafter):
     """Slot i of every row: (q, draft, whether the row drafts on). The plain model draft (no
     forced tokens, fixed k) pays for nothing else per step."""
     B, V = logits_BxV.shape
-    q_BxV, d_B = probabilities_and_sample_with(uniforms_BxK[:, i], logits_BxV,
-                                               loop.draft_sampling,
-                                               native_kernel=loop.native_kernel)
+    # Whole rows on a mesh: the confidence's reductions need no collectives either.
+    logits_BxV = common.whole_vocabulary(logits_BxV, loop.mesh, loop.rules)
+    q_BxV, d_B = draw_draft(loop, uniforms_BxK[:, i], logits_BxV)
     forced_B = jnp.zeros((B,), bool)
     if forced_BxK is not None:
       forced_B = i < num_forced_B

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from spsjax.models import KVCache, Model, feature_head, init_cache, kv_cache
-from spsjax.sampling.drafters import Committed, Drafter, Proposal, Verdict
-from spsjax.sampling.processors import probabilities_and_sample_with, uniforms
+from spsjax.sampling.drafters import Committed, Drafter, Proposal, Verdict, draw_draft
+from spsjax.sampling.processors import uniforms
 
 
 @flax.struct.dataclass
@@ -67,8 +67,7 @@ class Pending:
 def _sampler(loop, keys_BxK):
   """(slot i, logits [B, V]) -> (q [B, V], draft [B]) with slot i's key, as a draft model."""
   uniforms_BxK = uniforms(keys_BxK)
-  return lambda i, logits_BxV: probabilities_and_sample_with(
-      uniforms_BxK[:, i], logits_BxV, loop.draft_sampling, native_kernel=loop.native_kernel)
+  return lambda i, logits_BxV: draw_draft(loop, uniforms_BxK[:, i], logits_BxV)
 
 
 class _FeatureDrafterBase(Drafter):

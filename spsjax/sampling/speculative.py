@@ -136,7 +136,7 @@ class Loop(common.LoopSettings):
     (tests/data/h100_sps_generation.xplane.pb.gz) ran each SpS loop as three graphs (before, in
     and after the draft loop, the inner one launched once a step), the GPU idle 20-47 us a loop
     at the two inner boundaries; unrolled, the body is one graph, and XLA:GPU compiled llama1b's
-    loop (k = 4) at bba396b to 643 ops instead of 695 (`experiments/gpu_launches.py`). On a CPU
+    loop (k = 4) at bba396b to 643 ops instead of 695 (`experiments/compile_only.py`). On a CPU
     the loop costs next to nothing a step and unrolling only lengthens compiles. The same tokens
     either way."""
     return self.platform != 'cpu' if self.unroll_drafts is None else self.unroll_drafts
@@ -158,7 +158,7 @@ class Loop(common.LoopSettings):
                                                  prompt_lengths_B, capacity, last_only=True)
     draft_state = self.drafter.init(self, self.drafter.bind(target, draft), prompts_BxP,
                                     prompt_lengths_B, capacity, features_BxPxD)
-    first_logits_BxV = first_logits_Bx1xV[:, 0]
+    first_logits_BxV = common.whole_vocabulary(first_logits_Bx1xV[:, 0], self.mesh, self.rules)
     _, first_B = probabilities_and_sample(
         jax.vmap(jax.random.fold_in)(row_keys_B, jnp.zeros((B,), jnp.uint32)), first_logits_BxV,
         self.sampling, native_kernel=self.native_kernel)
