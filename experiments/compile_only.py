@@ -11,10 +11,11 @@ collectives and memory per device.
       --drafter=model --drafter=lookup --drafter=hybrid --drafter=feature --drafter=heads
 
 For each program (`step`: the plain one-position extend loop `variants` times; `ars`, `sps`: the
-whole generations of the perfect-draft ceiling, temperature 1; `sps` with each `--drafter`: the
-draft preset, prompt lookup, both, an EAGLE head or k parallel heads over the target's features)
-and each treatment of single-row products (`TransformerConfig.single_row`: 'padded' is what a GPU
-runs by default), on a ('data', 'model') mesh of `--mesh` devices (several: TPU chips, or this
+whole generations of the perfect-draft ceiling, at temperature 1 unless `--temperature`,
+`--top_k`, `--top_p` say otherwise; `sps` with each `--drafter`: the draft preset, prompt
+lookup, both, an EAGLE head or k parallel heads over the target's features) and each treatment
+of single-row products (`TransformerConfig.single_row`: 'padded' is what a GPU runs by default),
+on a ('data', 'model') mesh of `--mesh` devices (several: TPU chips, or this
 machine's CPU devices): the operations one iteration of its main loop runs, per phase
 (`hlo.launches_by_phase`; on a GPU each launches about one kernel; an inner loop times its trip
 count where XLA knows it, else once: dynamic k's drafting, whose every step then also reads its
@@ -38,7 +39,7 @@ import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 from spsjax import cli, models, sharding, storage  # pylint: disable=wrong-import-position
 from spsjax.bench import deviceless, hlo  # pylint: disable=wrong-import-position
 from spsjax.models import presets  # pylint: disable=wrong-import-position
-from spsjax.sampling import drafter_config  # pylint: disable=wrong-import-position
+from spsjax.sampling import SamplingConfig, drafter_config  # pylint: disable=wrong-import-position
 
 _PROGRAMS = ('step', 'ars', 'sps')
 _TARGET = flags.DEFINE_enum('target', 'h200', [*deviceless.TARGETS, 'cpu'],
@@ -53,6 +54,10 @@ _SINGLE_ROW = flags.DEFINE_multi_enum('single_row', ['padded', 'plain'], ['padde
                                       'Single-row products: padded (a GPU\'s default) or plain.')
 _PROGRAM = flags.DEFINE_multi_enum('program', list(_PROGRAMS), list(_PROGRAMS), 'Programs.')
 _K = flags.DEFINE_integer('k', 4, 'SpS lookahead.')
+_TEMPERATURE = flags.DEFINE_float('temperature', 1.0, 'ArS\'s and SpS\'s sampling: temperature '
+                                  '(0: greedy).')
+_TOP_K = flags.DEFINE_integer('top_k', 0, 'Top-k (0: off).')
+_TOP_P = flags.DEFINE_float('top_p', 1.0, 'Top-p (1: off).')
 _DRAFTER = flags.DEFINE_multi_enum('drafter', ['model'], list(drafter_config.KINDS),
                                    'SpS drafters (`sampling.drafter_config`); feature: a 1-block '
                                    'EAGLE head, heads: k parallel heads.')
@@ -94,15 +99,17 @@ def count(program: str, single_row: str, mesh, dump_dir: str | None,
   start = time.perf_counter()
   target = _model(_TARGET_PRESET.value, single_row, mesh)
   name, label, batch = program, '-', _BATCH.value
+  sampling = SamplingConfig(temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
+                            top_p=_TOP_P.value)
   if program == 'step':
     compiled = deviceless.compile_step(target, mesh, batch=batch)
   elif program == 'ars':
-    compiled = deviceless.compile_ars(target, mesh, batch=batch)
+    compiled = deviceless.compile_ars(target, mesh, batch=batch, sampling=sampling)
   else:
     stop_below = _STOP_BELOW.value if drafter in ('model', 'hybrid') else 0.0
     compiled = deviceless.compile_sps(
         target, _draft(drafter, target, single_row, mesh), mesh, k=_K.value, batch=batch,
-        drafter=drafter_config.build(drafter, stop_below=stop_below))
+        sampling=sampling, drafter=drafter_config.build(drafter, stop_below=stop_below))
     name = f'{program}_{drafter}' if drafter != 'model' else program
     label = f'{drafter}, stop_below {stop_below:g}' if stop_below else drafter
     name += '_dynamic' if stop_below else ''
@@ -121,7 +128,7 @@ def table(rows: list[Row], device: str, mesh_shape: str) -> str:
   phases = (*hlo.PHASES, hlo.OTHER)
   lines = [f'Operations one loop iteration runs on {device}, mesh {mesh_shape} (JAX '
            f'{jax.__version__}; {_TARGET_PRESET.value}, draft {_DRAFT_PRESET.value}, batch '
-           f'{_BATCH.value}, k = {_K.value}, {_DTYPE.value})', '',
+           f'{_BATCH.value}, k = {_K.value}, {_DTYPE.value}, {_sampling_text()})', '',
            '| program | drafter | single rows | ' + ' | '.join(phases)
            + ' | all | collectives | MiB a device | compile s |',
            '|---' * (len(phases) + 7) + '|']
@@ -132,6 +139,15 @@ def table(rows: list[Row], device: str, mesh_shape: str) -> str:
                  + f' | {sum(r.launches.values())} | {r.collectives} | {mib} | '
                  f'{r.compile_seconds:.0f} |')
   return '\n'.join(lines) + '\n'
+
+
+def _sampling_text() -> str:
+  parts = [f'temperature {_TEMPERATURE.value:g}']
+  if _TOP_K.value:
+    parts.append(f'top-k {_TOP_K.value}')
+  if _TOP_P.value < 1:
+    parts.append(f'top-p {_TOP_P.value:g}')
+  return ', '.join(parts)
 
 
 def _mesh_axes(text: str) -> tuple[int, int]:
@@ -152,6 +168,10 @@ def main(argv):
   if _STOP_BELOW.value and not {'model', 'hybrid'} & set(_DRAFTER.value):
     raise app.UsageError('--stop_below is dynamic k of the model and hybrid drafters: pass '
                          '--drafter=model or hybrid.')
+  try:
+    SamplingConfig(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
   data, model_axis = _mesh_axes(_MESH.value)
   if _BATCH.value < 1 or _BATCH.value % data:
     raise app.UsageError(f'--batch={_BATCH.value} must be a positive multiple of the mesh\'s '

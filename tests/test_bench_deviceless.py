@@ -119,10 +119,10 @@ def test_the_binary_counts_on_this_machines_cpu(tmp_path):
   out = tmp_path / 'launches.md'
   _run_binary('--target=cpu', '--mesh=1x2', '--batch=2', '--target_preset=tiny_target',
               '--program=step', '--program=sps', '--drafter=heads', '--k=3', '--single_row=plain',
-              f'--dump_dir={tmp_path}', f'--out={out}')
+              '--temperature=0.8', '--top_p=0.9', f'--dump_dir={tmp_path}', f'--out={out}')
   cells = {tuple(c.strip() for c in line.split('|')[1:3]): line.split('|')[4:12]
            for line in out.read_text().splitlines() if line.startswith('| s')}
-  assert 'mesh 1 x 2' in out.read_text() and 'batch 2' in out.read_text()
+  assert all(f in out.read_text() for f in ('mesh 1 x 2', 'batch 2', 'temperature 0.8, top-p 0.9'))
   rows = {name: [int(c) for c in row[:5]] for name, row in cells.items()}
   assert list(rows) == [('step', '-'), ('sps', 'heads')], rows
   for name, row in cells.items():  # Collectives, then MiB a device (the tiny models: < 100).
@@ -144,7 +144,8 @@ def test_the_binary_counts_on_this_machines_cpu(tmp_path):
     (('--program=step', '--drafter=feature'), 'pass --program=sps too'),
     (('--mesh=4',), '--mesh is DATAxMODEL'),
     (('--mesh=2x1',), 'must be a positive multiple of the mesh\'s data axis (2)'),
-    (('--mesh=4x4', '--batch=4'), 'needs 16 CPU devices')])
+    (('--mesh=4x4', '--batch=4'), 'needs 16 CPU devices'),
+    (('--top_p=1.5',), 'top_p')])
 def test_flags_that_cannot_work_are_usage_errors(flags, message):
   result = _run_binary('--target=cpu', *flags, check=False)
   assert result.returncode == 1 and message in result.stderr, result.stderr[-2000:]
