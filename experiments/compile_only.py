@@ -4,7 +4,7 @@ collectives and memory per device.
   pip install jax-cuda12-plugin==$V jax-cuda12-pjrt==$V   # V: the installed JAX's version
   pip install "libtpu==0.0.42.*"                          # the libtpu jax[tpu]==$V pins (TPUs)
   python experiments/compile_only.py                      # llama1b on an H200, padded and not
-  python experiments/compile_only.py --target=v5e --mesh=1x4 --single_row=plain  # 4 TPU chips
+  python experiments/compile_only.py --target=v5e --model_axis=4 --single_row=plain  # 4 chips
   python experiments/compile_only.py --target=cpu --target_preset=tiny_target \\
       --draft_preset=tiny_draft                           # this machine's CPU, for comparison
   python experiments/compile_only.py --program=sps --single_row=padded \\
@@ -15,7 +15,7 @@ whole generations of the perfect-draft ceiling, at temperature 1 unless `--tempe
 `--top_k`, `--top_p` say otherwise; `sps` with each `--drafter`: the draft preset, prompt
 lookup, both, an EAGLE head or k parallel heads over the target's features) and each treatment
 of single-row products (`TransformerConfig.single_row`: 'padded' is what a GPU runs by default),
-on a ('data', 'model') mesh of `--mesh` devices (several: TPU chips, or this
+on a ('data', 'model') mesh of `--data` x `--model_axis` devices (several: TPU chips, or this
 machine's CPU devices): the operations one iteration of its main loop runs, per phase
 (`hlo.launches_by_phase`; on a GPU each launches about one kernel; an inner loop times its trip
 count where XLA knows it, else once: dynamic k's drafting, whose every step then also reads its
@@ -44,8 +44,9 @@ from spsjax.sampling import SamplingConfig, drafter_config  # pylint: disable=wr
 _PROGRAMS = ('step', 'ars', 'sps')
 _TARGET = flags.DEFINE_enum('target', 'h200', [*deviceless.TARGETS, 'cpu'],
                             'The GPU or TPU to compile for, or cpu: this machine\'s CPU.')
-_MESH = flags.DEFINE_string('mesh', '1x1', 'DATAxMODEL: the mesh\'s axes (several devices: a '
-                            'TPU target, or cpu with that many devices).')
+_DATA = flags.DEFINE_integer('data', 1, 'Mesh data axis (several devices: a TPU target, or cpu '
+                             'with that many devices).')
+_MODEL_AXIS = flags.DEFINE_integer('model_axis', 1, 'Mesh model axis.')
 _BATCH = flags.DEFINE_integer('batch', 1, 'Rows (a multiple of the mesh\'s data axis).')
 _TARGET_PRESET = flags.DEFINE_string('target_preset', 'llama1b', 'The target model\'s preset.')
 _DRAFT_PRESET = flags.DEFINE_string('draft_preset', 'llama1b_draft', 'The draft\'s preset (sps).')
@@ -150,16 +151,6 @@ def _sampling_text() -> str:
   return ', '.join(parts)
 
 
-def _mesh_axes(text: str) -> tuple[int, int]:
-  try:
-    data, model = (int(n) for n in text.lower().split('x'))
-  except ValueError:
-    raise app.UsageError(f'--mesh is DATAxMODEL (e.g. 1x4), got {text!r}.') from None
-  if data < 1 or model < 1:
-    raise app.UsageError(f'--mesh axes must be >= 1, got {text!r}.')
-  return data, model
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
@@ -172,15 +163,17 @@ def main(argv):
     SamplingConfig(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from e
-  data, model_axis = _mesh_axes(_MESH.value)
+  data, model_axis = _DATA.value, _MODEL_AXIS.value
+  if data < 1 or model_axis < 1:
+    raise app.UsageError(f'--data and --model_axis must be >= 1, got {data} and {model_axis}.')
   if _BATCH.value < 1 or _BATCH.value % data:
     raise app.UsageError(f'--batch={_BATCH.value} must be a positive multiple of the mesh\'s '
                          f'data axis ({data}).')
   if _TARGET.value == 'cpu':
     devices = jax.devices('cpu')
     if len(devices) < data * model_axis:
-      raise app.UsageError(f'--mesh={_MESH.value} needs {data * model_axis} CPU devices, this '
-                           f'process has {len(devices)} (XLA_FLAGS='
+      raise app.UsageError(f'A {data} x {model_axis} mesh needs {data * model_axis} CPU devices, '
+                           f'this process has {len(devices)} (XLA_FLAGS='
                            '--xla_force_host_platform_device_count=N).')
     devices = devices[:data * model_axis]
   else:

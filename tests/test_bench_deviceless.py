@@ -117,7 +117,7 @@ def _run_binary(*flags: str, check: bool = True) -> subprocess.CompletedProcess:
 def test_the_binary_counts_on_this_machines_cpu(tmp_path):
   """On 2 of the test process's 8 CPU devices, the model axis across them."""
   out = tmp_path / 'launches.md'
-  _run_binary('--target=cpu', '--mesh=1x2', '--batch=2', '--target_preset=tiny_target',
+  _run_binary('--target=cpu', '--model_axis=2', '--batch=2', '--target_preset=tiny_target',
               '--program=step', '--program=sps', '--drafter=heads', '--k=3', '--single_row=plain',
               '--temperature=0.8', '--top_p=0.9', f'--dump_dir={tmp_path}', f'--out={out}')
   cells = {tuple(c.strip() for c in line.split('|')[1:3]): line.split('|')[4:12]
@@ -142,9 +142,9 @@ def test_the_binary_counts_on_this_machines_cpu(tmp_path):
 @pytest.mark.parametrize('flags,message', [
     (('--program=sps', '--drafter=lookup', '--stop_below=0.3'), 'pass --drafter=model or hybrid'),
     (('--program=step', '--drafter=feature'), 'pass --program=sps too'),
-    (('--mesh=4',), '--mesh is DATAxMODEL'),
-    (('--mesh=2x1',), 'must be a positive multiple of the mesh\'s data axis (2)'),
-    (('--mesh=4x4', '--batch=4'), 'needs 16 CPU devices'),
+    (('--model_axis=0',), 'must be >= 1'),
+    (('--data=2',), 'must be a positive multiple of the mesh\'s data axis (2)'),
+    (('--data=4', '--model_axis=4', '--batch=4'), 'needs 16 CPU devices'),
     (('--top_p=1.5',), 'top_p')])
 def test_flags_that_cannot_work_are_usage_errors(flags, message):
   result = _run_binary('--target=cpu', *flags, check=False)
