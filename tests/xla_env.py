@@ -22,14 +22,49 @@ for bit).
 """
 
 import os
+import re
+import subprocess
+import sys
 
 QUICK_COMPILE = ('--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0 '
                  '--xla_disable_hlo_passes=hlo-verifier --xla_cpu_parallel_codegen_split_count=1')
 
+# The QUICK_COMPILE flags this run's XLA knows, found once per run and passed on to the workers and
+# the processes they start through the environment.
+_KNOWN_ENV = 'SPSJAX_TEST_QUICK_COMPILE'
+
+
+def known_quick_compile() -> str:
+  """QUICK_COMPILE without the flags the installed XLA does not know.
+
+  XLA aborts a process whose XLA_FLAGS name an unknown flag, and its releases remove flags
+  (jaxlib 0.11 dropped `--xla_cpu_use_fusion_emitters`, with the legacy emitters). These flags
+  only make compiling quicker, so one that is gone is left out: a child Python starts JAX's CPU
+  backend with them and names the one it rejects, until it starts (about a second, once per run).
+  """
+  if _KNOWN_ENV in os.environ:
+    return os.environ[_KNOWN_ENV]
+  kept = QUICK_COMPILE.split()
+  for _ in range(len(kept) + 1):
+    env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+    env.update(XLA_FLAGS=' '.join(kept), JAX_PLATFORMS='cpu')
+    try:
+      probe = subprocess.run([sys.executable, '-c', 'import jax; jax.devices()'], env=env,
+                             capture_output=True, text=True, timeout=300, check=False)
+    except subprocess.TimeoutExpired:
+      break
+    unknown = re.search(r'Unknown flags? in XLA_FLAGS: (--[a-z0-9_]+)', probe.stderr)
+    if probe.returncode == 0 or not unknown:
+      break  # Started, or failed for another reason: the test process will say which.
+    kept = [f for f in kept if f.split('=')[0] != unknown.group(1)]
+  os.environ[_KNOWN_ENV] = ' '.join(kept)
+  return os.environ[_KNOWN_ENV]
+
 
 def flags(devices: int | None = None) -> str:
-  """XLA_FLAGS for a test process: the quick compiler path, and `devices` fake CPU devices."""
-  parts = [QUICK_COMPILE]
+  """XLA_FLAGS for a test process: the quick compiler path (the flags of it that this XLA
+  knows), and `devices` fake CPU devices."""
+  parts = [known_quick_compile()]
   if devices is not None:
     parts.append(f'--xla_force_host_platform_device_count={devices}')
   return ' '.join(parts)

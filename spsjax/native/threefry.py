@@ -14,15 +14,33 @@ bits against a program compiled before the switch) and is global to the process:
 lowered after it hashes without a loop (longer to compile when a program draws many times, not
 the case for ours). It uses JAX internals (the primitive and its lowering rule); where a JAX
 version lacks them it does nothing and says so once in the log.
+
+Only up to jaxlib 0.10: from jaxlib 0.11 on, XLA:CPU's LLVM takes minutes to compile the
+straight-line hash at its default optimisation level (the loop vectorizer's VPlan analysis; a toy
+model's ArS program: over 300 s, 2.4 s with the loop, jaxlib 0.12.0.1), so there the hash keeps
+JAX's loop, and the log says so once.
 """
 
 import functools
 import logging
 
 
+# The newest jaxlib (major, minor) whose XLA:CPU compiles the unrolled hash quickly.
+LAST_JAXLIB = (0, 10)
+
+
 @functools.cache
 def unroll_on_cpu() -> bool:
   """Registers the straight-line threefry lowering for the CPU; whether it could (once)."""
+  try:
+    from jax._src.lib import version as jaxlib_version  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    jaxlib_version = None
+  if jaxlib_version is None or tuple(jaxlib_version[:2]) > LAST_JAXLIB:
+    logging.info('spsjax.native.threefry: random bits on the CPU keep their loop under jaxlib %s '
+                 '(unrolled up to %d.%d, whose XLA compiles it quickly).',
+                 '.'.join(map(str, jaxlib_version or ('?',))), *LAST_JAXLIB)
+    return False
   try:
     from jax._src.interpreters import mlir  # pylint: disable=g-import-not-at-top
     from jax._src.random import threefry2x32  # pylint: disable=g-import-not-at-top
