@@ -119,3 +119,31 @@ def test_build_in_place_without_a_working_compiler(tmp_path, missing):
   assert build.returncode == 0, log[-3000:]
   assert BUILD_FAILED in log
   assert _libraries(src) == []
+
+
+def test_the_built_library_speaks_this_jaxlibs_ffi_api():
+  from spsjax.native import library  # pylint: disable=g-import-not-at-top
+  built, running = library._library_ffi_api(library.load()), library.runtime_ffi_api()
+  assert built is not None and running is not None, (built, running)
+  assert library.ffi_api_mismatch(built, running) is None, (built, running)
+
+
+def test_a_library_compiled_for_a_newer_ffi_api_is_left_for_xla(tmp_path, monkeypatch, caplog):
+  """pip's build isolation compiles the kernels against the newest jaxlib's headers; under an
+  older jaxlib, XLA would refuse the handlers when it compiles the first program that calls one
+  (jaxlib 0.11.2 against 0.12's: "handler's API version (0.5) is incompatible with the framework's
+  API version (0.4)"). The library is then not loaded, with a warning saying how to rebuild."""
+  from spsjax.native import library  # pylint: disable=g-import-not-at-top
+  header = tmp_path / 'c_api.h'
+  header.write_text('// ...\n#define XLA_FFI_API_MAJOR 0\n#define XLA_FFI_API_MINOR 2\n')
+  assert library.runtime_ffi_api(str(header)) == (0, 2)
+  assert library.runtime_ffi_api(str(tmp_path / 'missing.h')) is None
+  assert library.ffi_api_mismatch((0, 5), (0, 4)) and library.ffi_api_mismatch((1, 0), (0, 9))
+  assert library.ffi_api_mismatch((0, 4), (1, 0))
+  for built, running in [((0, 3), (0, 3)), ((0, 3), (0, 5)), (None, (0, 3)), ((0, 3), None)]:
+    assert library.ffi_api_mismatch(built, running) is None, (built, running)
+  monkeypatch.setattr(library, 'runtime_ffi_api', lambda: (0, 0))
+  with caplog.at_level('WARNING'):
+    assert library.load.__wrapped__() is None  # A fresh load: the cached one stays as it is.
+  assert 'XLA ops are used instead' in caplog.text and '--no-build-isolation' in caplog.text
+  assert library.load() is not None

@@ -45,6 +45,11 @@ def load() -> ctypes.CDLL | None:
   except OSError as e:
     logging.warning('spsjax.native: cannot load %s (%s); XLA ops are used instead.', path, e)
     return None
+  if reason := ffi_api_mismatch(_library_ffi_api(lib), runtime_ffi_api()):
+    logging.warning('spsjax.native: %s cannot run here: %s. XLA ops are used instead; `pip install '
+                    '--no-build-isolation -e .` (or without -e) in this environment builds the '
+                    'kernels against its own jaxlib.', path, reason)
+    return None
   for target, symbol in TARGETS.items():
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform='cpu')
   cap = os.environ.get('SPSJAX_NATIVE_THREADS')
@@ -52,6 +57,46 @@ def load() -> ctypes.CDLL | None:
     logging.warning('spsjax.native: SPSJAX_NATIVE_THREADS=%r is not a positive integer; '
                     'ignored (the kernels use every usable CPU).', cap)
   return lib
+
+
+def _library_ffi_api(lib: ctypes.CDLL) -> tuple[int, int] | None:
+  """The XLA FFI API version the library's handlers were compiled for, None if it does not say
+  (a build from before it did)."""
+  try:
+    version = lib.spsjax_ffi_api_version()
+  except AttributeError:
+    return None
+  return divmod(version, 1000)
+
+
+def runtime_ffi_api(header: str | None = None) -> tuple[int, int] | None:
+  """The XLA FFI API version of the running jaxlib, read from the C API header it ships (the
+  headers it was built from; `header`: another copy of that file), or None if unreadable."""
+  if header is None:
+    import jaxlib  # pylint: disable=g-import-not-at-top
+    header = os.path.join(os.path.dirname(jaxlib.__file__), 'include', 'xla', 'ffi', 'api',
+                          'c_api.h')
+  try:
+    with open(header) as f:
+      text = f.read()
+  except OSError:
+    return None
+  found = [re.search(rf'^#define XLA_FFI_API_{part}\s+(\d+)\s*$', text, re.M)
+           for part in ('MAJOR', 'MINOR')]
+  return None if None in found else (int(found[0].group(1)), int(found[1].group(1)))
+
+
+def ffi_api_mismatch(built: tuple[int, int] | None, running: tuple[int, int] | None) -> str | None:
+  """Why handlers compiled for FFI API `built` cannot run under an XLA of API `running` (another
+  major version, or a newer minor one: XLA refuses them when it compiles a program that calls
+  them), or None if they can or either version is unknown."""
+  if built is None or running is None:
+    return None
+  if built[0] != running[0] or built[1] > running[1]:
+    return (f'its kernels were compiled for XLA FFI API {built[0]}.{built[1]} (a newer jaxlib\'s '
+            f'headers, as pip\'s build isolation fetches) and this jaxlib runs '
+            f'{running[0]}.{running[1]}')
+  return None
 
 
 def path_to_load(here: str = os.path.dirname(__file__)) -> str | None:

@@ -333,6 +333,9 @@ int spsjax_best_isa() { return spsjax::Best(); }
 // Threads a kernel call may use (parallel.h, UsableCpus), and helper threads started so far.
 int spsjax_native_threads() { return static_cast<int>(spsjax::UsableCpus()); }
 int spsjax_native_helpers() { return static_cast<int>(spsjax::Workers::Started()); }
+// The XLA FFI API version of the headers the handlers were compiled against (major * 1000 +
+// minor): an XLA older than that refuses them (library.py checks before registering).
+int spsjax_ffi_api_version() { return XLA_FFI_API_MAJOR * 1000 + XLA_FFI_API_MINOR; }
 // For tests: the CPU quota found under `root` for the cgroups listed in `proc_cgroup` (the text of
 // /proc/self/cgroup), 0 if none (parallel.h, CgroupCpuLimit).
 int spsjax_cgroup_cpu_limit(const char* root, const char* proc_cgroup) {
