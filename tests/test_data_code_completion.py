@@ -72,7 +72,7 @@ def test_built_examples_are_well_formed_and_in_hash_order():
   records = datasets.load_records('code_completion', 'test', data_dir, data_helpers.SUBSET)
   code = datasets.load_records('python_code', 'test', data_dir, data_helpers.SUBSET)
   files = {code[i]['path']: code[i]['text'] for i in range(len(code))}
-  assert len(records) >= 50
+  assert len(records) >= 30  # The standard library's: 135 examples on Python 3.11, 47 on 3.13.
   keys = []
   for i in range(len(records)):
     record = records[i]
@@ -85,4 +85,5 @@ def test_built_examples_are_well_formed_and_in_hash_order():
     keys.append(hashlib.sha256(
         f'{record["path"]}:{record["line"]}:{record["name"]}'.encode()).digest())
   assert keys == sorted(keys) and len(set(keys)) == len(keys)
-  assert len({records[i]['path'] for i in range(10)}) >= 3  # A prefix spreads over files.
+  # A prefix spreads over files (3.13's standard library: 2 in the first 10, 3.11's: more).
+  assert len({records[i]['path'] for i in range(10)}) >= 2

@@ -348,12 +348,15 @@ def test_a_draw_gathers_the_vocabulary_once_not_once_per_reduction(monkeypatch):
   target = deviceless.abstract_model(_config(4), mesh)
   draft = deviceless.abstract_model(_draft(4)[0], mesh)
   nucleus = SamplingConfig(temperature=0.8, top_p=0.9)
-  per_step = {}
-  for whole, k in ((True, 3), (False, 2)):  # Another k: another trace, not a cached one.
+  drafting = {}
+  for whole, k in ((True, 3), (True, 2), (False, 4)):  # Another k: another trace, not a cached one.
     if not whole:
       monkeypatch.setattr(common, 'whole_vocabulary', lambda logits_BxV, mesh, rules: logits_BxV)
     compiled = deviceless.compile_sps(target, draft, mesh, k=k, batch=BATCH, prompt_len=WIDTH,
                                       max_new_tokens=MAX_NEW, sampling=nucleus)
-    per_step[whole] = _phase_collectives(compiled, 'draft') / k
+    drafting[whole, k] = _phase_collectives(compiled, 'draft')
+  # A step's own: one step more, less what the phase has once whatever k (JAX 0.12's partitioner
+  # adds some there).
+  per_step = {True: drafting[True, 3] - drafting[True, 2], False: drafting[False, 4] / 4}
   draft_layers = _draft(4)[0].num_layers
-  assert per_step[True] <= 2 * draft_layers + 2 < per_step[False], per_step
+  assert per_step[True] <= 2 * draft_layers + 2 < per_step[False], (per_step, drafting)

@@ -48,7 +48,8 @@ _GRAPHED = 'FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN'  # XLA:GPU's default CUDA-
 # XLA:GPU merges small products that share an input into one, concatenating their weights inside
 # the decoding loop (its pipeline has no pass hoisting loop-invariant code); 'cublas': no Triton
 # GEMMs (cuBLAS for every product, batch 1's too); 'no_autotune': no GEMM autotuning (its share
-# of a compile); 'parallel_compile': XLA:GPU's LLVM module split and compiled on 8 threads;
+# of a compile); 'parallel_compile': XLA:GPU's LLVM module split and compiled on 8 threads (jaxlib
+# 0.11 dropped the separate switch `xla_gpu_enable_llvm_module_compilation_parallelism`);
 # 'no_graphs': no CUDA graphs; 'graph_loops': the loop itself one CUDA graph (no host round trip
 # for its condition each step).
 VARIANTS = {
@@ -60,8 +61,7 @@ VARIANTS = {
     'no_dot_merger': ('plain', {'xla_gpu_dot_merger_threshold_mb': 0}),
     'cublas': ('plain', {'xla_gpu_enable_triton_gemm': False}),
     'no_autotune': ('plain', {'xla_gpu_autotune_level': 0}),
-    'parallel_compile': ('plain', {'xla_gpu_enable_llvm_module_compilation_parallelism': True,
-                                   'xla_gpu_force_compilation_parallelism': 8}),
+    'parallel_compile': ('plain', {'xla_gpu_force_compilation_parallelism': 8}),
     'no_graphs': ('plain', {'xla_gpu_enable_command_buffer': ''}),
     'graph_loops': ('plain', {'xla_gpu_enable_command_buffer': _GRAPHED + ',WHILE,CONDITIONAL'}),
 }
