@@ -51,8 +51,10 @@ _BATCH = flags.DEFINE_integer('batch', 1, 'Rows (a multiple of the mesh\'s data 
 _TARGET_PRESET = flags.DEFINE_string('target_preset', 'llama1b', 'The target model\'s preset.')
 _DRAFT_PRESET = flags.DEFINE_string('draft_preset', 'llama1b_draft', 'The draft\'s preset (sps).')
 _DTYPE = flags.DEFINE_enum('dtype', 'bfloat16', ['bfloat16', 'float32'], 'The models\' dtype.')
-_SINGLE_ROW = flags.DEFINE_multi_enum('single_row', ['padded', 'plain'], ['padded', 'plain'],
-                                      'Single-row products: padded (a GPU\'s default) or plain.')
+_SINGLE_ROW = flags.DEFINE_multi_enum('single_row', ['padded', 'plain'],
+                                      ['padded', 'plain', 'stream'],
+                                      'Single-row products: padded (a GPU\'s default), plain, '
+                                      'or stream (the residual stream at two rows).')
 _PROGRAM = flags.DEFINE_multi_enum('program', list(_PROGRAMS), list(_PROGRAMS), 'Programs.')
 _K = flags.DEFINE_integer('k', 4, 'SpS lookahead.')
 _TEMPERATURE = flags.DEFINE_float('temperature', 1.0, 'ArS\'s and SpS\'s sampling: temperature '

@@ -152,7 +152,8 @@ def test_project_pads_a_single_row_only_where_asked(monkeypatch):
       config = _config(2, single_row=single_row)
       project = functools.partial(models.transformer.project, config, spec)
       np.testing.assert_allclose(project(x, w), expected, rtol=1e-6, atol=1e-6)
-      padded = single_row == 'padded' or (single_row == 'auto' and jax.default_backend() == 'gpu')
+      padded = single_row in ('padded', 'stream') or (single_row == 'auto'
+                                                      and jax.default_backend() == 'gpu')
       assert _two_row_products(jax.jit(project).lower(x, w).as_text()) == padded
       wide = jnp.concatenate([x, x], axis=1)  # Two positions of their own: no padding.
       assert 'stablehlo.pad' not in jax.jit(project).lower(wide, w).as_text()
@@ -166,21 +167,28 @@ def test_project_pads_a_single_row_only_where_asked(monkeypatch):
 
 @pytest.mark.parametrize('layout', ['xla', 'fused'])
 def test_padded_single_rows_decode_the_same_logits(layout):
-  """A batch-1 decode (one position a call) with single_row='padded' gives the plain logits."""
+  """A batch-1 decode (one position a call) with single_row='padded' gives the plain logits, and
+  'stream' (the stream carried at two rows, one pad at the embedding and one before each
+  attention output projection instead of one before every product) the padded ones."""
   config = _config(2, qkv_bias=True)
   params = models.init_params(config, jax.random.key(0))
   tokens_BxL = jax.random.randint(jax.random.key(1), (1, 12), 0, VOCAB)
-  outs = []
-  for single_row in ('plain', 'padded'):
+  outs = {}
+  products = {'xla': 7, 'fused': 4}[layout]  # A layer's: q, k, v, out, gate, in, out.
+  pads = {'plain': 0, 'padded': 2 * products + 1, 'stream': 1 + 2}
+  for single_row in ('plain', 'padded', 'stream'):
     c, p = _decoding(dataclasses.replace(config, single_row=single_row), params, layout)
     _, cache = _prefill(c, p, tokens_BxL[:, :5], jnp.array([5]), capacity=16)
+    outs[single_row] = []
     for t in range(5, 12):
       out_BxTxV, cache = _extend(c, p, cache, tokens_BxL[:, t:t + 1])
-      outs.append(np.asarray(out_BxTxV))
+      assert out_BxTxV.shape == (1, 1, VOCAB)
+      outs[single_row].append(np.asarray(out_BxTxV))
     lowered = _extend.lower(c, p, cache, tokens_BxL[:, :1]).as_text()
-    products = {'xla': 7, 'fused': 4}[layout]  # A layer's: q, k, v, out, gate, in, out.
-    assert _two_row_products(lowered) == (single_row == 'padded') * (2 * products + 1)
-  np.testing.assert_allclose(outs[7:], outs[:7], rtol=1e-5, atol=1e-5)
+    assert _two_row_products(lowered) == (single_row != 'plain') * (2 * products + 1)
+    assert lowered.count('call @_pad') == pads[single_row], single_row  # `jnp.pad`'s calls.
+  np.testing.assert_allclose(outs['padded'], outs['plain'], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(outs['stream'], outs['padded'], rtol=1e-6, atol=1e-6)
 
 
 def test_kernels_are_the_config_setting_that_packing_sets():

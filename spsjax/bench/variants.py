@@ -8,7 +8,8 @@ path), changed in one respect:
   input one) or 'scanned' (`layer_scan`: the layers applied by `lax.scan` over stacked
   parameters and caches, so one layer is compiled);
 - the products of a single row (`TransformerConfig.single_row`, which pads them on a GPU by
-  default): 'padded' (always a second, zero row) or 'unpadded' (never);
+  default): 'padded' (always a second, zero row), 'unpadded' (never) or 'stream' (the residual
+  stream carried at two rows);
 - XLA's options, for this compile only (`Lowered.compile(compiler_options=)`). They name
   XLA:GPU's passes; another backend ignores them and compiles the plain program again.
 `VARIANTS` names each (a layout and options).
@@ -55,6 +56,7 @@ _GRAPHED = 'FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN'  # XLA:GPU's default CUDA-
 VARIANTS = {
     'padded': ('padded', None),
     'unpadded': ('unpadded', None),
+    'stream': ('stream', None),
     'fused': ('fused', None),
     'scanned': ('scanned', None),
     'scanned_slices': ('scanned', {'xla_gpu_enable_dynamic_slice_fusion': True}),
@@ -117,9 +119,9 @@ def _program(model: models.Model, name: str, steps: int, capacity: int, inputs) 
                     [jnp.stack(cache.k), jnp.stack(cache.v)], inputs, options)
   if layout == 'fused':
     model = models.fuse(model)
-  elif layout in ('padded', 'unpadded'):
+  elif layout in ('padded', 'unpadded', 'stream'):
     model = model.replace(config=dataclasses.replace(
-        config, single_row='padded' if layout == 'padded' else 'plain'))
+        config, single_row={'unpadded': 'plain'}.get(layout, layout)))
   return _Program(decode.extend_program, (model.config, steps), (model.params,),
                   [models.init_cache(model.config, len(inputs[1]), capacity)], inputs, options)
 

@@ -14,7 +14,7 @@ _MLP_KINDS = ('gated_silu', 'gelu')
 _NORMS = ('rms', 'layer')
 _POSITIONS = ('rope', 'learned')
 KERNELS = ('xla', 'xla_fused', 'native')
-SINGLE_ROW = ('auto', 'padded', 'plain')
+SINGLE_ROW = ('auto', 'padded', 'plain', 'stream')
 # How a placed model computes, not what it is: checkpoints do not store these fields.
 COMPUTE_FIELDS = ('kernels', 'single_row')
 
@@ -53,7 +53,9 @@ class TransformerConfig:
   # matrix-vector product whose weight has under 10M elements as a multiply and a reduce, which
   # read the weight at a fraction of a GEMM's rate; 'padded' gives such a product a second, zero
   # row (one GEMM of two rows, the weight read once), 'plain' leaves it, 'auto' pads where JAX's
-  # default backend is a GPU. Not stored by checkpoints either.
+  # default backend is a GPU; 'stream' carries the residual stream at two rows instead (padded
+  # once at the embedding, the second row zero; attention on the real row only), so a norm feeds
+  # its product with no pad between them. Not stored by checkpoints either.
   single_row: str = 'auto'
 
   def __post_init__(self):

@@ -43,8 +43,22 @@ def _param(module, name, shape, names, fan_in, dtype, zeros=False):
 
 
 def _pads_single_row(config: TransformerConfig) -> bool:
-  return config.single_row == 'padded' or (config.single_row == 'auto'
-                                           and jax.default_backend() == 'gpu')
+  return config.single_row in ('padded', 'stream') or (config.single_row == 'auto'
+                                                       and jax.default_backend() == 'gpu')
+
+
+def _streams_two_rows(config: TransformerConfig, tokens_BxT: jax.Array) -> bool:
+  """Whether a call carries its single row (B = T = 1) as a stream of two (`single_row`
+  'stream'; the packed CPU kernels take single rows as they are)."""
+  return (config.single_row == 'stream' and config.kernels != 'native'
+          and tokens_BxT.shape[0] * tokens_BxT.shape[1] == 1)
+
+
+def _pad_rows(x_BxTx_: jax.Array, rows: int) -> jax.Array:
+  """x with zero positions appended along T up to `rows` (x itself if it has them)."""
+  if x_BxTx_.shape[1] == rows:
+    return x_BxTx_
+  return jnp.pad(x_BxTx_, [(0, 0), (0, rows - x_BxTx_.shape[1])] + [(0, 0)] * (x_BxTx_.ndim - 2))
 
 
 def project(config: TransformerConfig, spec: str, x_BxTx_, w, **kwargs) -> jax.Array:
@@ -55,8 +69,7 @@ def project(config: TransformerConfig, spec: str, x_BxTx_, w, **kwargs) -> jax.A
   output, 34 MB through a GEMM: 10 us), while two rows make a GEMM that reads the weight once."""
   if x_BxTx_.shape[0] * x_BxTx_.shape[1] != 1 or not _pads_single_row(config):
     return jnp.einsum(spec, x_BxTx_, w, **kwargs)
-  padding = [(0, 0), (0, 1)] + [(0, 0)] * (x_BxTx_.ndim - 2)
-  return jnp.einsum(spec, jnp.pad(x_BxTx_, padding), w, **kwargs)[:, :1]
+  return jnp.einsum(spec, _pad_rows(x_BxTx_, 2), w, **kwargs)[:, :1]
 
 
 def _kept_counts(keep_BxL: jax.Array, counts_B: jax.Array | None) -> jax.Array | None:
@@ -139,6 +152,8 @@ class Attention(nn.Module):
   `counts_B` (a prefill of right-padded prompts, or 0 for a decoder's idle rows): positions
   t >= counts[b] are padding, whose outputs nothing reads; the packed kernels skip them (XLA's ops
   compute them). After `keep_BxL`, the kept positions that are real count (`_kept_counts`).
+  A stream of more positions than `positions_BxT` has (`single_row` 'stream': a single row carried
+  as two) gives the extra ones no keys, values or attention: they get zero attention output.
   """
   config: TransformerConfig
 
@@ -148,7 +163,8 @@ class Attention(nn.Module):
     c = self.config
     D, N, K, H, dt = c.d_model, c.num_heads, c.kv_heads, c.dims_per_head, c.jnp_dtype
     packed = c.kernels == 'native'
-    B, T = x_BxTxD.shape[:2]
+    B, rows = x_BxTxD.shape[:2]
+    T = positions_BxT.shape[1]  # The stream's extra rows ('stream') are not attended.
     if c.qkv_bias:  # Biases stay unpacked: [N + 2K, H], added after the product.
       bias_MxH = jnp.concatenate([
           _param(self, 'bq', (N, H), ('heads', 'head_dim'), 1, dt, zeros=True),
@@ -181,14 +197,14 @@ class Attention(nn.Module):
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = jnp.split(qkv_BxTxMxH, [N, N + K], axis=2)
       elif c.kernels == 'xla_fused':
         G = N // K
-        qkv_BxTxKxCxH = project(c, 'BTD,DKCH->BTKCH', norm(x_BxTxD), wqkv)
+        qkv_BxTxKxCxH = project(c, 'BTD,DKCH->BTKCH', norm(x_BxTxD), wqkv)[:, :T]
         q_BxTxNxH = qkv_BxTxKxCxH[:, :, :, :G].reshape(B, T, N, H)
         k_BxTxKxH, v_BxTxKxH = qkv_BxTxKxCxH[:, :, :, G], qkv_BxTxKxCxH[:, :, :, G + 1]
       else:
         h_BxTxD = norm(x_BxTxD)
-        q_BxTxNxH = project(c, 'BTD,DNH->BTNH', h_BxTxD, wq)
-        k_BxTxKxH = project(c, 'BTD,DKH->BTKH', h_BxTxD, wk)
-        v_BxTxKxH = project(c, 'BTD,DKH->BTKH', h_BxTxD, wv)
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = (
+            project(c, spec, h_BxTxD, w)[:, :T]
+            for spec, w in (('BTD,DNH->BTNH', wq), ('BTD,DKH->BTKH', wk), ('BTD,DKH->BTKH', wv)))
       if c.qkv_bias and not packed:
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = (
             q_BxTxNxH + bias_MxH[None, None, :N], k_BxTxKxH + bias_MxH[None, None, N:N + K],
@@ -210,7 +226,7 @@ class Attention(nn.Module):
     # One contracting dim of N * H: wo is then only reshaped. With (N, H) contracted as two dims,
     # XLA's CPU layout assignment transposes wo instead of the small activation, a copy of the
     # weight on every call that it does not hoist out of the decode loop.
-    out_BxTxF = out_BxTxKxGxH.reshape(B, T, N * H)
+    out_BxTxF = _pad_rows(out_BxTxKxGxH.reshape(B, T, N * H), rows)
     if keep_BxL is not None:  # From here on the T axis holds the L kept positions.
       out_BxTxF, x_BxTxD = (jnp.take_along_axis(a, keep_BxL[:, :, None], axis=1)
                             for a in (out_BxTxF, x_BxTxD))
@@ -316,18 +332,22 @@ class Transformer(nn.Module):
       table_SxD = _param(self, 'position_embedding', (c.max_seq_len, c.d_model),
                          ('length', 'embed'), c.d_model, c.jnp_dtype)
       x_BxTxD = x_BxTxD + jnp.take(table_SxD, positions_BxT, axis=0, mode='clip')
+    streams = _streams_two_rows(c, tokens_BxT)
+    if streams:  # Every layer's norms and products on two rows; `Attention` on the real one.
+      x_BxTxD = _pad_rows(x_BxTxD, 2)
+      logits_at_BxL = jnp.zeros_like(tokens_BxT) if logits_at_BxL is None else logits_at_BxL
     new_k, new_v = [], []
     for i in range(c.num_layers):
       layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.lengths)
       # x is then [B, L, D]; features are wanted at every position.
-      keep_BxL = logits_at_BxL if i == c.num_layers - 1 and not features else None
+      keep_BxL = logits_at_BxL if i == c.num_layers - 1 and not (features or streams) else None
       x_BxTxD, (k, v) = Block(c, name=f'layer_{i}')(x_BxTxD, positions_BxT, layer_cache,
                                                    keep_BxL, counts_B)
       new_k.append(k)
       new_v.append(v)
     kv = (tuple(new_k), tuple(new_v))
-    extra = (x_BxTxD,) if features else ()
-    if features and logits_at_BxL is not None:
+    extra = (x_BxTxD[:, :tokens_BxT.shape[1]],) if features else ()
+    if features and logits_at_BxL is not None and not streams:
       x_BxTxD = jnp.take_along_axis(x_BxTxD, logits_at_BxL[:, :, None], axis=1)
     final_norm = RMSNorm(c, name='final_norm')
     if packed:  # An untied head, or a packed copy of a tied table.
@@ -338,7 +358,10 @@ class Transformer(nn.Module):
                     c.jnp_dtype)
     else:
       head = None
-    return (_output(c, final_norm, embedding_VxD, head, x_BxTxD, counts_B), kv) + extra
+    logits_BxLxV = _output(c, final_norm, embedding_VxD, head, x_BxTxD, counts_B)
+    if streams:  # The head ran on both rows too; the indices all pick the real one.
+      logits_BxLxV = jnp.take_along_axis(logits_BxLxV, logits_at_BxL[:, :, None], axis=1)
+    return (logits_BxLxV, kv) + extra
 
 
 def embed(config: TransformerConfig, embedding_VxD: jax.Array, tokens_BxT: jax.Array) -> jax.Array:
