@@ -191,6 +191,23 @@ def test_padded_single_rows_decode_the_same_logits(layout):
   np.testing.assert_allclose(outs['stream'], outs['padded'], rtol=1e-6, atol=1e-6)
 
 
+def test_a_streamed_single_row_gives_the_padded_features_logits_and_cache():
+  """single_row='stream' at B = T = 1: `extend_with_features` (logits at repeated indices, the
+  features, the cache) and the uncached `features` give what 'padded' gives."""
+  params = models.init_params(_config(2), jax.random.key(0))
+  got = {}
+  for single_row in ('padded', 'stream'):
+    config = _config(2, single_row=single_row)
+    _, cache = models.prefill(config, params, jnp.array([[3, 4, 5]]), jnp.array([3]), 16)
+    logits_BxLxV, features_BxTxD, cache = models.extend_with_features(
+        config, params, cache, jnp.array([[7]]), logits_at_BxL=jnp.array([[0, 0]]))
+    got[single_row] = (logits_BxLxV, features_BxTxD, cache.k[1], cache.v[1], cache.lengths,
+                       models.features(config, params, jnp.array([[9]])))
+  assert got['stream'][0].shape == (1, 2, VOCAB) and got['stream'][1].shape[:2] == (1, 1)
+  for streamed, padded in zip(got['stream'], got['padded']):
+    np.testing.assert_allclose(streamed, padded, rtol=1e-6, atol=1e-6)
+
+
 def test_kernels_are_the_config_setting_that_packing_sets():
   """`pack` sets kernels='native' and `unpack` 'xla'; a setting the parameters cannot serve is
   an error, not a silent switch of code path."""
