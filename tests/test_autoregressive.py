@@ -9,7 +9,6 @@ import pytest
 
 from spsjax import models, sharding
 from spsjax.sampling import PAD_ID, SamplingConfig, autoregressive, autoregressive_sample
-from tests import xla_env
 from tests.stats import (exact_sequence_law, g_test_pvalue, scaled_model, sequence_counts,
                          truncated_at_eos)
 
@@ -112,7 +111,7 @@ def test_output_law_is_the_models_law(tiny, setting, path):
   mesh = sharding.make_mesh(1, 1, jax.devices()[:1]) if path == 'xla' else None
   prompts, lengths = _alternating_prompts(ROWS)
   out = autoregressive_sample(tiny, prompts, lengths, jax.random.key(7), max_new_tokens=NEW,
-                              sampling=sampling, mesh=mesh, compiler_options=xla_env.LAW_RUN)
+                              sampling=sampling, mesh=mesh)
   tokens = np.asarray(out.tokens)
   assert (np.asarray(out.num_generated) == NEW).all()
   laws = [exact_sequence_law(tiny, prompt, NEW, sampling) for prompt in PROMPTS]
@@ -135,7 +134,7 @@ def test_eos_at_temperature_above_0(tiny):
     assert 0.2 < 1 - law[np.ix_(other, other, other)].sum() < 0.8
   prompts, lengths = _alternating_prompts(ROWS)
   out = autoregressive_sample(tiny, prompts, lengths, jax.random.key(8), max_new_tokens=NEW,
-                              sampling=sampling, eos_id=eos_id, compiler_options=xla_env.LAW_RUN)
+                              sampling=sampling, eos_id=eos_id)
   tokens, n = np.asarray(out.tokens), np.asarray(out.num_generated)
   positions = np.arange(NEW)[None, :]
   np.testing.assert_array_equal(tokens == PAD_ID, positions >= n[:, None])

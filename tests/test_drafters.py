@@ -14,7 +14,6 @@ from spsjax import models
 from spsjax.sampling import (SamplingConfig, autoregressive_sample, drafter_config, drafters,
                              rejection, speculative)
 from spsjax.sampling import speculative_sample
-from tests import xla_env
 from tests.stats import exact_sequence_law, g_test_pvalue, scaled_model, sequence_counts
 from tests.test_speculative import _ragged, _run_checking_caches
 
@@ -130,7 +129,7 @@ def test_output_law_is_target_law(tiny_pair, name, setting):
   out = speculative_sample(target, draft if drafter.needs_model else None, prompts,
                            np.full((ROWS,), len(PROMPT), np.int32), jax.random.key(7), k=3,
                            max_new_tokens=NEW, sampling=sampling, drafter=drafter,
-                           trim_score=trim_score, compiler_options=xla_env.LAW_RUN)
+                           trim_score=trim_score)
   assert (np.asarray(out.num_generated) == NEW).all()
   law = exact_sequence_law(target, PROMPT, NEW, sampling)
   pvalue = g_test_pvalue(sequence_counts(np.asarray(out.tokens), V_SMALL), law)
@@ -154,7 +153,7 @@ def test_lenient_sps_follows_its_own_law(tiny_pair):
   prompts = np.tile(np.array(PROMPT, np.int32), (ROWS, 1))
   out = speculative_sample(target, draft, prompts, np.full((ROWS,), len(PROMPT), np.int32),
                            jax.random.key(8), k=3, max_new_tokens=2, sampling=sampling,
-                           lenience=0.4, compiler_options=xla_env.LAW_RUN)
+                           lenience=0.4)
   p_VxV = exact_sequence_law(target, PROMPT, 2, sampling)
   q_VxV = exact_sequence_law(draft, PROMPT, 2, sampling)
   p1_V = p_VxV.sum(1)

@@ -15,7 +15,7 @@ from spsjax.models import feature_head
 from spsjax.sampling import (SamplingConfig, autoregressive_sample, drafters, probabilities,
                              speculative, speculative_sample)
 from spsjax.sampling.feature_drafters import FeatureDrafter, HeadsDrafter
-from tests import forwards, xla_env
+from tests import forwards
 from tests.stats import scaled_model
 from tests.test_drafters import check_unrolled_drafts
 from tests.test_speculative import check_interleaved_law, interleaved
@@ -190,8 +190,7 @@ def test_output_law_is_target_law(tiny_target, kind, setting, k, packed):
   assert models.is_packed(target) == packed == models.is_packed(head)
   prompts, lengths = interleaved(RAGGED_PROMPTS, ROWS)
   out = speculative_sample(target, head, prompts, lengths, jax.random.key(30 + k), k=k,
-                           max_new_tokens=NEW_LONG, sampling=sampling, drafter=DRAFTERS[kind],
-                           compiler_options=xla_env.LAW_RUN)
+                           max_new_tokens=NEW_LONG, sampling=sampling, drafter=DRAFTERS[kind])
   check_interleaved_law(out, tiny_target, k, sampling, f'{kind} {setting} k={k}',
                         RAGGED_PROMPTS, NEW_LONG)
 

@@ -17,7 +17,6 @@ import pytest
 from spsjax import models, native, sampling, sharding
 from spsjax.native import attention, threefry
 from spsjax.sampling import drafters, processors, rejection
-from tests import xla_env
 
 ISAS = native.isas()
 
@@ -526,7 +525,8 @@ def _native_probabilities(logits, uniforms, configs, isa):
 
 
 # LLVM's full optimisation: XLA's sorts of 50,257 logits run 3x faster for 2 s more compiling.
-@functools.partial(jax.jit, static_argnums=2, compiler_options=xla_env.LAW_RUN)
+@functools.partial(jax.jit, static_argnums=2,
+                   compiler_options={'xla_backend_optimization_level': 3})
 def _xla_probabilities(logits, uniforms, configs):
   """`processors`' (probabilities, draws) under each of `configs`: one program for all."""
   laws = [processors.probabilities(logits, c) for c in configs]

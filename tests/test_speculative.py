@@ -9,7 +9,6 @@ import pytest
 from spsjax import models, native
 from spsjax.sampling import (PAD_ID, SamplingConfig, autoregressive_sample, drafters, speculative,
                              speculative_sample)
-from tests import xla_env
 from tests.stats import (exact_sequence_law, g_test_pvalue, scaled_model, sequence_counts,
                          truncated_at_eos)
 
@@ -76,7 +75,7 @@ def test_output_law_is_target_law(tiny_pair, setting, k):
   prompts = np.tile(np.array(PROMPT, np.int32), (ROWS, 1))
   out = speculative_sample(target, draft, prompts, np.full((ROWS,), len(PROMPT), np.int32),
                            jax.random.key(k), k=k, max_new_tokens=NEW, sampling=sampling,
-                           draft_sampling=draft_sampling, compiler_options=xla_env.LAW_RUN)
+                           draft_sampling=draft_sampling)
   tokens = np.asarray(out.tokens)
   assert (np.asarray(out.num_generated) == NEW).all()
   pvalue = g_test_pvalue(sequence_counts(tokens, V_SMALL), exact_joint(target, sampling))
@@ -105,7 +104,7 @@ def test_eos_at_temperature_above_0(tiny_pair, k):
   prompts = np.tile(np.array(PROMPT, np.int32), (ROWS, 1))
   out = speculative_sample(target, draft, prompts, np.full((ROWS,), len(PROMPT), np.int32),
                            jax.random.key(10 + k), k=k, max_new_tokens=NEW, sampling=sampling,
-                           eos_id=eos_id, compiler_options=xla_env.LAW_RUN)
+                           eos_id=eos_id)
   tokens, n = np.asarray(out.tokens), np.asarray(out.num_generated)
   np.testing.assert_array_equal(tokens == PAD_ID, np.arange(NEW)[None, :] >= n[:, None])
   first_eos = np.where((tokens == eos_id).any(1), np.argmax(tokens == eos_id, axis=1), NEW)
@@ -164,8 +163,7 @@ def test_law_through_the_packed_native_path_on_ragged_prompts(tiny_pair, setting
   assert models.is_packed(target) and models.is_packed(draft) and native.available()
   prompts, lengths = interleaved(RAGGED_PROMPTS, ROWS)
   out = speculative_sample(target, draft, prompts, lengths, jax.random.key(20 + k), k=k,
-                           max_new_tokens=NEW_LONG, sampling=sampling,
-                           compiler_options=xla_env.LAW_RUN)
+                           max_new_tokens=NEW_LONG, sampling=sampling)
   check_interleaved_law(out, tiny_pair[0], k, sampling, f'{setting}, k={k}')
 
 

@@ -7,6 +7,9 @@ its cache, not its loop, not its draws. `g_test_pvalue` compares counts with suc
 `two_sample_pvalue` two samplers' counts with each other (where no exact law is at hand:
 bfloat16, whose cached and uncached forwards round differently), and `detectable_tv` says how far
 from the law a test notices.
+
+scipy.stats is imported where a p-value is computed, not with the module (~1.5 s that a binary
+importing it would otherwise spend at start, before it parses its flags).
 """
 
 import functools
@@ -15,7 +18,6 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy import optimize, stats
 
 from spsjax import models
 from spsjax.sampling import PAD_ID, SamplingConfig, probabilities
@@ -45,6 +47,7 @@ def g_test_pvalue(observed, expected_probs, min_expected: float = 5.0) -> float:
     obs, exp = obs[:-1], exp[:-1]
   nonzero = obs > 0
   g = 2.0 * np.sum(obs[nonzero] * np.log(obs[nonzero] / exp[nonzero]))
+  from scipy import stats  # pylint: disable=import-outside-toplevel
   return float(stats.chi2.sf(g, df=len(obs) - 1))
 
 
@@ -64,6 +67,7 @@ def two_sample_pvalue(counts_a, counts_b, min_expected: float = 5.0) -> float:
   expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
   nonzero = table > 0
   g = 2.0 * np.sum(table[nonzero] * np.log(table[nonzero] / expected[nonzero]))
+  from scipy import stats  # pylint: disable=import-outside-toplevel
   return float(stats.chi2.sf(g, df=table.shape[1] - 1))
 
 
@@ -83,6 +87,7 @@ def detectable_tv(n: int, expected_probs, p_min: float, power: float = 0.8,
   big, cells = _cells(probs, n, min_expected)
   cells = cells[cells > 0]
   df = len(cells) - 1
+  from scipy import optimize, stats  # pylint: disable=import-outside-toplevel
   critical = stats.chi2.isf(p_min, df)
   noncentrality = optimize.brentq(lambda lam: stats.ncx2.sf(critical, df, lam) - power, 1e-9, 1e6)
   return float(np.sqrt(noncentrality / (4 * n))), float(probs[~big].sum())

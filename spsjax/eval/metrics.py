@@ -5,6 +5,10 @@ sacrebleu's sentence-level chrF, one score per (prediction, reference) pair. `me
 `parity` decide whether, say, ArS and SpS outputs score differently: SpS samples the target
 distribution exactly, so any difference between them should be within noise; `parity` flags one
 that is not and says how large a difference it could have seen (its power).
+
+rouge_score (which imports nltk) and scipy.stats are imported on first use, not with the module:
+~3.4 s that every binary importing the harness (speedup_table, sweep, evaluate) would otherwise
+spend at start, before it parses its flags.
 """
 
 import dataclasses
@@ -13,13 +17,13 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from rouge_score import rouge_scorer
 from sacrebleu import metrics as sacrebleu_metrics
-from scipy import stats as scipy_stats
 
 
 @functools.cache
-def _scorer() -> rouge_scorer.RougeScorer:
+def _scorer():
+  """rouge_score's ROUGE-2 scorer (a `RougeScorer`)."""
+  from rouge_score import rouge_scorer  # pylint: disable=import-outside-toplevel
   return rouge_scorer.RougeScorer(['rouge2'], use_stemmer=True)
 
 
@@ -113,6 +117,7 @@ def parity(a_values: Sequence[float], b_values: Sequence[float], *, level: float
   if stderr == 0.0:
     return Parity(n, mean, 0.0, 1.0 if mean == 0.0 else 0.0, level, 0.0, power)
   df = n - 1
+  from scipy import stats as scipy_stats  # pylint: disable=import-outside-toplevel
   p_value = float(2.0 * scipy_stats.t.sf(abs(mean) / stderr, df))
   mde = float((scipy_stats.t.ppf(1.0 - level / 2.0, df) + scipy_stats.t.ppf(power, df)) * stderr)
   return Parity(n, mean, stderr, p_value, level, mde, power)
