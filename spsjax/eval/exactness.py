@@ -8,7 +8,7 @@ its cache, not its loop, not its draws. `g_test_pvalue` compares counts with suc
 bfloat16, whose cached and uncached forwards round differently), and `detectable_tv` says how far
 from the law a test notices.
 
-scipy.stats is imported where a p-value is computed, not with the module (~1.5 s that a binary
+scipy.stats is imported where a p-value is computed, not with the module (~1 s that a binary
 importing it would otherwise spend at start, before it parses its flags).
 """
 

@@ -7,7 +7,7 @@ distribution exactly, so any difference between them should be within noise; `pa
 that is not and says how large a difference it could have seen (its power).
 
 rouge_score (which imports nltk) and scipy.stats are imported on first use, not with the module:
-~3.4 s that every binary importing the harness (speedup_table, sweep, evaluate) would otherwise
+~2 s that every binary importing the harness (speedup_table, sweep, evaluate) would otherwise
 spend at start, before it parses its flags.
 """
 
