@@ -10,11 +10,11 @@
 //
 // XLA's CPU dot costs 2-4x as much for 5 rows as for 1 at decoder sizes; this kernel streams each
 // panel once per call, keeping every row's 16 accumulators in registers, so 1 to 8 rows cost about
-// the same: the bandwidth of reading W. Panels are shared among XLA's intra-op threads. From 17
-// rows on (prefills, batches scoring several positions) AVX-512 takes the wide path, bound by
-// arithmetic: tiles of 12 rows against two panels, the rows transposed first
-// (packed_matmul_kernel.inc); `SPSJAX_NATIVE_WIDE_ROWS` sets another threshold (0: off), for
-// A/B measurements.
+// the same: the bandwidth of reading W. Panels are shared among XLA's intra-op threads. AVX-512's
+// tiles of 9 rows or more read their rows transposed. From 17 rows on (prefills, batches scoring
+// several positions) AVX-512 takes the wide path, bound by arithmetic: tiles of 12 rows against
+// two panels (packed_matmul_kernel.inc); `SPSJAX_NATIVE_WIDE_ROWS` sets another threshold (0:
+// off), for A/B measurements.
 //
 // The kernel is compiled three times (AVX-512, AVX2 + FMA, and the compiler's baseline) from
 // packed_matmul_kernel.inc and the best one this CPU runs is chosen at call time, so one build
@@ -40,13 +40,13 @@ namespace {
 
 constexpr int kPanel = 16;
 
+// Both paths' kernels: (x, x transposed, rows, d_in, w, d_out, y, first and end panel or panel
+// pair, residual, int8 scales).
 template <typename W>
-using PanelsFn = void (*)(const float*, int64_t, int64_t, const W*, int64_t, float*, int64_t,
-                          int64_t, const float*, const float*);
-template <typename W>
-using WidePanelsFn = void (*)(const float*, const float*, int64_t, int64_t, const W*, int64_t,
-                              float*, int64_t, int64_t, const float*, const float*);
+using PanelsFn = void (*)(const float*, const float*, int64_t, int64_t, const W*, int64_t,
+                          float*, int64_t, int64_t, const float*, const float*);
 using TransposeFn = void (*)(const float*, int64_t, int64_t, int64_t, int64_t, float*);
+using TransposeGroupsFn = bool (*)(const float*, int64_t, int64_t, float*);
 using NormFn = void (*)(const float*, int64_t, int64_t, const float*, float, float*);
 using GateFn = void (*)(const float*, int64_t, int64_t, float*);
 
@@ -60,8 +60,11 @@ enum Prologue : int32_t { kNone = 0, kRmsNorm = 1, kSiluGate = 2 };
 template <typename W>
 PanelsFn<W> Kernel(int32_t isa) { return SPSJAX_BY_ISA(isa, Panels<W>); }
 template <typename W>
-WidePanelsFn<W> WideKernel(int32_t isa) { return SPSJAX_BY_ISA(isa, WidePanels<W>); }
+PanelsFn<W> WideKernel(int32_t isa) { return SPSJAX_BY_ISA(isa, WidePanels<W>); }
 TransposeFn TransposeKernel(int32_t isa) { return SPSJAX_BY_ISA(isa, TransposeTiles); }
+TransposeGroupsFn TransposeGroupsKernel(int32_t isa) {
+  return SPSJAX_BY_ISA(isa, TransposeGroups);
+}
 NormFn NormKernel(int32_t isa) { return SPSJAX_BY_ISA(isa, RmsNormRows); }
 GateFn GateKernel(int32_t isa) { return SPSJAX_BY_ISA(isa, SiluGateRows); }
 
@@ -72,7 +75,8 @@ constexpr int64_t kMinParallelPrologue = 1 << 16;
 
 // Rows from which AVX-512 takes the wide path (`WidePanels`: two panels per tile, the inputs
 // transposed). Fewer rows are bound by reading the weights, which one pass over each panel does
-// best: at 16 rows (batch 8 scoring 2 positions) the wide path's two passes were no faster.
+// best: at 16 rows (batch 8 scoring 2 positions) one pass of a transposed 16-row tile took 2.8 ms
+// for reference_target's products, the wide path's two 8-row tiles 3.6-3.8 ms (Zen 4).
 constexpr int64_t kWideMinRows = 17;
 
 bool UseWide(int32_t isa, int64_t rows) {
@@ -130,34 +134,46 @@ void RunPanels(ffi::ThreadPool& pool, int32_t isa, int64_t threads, const float*
   const auto offset = [](const float* a, int64_t r, int64_t width) {
     return a == nullptr ? nullptr : a + r * width;
   };
-  if (!UseWide(isa, runs.rows)) {
+  // The narrow path over some runs: their groups of many rows transposed first (on the calling
+  // thread: at most 16 rows a run but where the wide path is off), then each thread takes its
+  // panels through every run.
+  const auto narrow = [&](int64_t r_begin, int64_t r_end) {
+    const float* xt_data = nullptr;
+    if (SPSJAX_BY_ISA(isa, kTransposedRows) <= r_end - r_begin) {
+      xt.resize(runs.rows * d_in);
+      bool any = false;
+      runs.Runs(r_begin, r_end, [&](int64_t r0, int64_t n) {
+        any |= TransposeGroupsKernel(isa)(x + r0 * d_in, n, d_in, xt.data() + r0 * d_in);
+      });
+      if (any) xt_data = xt.data();
+    }
     const PanelsFn<W> kernel = Kernel<W>(isa);
     spsjax::ParallelFor(pool, num_panels, threads, [=](int64_t p0, int64_t p1) {
-      runs.Runs(0, runs.rows, [&](int64_t r0, int64_t n) {
-        kernel(x + r0 * d_in, n, d_in, w_data, d_out, y + r0 * d_out, p0, p1,
-               offset(residual, r0, d_out), scales);
+      runs.Runs(r_begin, r_end, [&](int64_t r0, int64_t n) {
+        kernel(x + r0 * d_in, offset(xt_data, r0, d_in), n, d_in, w_data, d_out,
+               y + r0 * d_out, p0, p1, offset(residual, r0, d_out), scales);
       });
     });
+  };
+  if (!UseWide(isa, runs.rows)) {
+    narrow(0, runs.rows);
     return;
   }
   runs.Runs(0, runs.rows, [&](int64_t r0, int64_t rows) {  // The wide path: run by run.
+    if (!UseWide(isa, rows)) {
+      narrow(r0, r0 + rows);
+      return;
+    }
     const float* xr = x + r0 * d_in;
     float* yr = y + r0 * d_out;
     const float* rr = offset(residual, r0, d_out);
-    if (!UseWide(isa, rows)) {
-      const PanelsFn<W> kernel = Kernel<W>(isa);
-      spsjax::ParallelFor(pool, num_panels, threads, [=](int64_t p0, int64_t p1) {
-        kernel(xr, rows, d_in, w_data, d_out, yr, p0, p1, rr, scales);
-      });
-      return;
-    }
-    xt.resize(rows * d_in);
-    float* xt_data = xt.data();
+    xt.resize(runs.rows * d_in);
+    float* xt_data = xt.data() + r0 * d_in;
     const TransposeFn transpose = TransposeKernel(isa);
     const int64_t tiles = SPSJAX_BY_ISA(isa, WideTiles)(rows);
     spsjax::ParallelFor(pool, tiles, rows * d_in < kMinParallelWeights ? 1 : threads,
                         [=](int64_t t0, int64_t t1) { transpose(xr, rows, d_in, t0, t1, xt_data); });
-    const WidePanelsFn<W> kernel = WideKernel<W>(isa);
+    const PanelsFn<W> kernel = WideKernel<W>(isa);
     spsjax::ParallelFor(pool, (num_panels + 1) / 2, threads, [=](int64_t u0, int64_t u1) {
       kernel(xr, xt_data, rows, d_in, w_data, d_out, yr, u0, u1, rr, scales);
     });
