@@ -6,7 +6,8 @@ then runs `native_sanitized_worker.py` in processes that load that build
 (`SPSJAX_NATIVE_LIBRARY`) with the sanitizer runtime preloaded. The workers drive every FFI
 target through its Python wrapper, in every instruction set this CPU runs, at odd shapes, on the
 kernels' threads and on the packed matmul's wide path (at its default threshold of rows, from 1
-row, and off), and compare every output with a float64 reference. A test fails on any sanitizer
+row, and off: then AVX-512's passes of 9-16 rows read them transposed, up to 67 rows), and
+compare every output with a float64 reference. A test fails on any sanitizer
 report, on a mismatch and on a worker that does not finish. The negative controls prove the
 sanitizers live in this very setup: a write one float past an FFI result buffer and a signed
 overflow must each abort their process with the sanitizer's report.
