@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -124,15 +125,21 @@ struct RowRuns {
 
 // Runs the kernel for weights stored as W over the panels, shared among the threads (on the wide
 // path, over pairs of panels, after the tiles' inputs are transposed into `xt`), for the rows of
-// `runs` only: each thread takes its panels through every run, so skipped rows cost nothing.
+// `runs` only: each thread takes its panels through every run, so skipped rows cost nothing. `xt`
+// ([rows, d_in] floats) is allocated on first use and not cleared: the kernels read only the rows
+// transposed into it.
 template <typename W>
 void RunPanels(ffi::ThreadPool& pool, int32_t isa, int64_t threads, const float* x,
                const RowRuns& runs, int64_t d_in, const void* w, int64_t d_out, float* y,
                int64_t num_panels, const float* residual, const float* scales,
-               std::vector<float>& xt) {
+               std::unique_ptr<float[]>& xt) {
   const W* w_data = static_cast<const W*>(w);
   const auto offset = [](const float* a, int64_t r, int64_t width) {
     return a == nullptr ? nullptr : a + r * width;
+  };
+  const auto scratch = [&] {
+    if (xt == nullptr) xt.reset(new float[runs.rows * d_in]);
+    return xt.get();
   };
   // The narrow path over some runs: their groups of many rows transposed first (on the calling
   // thread: at most 16 rows a run but where the wide path is off), then each thread takes its
@@ -140,12 +147,12 @@ void RunPanels(ffi::ThreadPool& pool, int32_t isa, int64_t threads, const float*
   const auto narrow = [&](int64_t r_begin, int64_t r_end) {
     const float* xt_data = nullptr;
     if (SPSJAX_BY_ISA(isa, kTransposedRows) <= r_end - r_begin) {
-      xt.resize(runs.rows * d_in);
+      float* buffer = scratch();
       bool any = false;
       runs.Runs(r_begin, r_end, [&](int64_t r0, int64_t n) {
-        any |= TransposeGroupsKernel(isa)(x + r0 * d_in, n, d_in, xt.data() + r0 * d_in);
+        any |= TransposeGroupsKernel(isa)(x + r0 * d_in, n, d_in, buffer + r0 * d_in);
       });
-      if (any) xt_data = xt.data();
+      if (any) xt_data = buffer;
     }
     const PanelsFn<W> kernel = Kernel<W>(isa);
     spsjax::ParallelFor(pool, num_panels, threads, [=](int64_t p0, int64_t p1) {
@@ -167,8 +174,7 @@ void RunPanels(ffi::ThreadPool& pool, int32_t isa, int64_t threads, const float*
     const float* xr = x + r0 * d_in;
     float* yr = y + r0 * d_out;
     const float* rr = offset(residual, r0, d_out);
-    xt.resize(runs.rows * d_in);
-    float* xt_data = xt.data() + r0 * d_in;
+    float* xt_data = scratch() + r0 * d_in;
     const TransposeFn transpose = TransposeKernel(isa);
     const int64_t tiles = SPSJAX_BY_ISA(isa, WideTiles)(rows);
     spsjax::ParallelFor(pool, tiles, rows * d_in < kMinParallelWeights ? 1 : threads,
@@ -276,7 +282,7 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       }
     }
   }
-  std::vector<float> transposed;  // The wide path's inputs.
+  std::unique_ptr<float[]> transposed;  // Inputs transposed for the tiles that read them so.
   const auto run = [&](const float* xs, const RowRuns& rr, float* ys, const float* res) {
     if (w_type == ffi::DataType::F32) {
       RunPanels<float>(pool, isa, threads, xs, rr, d_in, w_data, d_out, ys, num_panels, res,
