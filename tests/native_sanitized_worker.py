@@ -237,6 +237,8 @@ ATTENTION_CASES = [
     ('negative count', 2, 20, 1, 3, 10, 4, [16, 2], [-5, 2]),
     ('prefill in query blocks', 2, 40, 2, 1, 8, 37, [0, 3], [37, 20]),
     ('odd groups over threads', 3, 128, 2, 7, 34, 9, [0, 50, 119], [9, 4, 9]),
+    ('one row, kv heads apart', 1, 100, 2, 3, 20, 3, [97], None),
+    ('whole rows over threads', 2, 100, 2, 3, 20, 3, [97, 7], [3, 2]),
     *[(f'head dim {H}', 2, 33, 1, 2, H, 3, [0, 30], None)
       for H in (4, 6, 8, 12, 14, 16, 18, 24, 32, 34, 46, 48, 50, 62, 64, 66)],
     ('T x G = 4096 queries, long', 1, 600, 1, 8, 2, 512, [88], None),

@@ -308,13 +308,13 @@ def test_write_rows_writes_each_rows_slots_a_batch_of_one_too():
 
 
 def _attention_case():
-  """Inputs (qkv, keys, values, starts) of every ATTENTION_SHAPES case, batch 3, and the XLA
+  """Inputs (qkv, keys, values, starts) of every ATTENTION_SHAPES case, batch 4, and the XLA
   reference's outputs and caches for them (one program for all)."""
-  B, cases = 3, []
+  B, cases = 4, []
   for i, (T, K, G, H, S) in enumerate(ATTENTION_SHAPES):
     keys, values = _normal(3 * i, (B, S, K, H)), _normal(3 * i + 1, (B, S, K, H))
     qkv = _normal(3 * i + 2, (B, T, K * G + 2 * K, H), scale=3.0)  # Peaked softmaxes.
-    cases.append((qkv, keys, values, np.array([0, 17, S - T], np.int32)))
+    cases.append((qkv, keys, values, np.array([0, 17, S - T, 5], np.int32)))
   wants = jax.jit(lambda cases: [attention.reference(*c, 500.0) for c in cases])(cases)
   return cases, jax.tree.map(np.asarray, wants)
 
@@ -322,27 +322,35 @@ def _attention_case():
 @pytest.mark.parametrize('isa', ISAS)
 def test_cached_attention_equals_reference(isa):
   """Rotation, cache writes and attention: the kernel's outputs and both caches, every slot, for
-  every shape of ATTENTION_SHAPES (one program for all)."""
+  every shape of ATTENTION_SHAPES (one program for all). Four rows take a few positions a row
+  at a time (all kv heads in one pass over its cache, on up to 4 threads) and the second row
+  alone a kv head at a time (on 2 threads or more)."""
   cases, wants = _attention_case()
   for qkv, keys, _, _ in cases:
     assert attention.use_kernel(qkv, keys)
   no_counts = np.zeros((0,), np.int32)
-  gots = jax.jit(lambda cases: [attention._kernel(*c, no_counts, 500.0, isa)  # pylint: disable=protected-access
+  row = lambda tree: jax.tree.map(lambda x: x[1:2], tree)
+  gots = jax.jit(lambda cases: [(attention._kernel(*c, no_counts, 500.0, isa),  # pylint: disable=protected-access
+                                 attention._kernel(*row(c), no_counts, 500.0, isa))  # pylint: disable=protected-access
                                 for c in cases])(cases)
-  for shape, got, want in zip(ATTENTION_SHAPES, gots, wants, strict=True):
-    for name, g, w in zip(('outputs', 'keys', 'values'), got, want, strict=True):
+  for shape, (got, got_row), want in zip(ATTENTION_SHAPES, gots, wants, strict=True):
+    for name, g, g_row, w in zip(('outputs', 'keys', 'values'), got, got_row, want, strict=True):
       np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5,
                                  err_msg=f'{name}, (T, K, G, H, S) = {shape}')
+      np.testing.assert_allclose(g_row, w[1:2], rtol=2e-5, atol=2e-5,
+                                 err_msg=f'{name}, one row, (T, K, G, H, S) = {shape}')
 
 
 @pytest.mark.parametrize('isa', ISAS)
-def test_cached_attention_skips_padding_positions(isa):
+@pytest.mark.parametrize('T', [20, 6])
+def test_cached_attention_skips_padding_positions(isa, T):
   """With counts (a prefill of right-padded prompts) row b's first counts[b] positions are the
-  reference's; the padding's outputs are zeros and its cache slots keep what they held."""
-  B, S, T, K, G, H = 3, 40, 20, 2, 3, 16
+  reference's; the padding's outputs are zeros and its cache slots keep what they held. 20
+  positions go a kv head at a time, 6 a row at a time."""
+  B, S, K, G, H = 4, 40, 2, 3, 16
   keys, values = _normal(0, (B, S, K, H)), _normal(1, (B, S, K, H))
   qkv = _normal(2, (B, T, K * G + 2 * K, H), scale=3.0)
-  starts, counts = np.array([0, 5, 20], np.int32), [T, 7, 0]
+  starts, counts = np.array([0, 5, 20, 9], np.int32), [T, T // 3, 0, 1]
   got_out, got_k, got_v = jax.tree.map(np.asarray, jax.jit(lambda *a: attention.cached_attention(
       *a[:4], rope_base=500.0, counts_B=a[4], isa=isa))(qkv, keys, values, starts,
                                                        np.array(counts, np.int32)))
