@@ -27,8 +27,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// AttendHead (q, keys, values, stride, J, G, H, S, start, scores, out) and AttendRow (q, keys,
-// values, K, J, G, H, S, start, scores, out): the same argument types.
+// AttendHead (one kv head) and AttendRow (all of a row's): (q, keys, values, slot stride, J, G, H,
+// S, start, scores, out).
 using AttendFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t,
                           int64_t, int64_t, int64_t, float*, float*);
 
@@ -175,9 +175,9 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
         }
       }
       const int64_t offset = (b * S * K + k0) * H;  // Slot 0 of row b, head k0.
-      if (used > 0) {  // AttendRow takes the kv heads, AttendHead the slots' stride.
-        kernel(q_rows.data(), k_data + offset, v_data + offset, whole_rows ? K : K * H, queries,
-               G, H, S, start, scores.data(), out_rows.data());
+      if (used > 0) {
+        kernel(q_rows.data(), k_data + offset, v_data + offset, K * H, queries, G, H, S, start,
+               scores.data(), out_rows.data());
       }
       for (int64_t h = 0; h < heads; ++h) {
         for (int64_t t = 0; t < T; ++t) {
