@@ -86,7 +86,7 @@ native = setuptools.Extension(
     depends=['spsjax/native/parallel.h', 'spsjax/native/variants.inc',
              'spsjax/native/vector_math.inc',
              'spsjax/native/packed_matmul_kernel.inc', 'spsjax/native/decode_attention_kernel.inc',
-             'spsjax/native/sampling_kernel.inc'],
+             'spsjax/native/sampling_kernel.inc', 'spsjax/native/w8a8_kernels.inc'],
     language='c++',
     optional=True,
     # -Wno- flags that the compiler does not know are left out (BuildNative.accepts): clang has

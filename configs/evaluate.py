@@ -25,7 +25,7 @@ ALL_DRAFTS = ('draft_wide+draft_mid+draft_deep+draft_wide_distill+draft_deep_dis
 def get_config(arg=None):
   a = parse_arg(arg, size='reference', root='', target='target', drafts='', batches=8,
                 batch_size=8,
-                seq_len=256, split='validation', data=1, model_axis=1, draft_weights='int8',
+                seq_len=256, split='validation', data=1, model_axis=1, draft_weights='w8a8',
                 tasks='humaneval', num=0, max_new_tokens=0, task_batch=8, k=4, seed=0)
   c = ml_collections.ConfigDict()
   c.note = default_pair_note(arg, ('size', 'root', 'drafts'))

@@ -26,7 +26,7 @@ def get_config(arg=None):
                 method='ars', k='4', k_max=8, recalibrate=False, batch=4, prompt_len=16,
                 max_new_tokens=64, temperature=1.0,
                 top_k=0, top_p=1.0, seed=0, data=1, model_axis=1, runlocal=False,
-                draft_weights='int8', drafter='model', max_ngram=3, min_ngram=1,
+                draft_weights='w8a8', drafter='model', max_ngram=3, min_ngram=1,
                 stop_below=0.0, lenience=1.0, hf_target='', hf_draft='')
   c = ml_collections.ConfigDict()
   c.root = a.root

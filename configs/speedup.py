@@ -11,8 +11,10 @@ docstrings / code (number of examples of each task; 0: all; code is `code_comple
 functions cut in half), batches ('+'-separated, e.g. 1+8), seed, results (output
 directory; default results/speedup_<family>), runlocal (a few examples, for a smoke run), demo
 (the README's main job: 8 examples per task, batch 1), draft_weights (how the native CPU path stores
-the draft's packed weights: int8 by default, a quarter of the bytes per draft step; bfloat16
-half; SpS stays exact, the target is float32 either way; float32 for the draft as trained); drafter (model | lookup |
+the draft's packed weights: w8a8 by default, int8 weights by inputs quantized to int8 in
+integer arithmetic; int8 the same weights in float32 arithmetic; bfloat16 half the bytes of
+float32; SpS stays exact, the target is float32 either way; float32 for the draft as trained);
+drafter (model | lookup |
 hybrid | feature | heads: `spsjax.sampling.drafter_config`; feature and heads take a head trained by
 configs/train.py model=feature or heads as `draft`), max_ngram, min_ngram, stop_below (dynamic k), lenience (in
 (0, 1]; below 1 is LOSSY, labelled in the title and the SpS rows with its total variation);
@@ -34,7 +36,7 @@ from spsjax.eval import tasks
 def get_config(arg=None):
   a = parse_arg(arg, root=REFERENCE_ROOT, draft='', k='4', k_max=8, humaneval=164,
                 docstrings=200, code=200, batches='1+8', seed=0, results='', runlocal=False, demo=False,
-                data=1, model_axis=1, draft_weights='int8', drafter='model', max_ngram=3,
+                data=1, model_axis=1, draft_weights='w8a8', drafter='model', max_ngram=3,
                 min_ngram=1, stop_below=0.0, lenience=1.0, hf_target='', hf_draft='',
                 recalibrate=False)
   if a.demo:

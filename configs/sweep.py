@@ -84,7 +84,7 @@ def _values(name, text, kind, valid, what):
 def get_config(arg=None):
   a = parse_arg(arg, root=REFERENCE_ROOT, sweep='k', draft='', k=4, prompts=16, batch=1,
                 max_new_tokens=128, temperature=0.8, seed=0, results='', runlocal=False,
-                drafts='+'.join(DRAFTS), data=1, model_axis=1, draft_weights='int8',
+                drafts='+'.join(DRAFTS), data=1, model_axis=1, draft_weights='w8a8',
                 ks='2+4+6', thresholds='0.1+0.2+0.4', hf_target='', hf_draft='', feature='',
                 heads='', auto=True, recalibrate=False)
   drafts = (a.hf_draft,) if a.hf_draft else tuple(d for d in a.drafts.split('+') if d)

@@ -44,7 +44,7 @@ _CEILING = flags.DEFINE_bool('ceiling', True, 'Also the perfect-draft SpS/ArS ce
 _DRAFT_PRESET = flags.DEFINE_string('draft_preset', '', 'Draft of the ceiling; default: the '
                                     'target preset\'s family draft (reference_draft, tiny_draft).')
 _K = flags.DEFINE_integer('k', 4, 'Lookahead of the ceiling.')
-_DRAFT_WEIGHTS = flags.DEFINE_enum('draft_weights', 'int8', ['float32', 'bfloat16', 'int8'],
+_DRAFT_WEIGHTS = flags.DEFINE_enum('draft_weights', 'w8a8', list(models.WEIGHT_DTYPES),
                                    'How the native path stores the ceiling draft\'s packed weights.')
 _CEILING_REPEATS = flags.DEFINE_integer('ceiling_repeats', 7, 'Timed calls per method of the '
                                         'ceiling (ArS, SpS and each one stopped after the prefill, '

@@ -210,9 +210,11 @@ def test_cut_prompts_are_reported(family):
 
 
 def test_evaluate_measures_alpha_along_the_target_s_samples(family):
-  """The family's draft is its target: alpha 1 under both decodings, on every generated token."""
+  """The family's draft is its target (its weights kept float32, not quantized as drafts are by
+  default): alpha 1 under both decodings, on every generated token."""
   run = _run('experiments/evaluate.py', f'--config=configs/evaluate.py:root={family},'
-             'drafts=draft_wide,batches=0,num=3,max_new_tokens=8,task_batch=2')
+             'drafts=draft_wide,batches=0,num=3,max_new_tokens=8,task_batch=2,'
+             'draft_weights=float32')
   assert run.returncode == 0, run.stderr[-3000:]
   lines = [l for l in run.stdout.splitlines() if 'along the target' in l]
   assert len(lines) == 1 and 'from 3 humaneval prompts (max_new_tokens 8)' in lines[0], run.stdout
@@ -228,7 +230,7 @@ def test_speedup_table_title_says_what_the_demo_is():
   demo = config.get_config('root=checkpoints/demo,draft=draft_wide_distill,demo')
   title = demo.title.format(**demo)  # As experiments/speedup_table.py writes it.
   assert title.startswith('# Table 1 (Chen et al., 2023): ArS vs SpS, checkpoints/demo/target '
-                          'and draft draft_wide_distill, k = 4 (draft weights stored in int8 '
+                          'and draft draft_wide_distill, k = 4 (draft weights stored in w8a8 '
                           'on the native CPU path)\n\nDemo run (`make demo`)')
   assert 'pipeline-sized check' in title
   full = config.get_config('root=checkpoints/reference,draft_weights=float32')

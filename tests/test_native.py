@@ -255,6 +255,81 @@ def test_int8_panels_multiply_in_float32(isa, d_in, d_out):
   _check_low_precision_products(packed, quantized_IxF, isa)
 
 
+def _np_w8a8(x_RxI, packed):
+  """What a w8a8 product computes, in numpy: each row quantized as `native.quantize_rows`
+  documents, integer sums, then float32 scaling: float(sum) * (x_scale * w_scale)."""
+  x_RxI = np.asarray(x_RxI, np.float32)
+  m_R = np.max(np.abs(x_RxI), axis=1)
+  inv_R = np.float32(127) / np.where(m_R > 0, m_R, np.float32(1))
+  xq_RxI = np.round(np.clip(x_RxI * inv_R[:, None], -127, 127)).astype(np.int64)
+  sums_RxF = xq_RxI @ _w8a8_integers(packed)
+  scale_F = np.asarray(packed.scales_PxC).reshape(-1)[:packed.out_dim]
+  return sums_RxF.astype(np.float32) * ((m_R * np.float32(1 / 127))[:, None] * scale_F[None])
+
+
+def _w8a8_integers(packed):
+  """The int8 weights of w8a8 panels, int64[I, F], read from the stored bytes (q + 128)."""
+  P, G, C, J = packed.panels_PxIxC.shape
+  q_PxGxCxJ = np.asarray(packed.panels_PxIxC, np.int64) - 128
+  q_IxF = np.transpose(q_PxGxCxJ, (1, 3, 0, 2)).reshape(G * J, P * C)
+  return q_IxF[:packed.in_dim, :packed.out_dim]
+
+
+@pytest.mark.parametrize('isa', ISAS)
+@pytest.mark.parametrize('d_in,d_out', [(40, 37), (1001, 70)])  # 1001 x 70: panels on threads.
+def test_w8a8_panels_sum_quantized_inputs_exactly(isa, d_in, d_out):
+  """w8a8: int8's weights, stored q + 128 in groups of 4 depths; each input row quantized to
+  int8 of its largest magnitude, the sums exact: the kernel (every variant; VNNI on AVX-512
+  where the CPU has it) and the XLA path equal numpy's integer arithmetic bit for bit; with a
+  norm and a residual, to a rounding; and the result is the float product up to the inputs'
+  quantization."""
+  w_IxF = _normal(0, (d_in, d_out))
+  w_IxF[:, 5] = 0.0
+  packed = _pack(w_IxF, dtype='w8a8')
+  P, G = -(-d_out // native.PANEL), -(-d_in // 4)
+  assert packed.dtype == 'w8a8' and packed.panels_PxIxC.shape == (P, G, native.PANEL, 4)
+  np.testing.assert_array_equal(_unpack(packed), _unpack(_pack(w_IxF, dtype='int8')))
+  np.testing.assert_array_equal(_w8a8_integers(packed), np.asarray(
+      _pack(w_IxF, dtype='int8').panels_PxIxC, np.int64).transpose(1, 0, 2).reshape(d_in, -1)[
+          :, :d_out])
+  xs = [_normal(rows, (rows, d_in)) for rows in LOW_PRECISION_ROWS]
+  xs[1][2, :4] = [0.5, -1.5, 2.5, 127.0]  # m = 127: x * 127 / m on .5, rounded to even.
+  for use_kernel in (True, False) if isa == 'baseline' else (True,):
+    gots = _matmuls(packed, [(x, {}) for x in xs], isa, use_kernel)
+    for got, x in zip(gots, xs):
+      np.testing.assert_array_equal(got, _np_w8a8(x, packed), err_msg=f'{len(x)} rows')
+      quantized = np.asarray(_unpack(packed), np.float64)
+      step_R = np.max(np.abs(x), axis=1, keepdims=True) / 127
+      slack = step_R / 2 * np.sum(np.abs(quantized), axis=0)[None, :]
+      assert np.all(np.abs(got - x.astype(np.float64) @ quantized) <= slack * 1.001 + 1e-4)
+    assert not np.allclose(gots[0], xs[0] @ np.asarray(_unpack(packed)), atol=1e-4)
+  scale_I = np.linspace(0.5, 1.5, d_in, dtype=np.float32)
+  cases = [(x, dict(norm=(scale_I, 1e-6), residual=_normal(9, (len(x), d_out)))) for x in xs[:4]]
+  for got, (x, o) in zip(_matmuls(packed, cases, isa), cases):
+    want = o['residual'] + _np_w8a8(_np_rms_norm(x, scale_I, 1e-6).astype(np.float32), packed)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('isa', ISAS)
+def test_w8a8_zero_and_non_finite_rows(isa):
+  """A zero input row gives zeros (plus the residual); a row holding an infinity or a NaN gives
+  NaNs, and the other rows are unaffected, on both paths."""
+  w_IxF = _normal(1, (37, 20))
+  packed = _pack(w_IxF, dtype='w8a8')
+  x = _normal(2, (5, 37))
+  x[1] = 0.0
+  x[2, 7] = np.inf
+  x[3, 0] = np.nan
+  residual = _normal(3, (5, 20))
+  for use_kernel in (True, False):
+    got, got_res = _matmuls(packed, [(x, {}), (x, dict(residual=residual))], isa, use_kernel)
+    fine = [0, 4]
+    np.testing.assert_array_equal(got[fine], _np_w8a8(x[fine], packed))
+    np.testing.assert_array_equal(got[1], 0.0)
+    np.testing.assert_array_equal(got_res[1], residual[1])
+    assert np.all(np.isnan(got[2:4])) and np.all(np.isnan(got_res[2:4]))
+
+
 def test_pack_rejects_what_it_cannot_do():
   with pytest.raises(ValueError, match='stored as one of'):
     native.pack(jnp.zeros((4, 4)), dtype='float16')
@@ -471,8 +546,8 @@ def test_greedy_decoding_of_packed_model_equals_unpacked(method):
   if method in ('sps_dynamic', 'sps_lookup'):  # Some loops proposed fewer than k, some more than 0.
     proposed = np.asarray(got.proposed_histogram)
     assert proposed[:3].sum() > 0 and proposed[1:].sum() > 0, proposed
-  if method == 'sps':  # A draft in bfloat16 or int8 changes its proposals, never the tokens.
-    for weights in ('bfloat16', 'int8'):
+  if method == 'sps':  # A draft in bfloat16, int8 or w8a8 changes its proposals, never the tokens.
+    for weights in ('bfloat16', 'int8', 'w8a8'):
       draft_low = models.pack(draft, weights)
       assert models.packed_dtype(draft_low) == weights and models.packed_dtype(draft) is None
       np.testing.assert_array_equal(run(models.pack(target), draft_low).tokens, want.tokens)

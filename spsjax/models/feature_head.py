@@ -6,8 +6,8 @@ target's output layer turns features at t into the law of token t + 1. A head em
 turns its predicted features into logits through the target's own embedding table and output
 layer (`transformer.embed`, `transformer.output_logits` on the target's parameters, passed in
 at each call): its parameters hold neither, so it costs the target's vocabulary nothing to store
-(a head packed in bfloat16 or int8 for the CPU kernels may hold `output`, a copy of the target's
-output layer in its own precision, made when it is packed: `models.pack`).
+(a head packed in bfloat16, int8 or w8a8 for the CPU kernels may hold `output`, a copy of the
+target's output layer in its own precision, made when it is packed: `models.pack`).
 
 Both kinds read a pair (f_t, x_{t+1}) (the features at t and the token after t, which the
 target's law at t drew): each RMS-normed, side by side, projected back to D (`fuse`).

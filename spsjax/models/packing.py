@@ -7,9 +7,9 @@ partitioner splits the Megatron way). In a packed parameter tree each layer's at
 `wqkv` (wq, wk, wv side by side: one product, output [N + 2K, H]) and `wo`; a gated MLP holds
 `w_gate_in` (gate and input: output [2, F]) and `w_out`, a GELU MLP `w_in` and `w_out`; the
 output layer is `head`, for tied embeddings a packed copy of the table (the lookup keeps reading
-rows of `embedding`). A feature head (`models.feature_head`) packed in bfloat16 or int8 beside its
-target holds `output`, a copy of the target's output layer stored as its own weights (`pack`'s
-`target`). Everything else (norms, the embedding table) is unchanged. A packed model's
+rows of `embedding`). A feature head (`models.feature_head`) packed in bfloat16, int8 or w8a8
+beside its target holds `output`, a copy of the target's output layer stored as its own weights
+(`pack`'s `target`). Everything else (norms, the embedding table) is unchanged. A packed model's
 config says so (`kernels='native'`, `unpack` sets 'xla' back): the transformer reads the setting,
 not the type of its parameters, to choose its kernels.
 
@@ -134,16 +134,17 @@ def pack(model: Model, weights: str = 'float32', target: Model | None = None) ->
 
   `weights='bfloat16'` stores the packed weights in bfloat16 (`native.pack(dtype=)`): half the
   bytes a step reads, the products still float32 arithmetic, the weights rounded; `'int8'` in
-  int8 with a scale per output column: a quarter of the bytes, the weights quantized. Meant for
-  drafts: SpS stays exact whatever the draft computes, and a draft that reads fewer bytes costs
-  less and leaves more of the cache to its target (its proposals, hence alpha, may move a
-  little). The embedding table and norms stay float32. A model already packed is returned as it
-  is.
+  int8 with a scale per output column: a quarter of the bytes, the weights quantized; `'w8a8'`
+  int8's weights, multiplied by the inputs quantized to int8 in integer arithmetic (a third to
+  a half of int8's time a draft step where the CPU has AVX-512 VNNI). Meant for drafts: SpS
+  stays exact whatever the draft computes, and a draft that reads fewer bytes costs less and
+  leaves more of the cache to its target (its proposals, hence alpha, may move a little). The
+  embedding table and norms stay float32. A model already packed is returned as it is.
 
-  `target`: for a feature head (`models.feature_head`) packed in bfloat16 or int8, the target it
-  drafts for: the head gets a copy of the target's output layer stored as `weights` (`output`),
-  so that a draft step reads the vocabulary's weights in the draft's precision, not the target's
-  float32 (the target's final norm still applies). Made here, never saved; `unpack` drops it.
+  `target`: for a feature head (`models.feature_head`) packed in bfloat16, int8 or w8a8, the
+  target it drafts for: the head gets a copy of the target's output layer stored as `weights`
+  (`output`), so that a draft step reads the vocabulary's weights in the draft's precision, not
+  the target's float32 (the target's final norm still applies). Made here, never saved; `unpack` drops it.
   """
   config = model.config
   if config.dtype != 'float32':
@@ -208,7 +209,7 @@ def packed_dtype(model: Model) -> str | None:
   leaves = jax.tree.leaves(model.params, is_leaf=_is_packed_weight)
   for x in leaves:
     if _is_packed_weight(x):
-      return str(x.panels_PxIxC.dtype)
+      return x.dtype
   return None
 
 

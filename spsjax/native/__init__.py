@@ -18,9 +18,10 @@ from spsjax.native.attention import attend, cached_attention, rope, write_rows
 from spsjax.native.distribution import accept, probabilities_and_draw
 from spsjax.native.library import ISAS, available, isas
 from spsjax.native.lookup import take_rows
-from spsjax.native.packed import (PANEL, WEIGHT_DTYPES, PackedWeight, matmul, pack, rms_norm,
-                                  silu_gate, unpack)
+from spsjax.native.packed import (PANEL, WEIGHT_DTYPES, PackedWeight, matmul, pack,
+                                  quantize_rows, rms_norm, silu_gate, unpack)
 
 __all__ = ['ISAS', 'PANEL', 'PackedWeight', 'accept', 'attend', 'available', 'cached_attention', 'isas',
-           'matmul', 'pack', 'probabilities_and_draw', 'rms_norm', 'rope', 'silu_gate',
+           'matmul', 'pack', 'probabilities_and_draw', 'quantize_rows', 'rms_norm', 'rope',
+           'silu_gate',
            'take_rows', 'unpack', 'WEIGHT_DTYPES', 'write_rows']

@@ -3,7 +3,9 @@
 `pack(w)` lays a weight `[*in_shape, *out_shape]` out as panels of `PANEL` output columns,
 `float32[P, I, PANEL]` (or bfloat16, or int8 with a float32 scale per output column,
 `pack(dtype=)`) with I = prod(in_shape), P = ceil(F / PANEL), F = prod(out_shape), the last panel
-zero-padded. `matmul(x, packed)` computes
+zero-padded. 'w8a8' panels hold the int8 weights q as uint8 q + 128 in groups of 4 depths,
+`uint8[P, ceil(I / 4), PANEL, 4]`: the kernel quantizes each input row to int8 too
+(`quantize_rows`) and sums in int32 (AVX-512 VNNI's `vpdpbusd`). `matmul(x, packed)` computes
 `x[..., I] @ w -> [..., *out_shape]`, optionally
 `rms_norm(x) @ w`, `silu_gate(x) @ w` and `+ residual`: the elementwise work around a decoder's
 products, done by the kernel as it reads its input and writes its output (each XLA op it replaces
@@ -21,8 +23,10 @@ A prefill of right-padded prompts passes `counts` (each row's prompt length): th
 those rows only (8 prompts padded to their longest are about half padding on Table 1's tasks).
 
 Invariant: `unpack(pack(w))` is `w` exactly (float32 panels; bfloat16 panels: `w` rounded to
-bfloat16; int8 panels: `w` quantized, each column to 255 levels of its largest magnitude), and
-`matmul(x, pack(w))` equals `x @ unpack(pack(w))` up to float reassociation whichever path runs.
+bfloat16; int8 and w8a8 panels: `w` quantized, each column to 255 levels of its largest
+magnitude), and `matmul(x, pack(w))` equals `x @ unpack(pack(w))` up to float reassociation
+whichever path runs; for w8a8, `quantized(x) @ unpack(pack(w))`, the same bit for bit on every
+path (integer sums).
 """
 
 import math
@@ -40,12 +44,13 @@ PANEL = 16
 @flax.struct.dataclass
 class PackedWeight:
   """A weight `[*in_shape, *out_shape]` stored as `[P, I, PANEL]` panels, float32, bfloat16 or
-  int8 (module docstring).
+  int8, or as w8a8 panels `uint8[P, ceil(I / 4), PANEL, 4]` (module docstring).
 
   `tied_to` names the parameter this one is a packed copy of (the output layer of a model with
   tied embeddings keeps its embedding table for the lookup): counting parameters skips it.
-  `scales_PxC`: for int8 panels, float32[P, PANEL], the weight of output column p * PANEL + c is
-  panels[p, :, c] * scales[p, c]; None for the other dtypes.
+  `scales_PxC`: for int8 and w8a8 panels, float32[P, PANEL], the weight of output column
+  p * PANEL + c is its integer (int8 panels[p, :, c]; w8a8 panels[p, :, c, :] - 128) times
+  scales[p, c]; None for the other dtypes.
   """
   panels_PxIxC: jax.Array
   in_shape: tuple[int, ...] = flax.struct.field(pytree_node=False)
@@ -62,12 +67,18 @@ class PackedWeight:
     return math.prod(self.out_shape)
 
   @property
+  def dtype(self) -> str:
+    """How the weights are stored: one of `WEIGHT_DTYPES`."""
+    return 'w8a8' if self.panels_PxIxC.dtype == jnp.uint8 else str(self.panels_PxIxC.dtype)
+
+  @property
   def size(self) -> int:
     """Parameters of the unpacked weight (padding excluded)."""
     return self.in_dim * self.out_dim
 
 
-WEIGHT_DTYPES = ('float32', 'bfloat16', 'int8')
+WEIGHT_DTYPES = ('float32', 'bfloat16', 'int8', 'w8a8')
+MAX_W8A8_DEPTH = 65536  # int32 sums of (q + 128) xq stay exact (the kernel's bound).
 
 
 def pack(w: jax.Array, in_dims: int = 1, *, tied_to: str | None = None,
@@ -76,8 +87,9 @@ def pack(w: jax.Array, in_dims: int = 1, *, tied_to: str | None = None,
 
   `dtype`: how the panels are stored, 'float32', 'bfloat16' (half the bytes to read per call;
   the weights rounded to bfloat16) or 'int8' (a quarter; each output column quantized
-  symmetrically to integers in [-127, 127] times a float32 scale, its largest magnitude / 127).
-  The products are float32 arithmetic in every case.
+  symmetrically to integers in [-127, 127] times a float32 scale, its largest magnitude / 127):
+  the products are float32 arithmetic. 'w8a8': int8's weights, and the products multiply them by
+  each input row quantized to int8 (`quantize_rows`) in integer arithmetic (module docstring).
   """
   if w.dtype != jnp.float32:
     raise ValueError(f'Only float32 weights can be packed, got {w.dtype}.')
@@ -89,19 +101,51 @@ def pack(w: jax.Array, in_dims: int = 1, *, tied_to: str | None = None,
   I, F = math.prod(in_shape), math.prod(out_shape)
   P = -(-F // PANEL)
   w_IxF = jnp.pad(w.reshape(I, F), ((0, 0), (0, P * PANEL - F)))
+  if dtype == 'w8a8' and I > MAX_W8A8_DEPTH:
+    raise ValueError(f'w8a8 weights take at most {MAX_W8A8_DEPTH} input depths, got {I}.')
   scales_PxC = None
-  if dtype == 'int8':
+  if dtype in ('int8', 'w8a8'):
     scales_F = jnp.max(jnp.abs(w_IxF), axis=0) / 127.0
     scales_F = jnp.where(scales_F > 0, scales_F, 1.0)  # An all-zero column: any scale.
     w_IxF = jnp.clip(jnp.round(w_IxF / scales_F[None, :]), -127, 127)
     scales_PxC = scales_F.reshape(P, PANEL)
-  panels = jnp.transpose(w_IxF.reshape(I, P, PANEL), (1, 0, 2)).astype(dtype)
+  if dtype == 'w8a8':  # [P, G, PANEL, 4]: depth 4 g + j of column c at [p, g, c, j].
+    G = -(-I // 4)
+    q_GxJxPxC = jnp.pad(w_IxF, ((0, 4 * G - I), (0, 0))).reshape(G, 4, P, PANEL)
+    panels = (jnp.transpose(q_GxJxPxC, (2, 0, 3, 1)) + 128).astype(jnp.uint8)
+  else:
+    panels = jnp.transpose(w_IxF.reshape(I, P, PANEL), (1, 0, 2)).astype(dtype)
   return PackedWeight(panels, in_shape, out_shape, tied_to, scales_PxC)
 
 
+def _integer_panels(packed: PackedWeight) -> jax.Array:
+  """int8 or w8a8 panels as their integers, int8[P, I, PANEL]."""
+  panels = packed.panels_PxIxC
+  if packed.dtype != 'w8a8':
+    return panels
+  P, G, C, J = panels.shape
+  q_PxGxJxC = jnp.transpose(panels.astype(jnp.int32) - 128, (0, 1, 3, 2))
+  return q_PxGxJxC.reshape(P, G * J, C)[:, :packed.in_dim].astype(jnp.int8)
+
+
+def quantize_rows(x_RxI: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(xq int8[R, I], scale float32[R]): each row to integers in [-127, 127] of its largest
+  magnitude m, xq = round(x * (127 / m)) (ties to even), scale = m * (1 / 127), as the w8a8 kernel
+  quantizes its inputs. A zero row: xq 0, scale 0; a row holding an infinity or a NaN: xq 0,
+  scale NaN."""
+  x_RxI = x_RxI.astype(jnp.float32)
+  m_R = jnp.max(jnp.abs(x_RxI), axis=-1)
+  finite_R = jnp.isfinite(m_R)
+  inv_R = jnp.where(finite_R & (m_R > 0), jnp.float32(127.0) / jnp.where(m_R > 0, m_R, 1.0), 0.0)
+  xq_RxI = jnp.round(jnp.clip(x_RxI * inv_R[:, None], -127.0, 127.0))
+  xq_RxI = jnp.where(finite_R[:, None], xq_RxI, 0.0).astype(jnp.int8)
+  # m times float32(1 / 127), not m / 127: XLA turns a division by a constant into that product.
+  return xq_RxI, jnp.where(finite_R, m_R * jnp.float32(1.0 / 127.0), jnp.nan)
+
+
 def _dense_panels(packed: PackedWeight) -> jax.Array:
-  """The panels as float32 weights (int8 panels times their scales)."""
-  panels = packed.panels_PxIxC.astype(jnp.float32)
+  """The panels as float32 weights [P, I, PANEL] (int8 and w8a8 panels times their scales)."""
+  panels = _integer_panels(packed).astype(jnp.float32)
   if packed.scales_PxC is not None:
     panels = panels * packed.scales_PxC[:, None, :]
   return panels
@@ -109,9 +153,10 @@ def _dense_panels(packed: PackedWeight) -> jax.Array:
 
 def unpack(packed: PackedWeight) -> jax.Array:
   """The float32 weight `[*in_shape, *out_shape]` that `packed` was made from (for bfloat16
-  panels: its values rounded to bfloat16; for int8 panels: quantized)."""
-  P, I, C = packed.panels_PxIxC.shape
-  w_IxF = jnp.transpose(_dense_panels(packed), (1, 0, 2)).reshape(I, P * C)[:, :packed.out_dim]
+  panels: its values rounded to bfloat16; for int8 and w8a8 panels: quantized)."""
+  dense_PxIxC = _dense_panels(packed)
+  P, I, C = dense_PxIxC.shape
+  w_IxF = jnp.transpose(dense_PxIxC, (1, 0, 2)).reshape(I, P * C)[:, :packed.out_dim]
   return w_IxF.reshape(packed.in_shape + packed.out_shape)
 
 
@@ -139,7 +184,13 @@ def _xla_matmul(x_RxI, packed, scale_I, residual_RxF, prologue, eps) -> jax.Arra
     R, I2 = x_RxI.shape  # Not reshape(R, 2, -1), nor below: ambiguous for R = 0 rows.
     gate_in_Rx2xI = x_RxI.reshape(R, 2, I2 // 2)
     x_RxI = silu_gate(gate_in_Rx2xI[:, 0], gate_in_Rx2xI[:, 1])
-  y_RxPxC = jnp.einsum('RI,PIC->RPC', x_RxI, _dense_panels(packed))
+  if packed.dtype == 'w8a8':  # Integer sums, scaled as the kernel scales them.
+    xq_RxI, scale_R = quantize_rows(x_RxI)
+    sums_RxPxC = jnp.einsum('RI,PIC->RPC', xq_RxI, _integer_panels(packed),
+                            preferred_element_type=jnp.int32)
+    y_RxPxC = sums_RxPxC.astype(jnp.float32) * (scale_R[:, None, None] * packed.scales_PxC[None])
+  else:
+    y_RxPxC = jnp.einsum('RI,PIC->RPC', x_RxI, _dense_panels(packed))
   R, P, C = y_RxPxC.shape
   y_RxF = y_RxPxC.reshape(R, P * C)[:, :packed.out_dim]
   return y_RxF if residual_RxF.size == 0 else residual_RxF + y_RxF
@@ -150,8 +201,11 @@ def _kernel_matmul(x_RxI, packed, scale_I, residual_RxF, counts_B, prologue, eps
   out = jax.ShapeDtypeStruct((x_RxI.shape[0], packed.out_dim), jnp.float32)
   w_scales = (jnp.zeros((0,), jnp.float32) if packed.scales_PxC is None
               else packed.scales_PxC.reshape(-1))
+  panels = packed.panels_PxIxC
+  if packed.dtype == 'w8a8':  # The kernel takes [P, ceil(I / 4), 4 PANEL].
+    panels = panels.reshape(panels.shape[0], panels.shape[1], -1)
   return jax.ffi.ffi_call('spsjax_packed_matmul', out, vmap_method='sequential')(
-      x_RxI, scale_I, residual_RxF, packed.panels_PxIxC, w_scales, counts_B,
+      x_RxI, scale_I, residual_RxF, panels, w_scales, counts_B,
       isa=np.int32(library.isa_code(isa)), prologue=np.int32(prologue), eps=np.float32(eps))
 
 

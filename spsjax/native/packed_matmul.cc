@@ -3,6 +3,9 @@
 // FFI. W is stored in float32, in bfloat16 (half the bytes to stream; each weight widened
 // exactly to float32 as it is loaded, the arithmetic float32 as for float32 weights) or in int8
 // with a float32 scale per output column (a quarter of the bytes; the column's sum is scaled).
+// w8a8 weights (int8's, stored as uint8 + 128 in groups of 4 depths) multiply the input rows
+// quantized to int8 (`QuantizeRows`) in exact int32 sums: AVX-512 VNNI or AVX2 (w8a8_kernels.inc),
+// or the portable `IntPanels`.
 // The prologue f is the identity, an RMSNorm (x [R, D], scale [D]) or a gated SiLU (x [R, 2D]:
 // gate then input); both run before the product, into a scratch copy. With counts [B] (a prefill
 // of right-padded prompts, R = B * T) only the first counts[b] rows of each group of T are
@@ -24,6 +27,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <limits>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -50,6 +55,12 @@ using TransposeFn = void (*)(const float*, int64_t, int64_t, int64_t, int64_t, f
 using TransposeGroupsFn = bool (*)(const float*, int64_t, int64_t, float*);
 using NormFn = void (*)(const float*, int64_t, int64_t, const float*, float, float*);
 using GateFn = void (*)(const float*, int64_t, int64_t, float*);
+// w8a8: (x, rows, d_in, d4, xq, sums, scales) and (xq, sums, x scales, rows, d4, w, d_out, y, first
+// and end panel, residual, column scales).
+using QuantizeFn = void (*)(const float*, int64_t, int64_t, int64_t, int8_t*, int32_t*, float*);
+using IntPanelsFn = void (*)(const int8_t*, const int32_t*, const float*, int64_t, int64_t,
+                             const uint8_t*, int64_t, float*, int64_t, int64_t, const float*,
+                             const float*);
 
 // What happens to the input rows before the product (packed.py names them the same way).
 enum Prologue : int32_t { kNone = 0, kRmsNorm = 1, kSiluGate = 2 };
@@ -69,10 +80,31 @@ TransposeGroupsFn TransposeGroupsKernel(int32_t isa) {
 NormFn NormKernel(int32_t isa) { return SPSJAX_BY_ISA(isa, RmsNormRows); }
 GateFn GateKernel(int32_t isa) { return SPSJAX_BY_ISA(isa, SiluGateRows); }
 
+#if defined(__x86_64__)
+#include "w8a8_kernels.inc"
+#endif
+
+// The w8a8 panel kernel for an instruction set: AVX-512 takes VNNI where the CPU has it, else
+// AVX2's (w8a8_kernels.inc); the baseline the portable one. Their integer sums are the same.
+IntPanelsFn IntKernel(int32_t isa) {
+#if defined(__x86_64__)
+  if (isa == spsjax::kAvx512) {
+    static const bool vnni = __builtin_cpu_supports("avx512vnni") &&
+                             __builtin_cpu_supports("avx512bw");
+    return vnni ? VnniPanels : Avx2IntPanels;
+  }
+  if (isa == spsjax::kAvx2) return Avx2IntPanels;
+#endif
+  return baseline::IntPanels;
+}
+QuantizeFn QuantizeKernel(int32_t isa) { return SPSJAX_BY_ISA(isa, QuantizeRows); }
+
 // Below this many weight floats a call runs on the calling thread: waking a pool thread costs more.
 constexpr int64_t kMinParallelWeights = 1 << 16;
 // Below this many input floats the prologue (norm, gate) runs on the calling thread.
 constexpr int64_t kMinParallelPrologue = 1 << 16;
+// w8a8's int32 sums stay exact up to this many depths (255 * 127 * 65536 < 2^31).
+constexpr int64_t kMaxIntDepth = 65536;
 
 // Rows from which AVX-512 takes the wide path (`WidePanels`: two panels per tile, the inputs
 // transposed). Fewer rows are bound by reading the weights, which one pass over each panel does
@@ -186,6 +218,36 @@ void RunPanels(ffi::ThreadPool& pool, int32_t isa, int64_t threads, const float*
   });
 }
 
+// w8a8 weights: the rows of `runs` quantized (`QuantizeRows`, over the threads when they are
+// many), then each thread takes its panels through every run, as `RunPanels`.
+void RunQuantizedPanels(ffi::ThreadPool& pool, int32_t isa, int64_t threads, const float* x,
+                        const RowRuns& runs, int64_t d_in, const uint8_t* w, int64_t d_out,
+                        float* y, int64_t num_panels, const float* residual,
+                        const float* w_scales) {
+  const int64_t d4 = (d_in + 3) / 4 * 4;
+  std::vector<int8_t> xq(runs.rows * d4);
+  std::vector<int32_t> sums(runs.rows);
+  std::vector<float> x_scales(runs.rows);
+  int8_t* xq_data = xq.data();
+  int32_t* sums_data = sums.data();
+  float* x_scales_data = x_scales.data();
+  const QuantizeFn quantize = QuantizeKernel(isa);
+  const int64_t quantize_threads = runs.rows * d_in < kMinParallelPrologue ? 1 : threads;
+  spsjax::ParallelFor(pool, runs.rows, quantize_threads, [=](int64_t r0, int64_t r1) {
+    runs.Runs(r0, r1, [&](int64_t s, int64_t n) {
+      quantize(x + s * d_in, n, d_in, d4, xq_data + s * d4, sums_data + s, x_scales_data + s);
+    });
+  });
+  const IntPanelsFn kernel = IntKernel(isa);
+  spsjax::ParallelFor(pool, num_panels, threads, [=](int64_t p0, int64_t p1) {
+    runs.Runs(0, runs.rows, [&](int64_t r0, int64_t n) {
+      kernel(xq_data + r0 * d4, sums_data + r0, x_scales_data + r0, n, d4, w, d_out,
+             y + r0 * d_out, p0, p1, residual == nullptr ? nullptr : residual + r0 * d_out,
+             w_scales);
+    });
+  });
+}
+
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> residual,
                             ffi::AnyBuffer w, ffi::Buffer<ffi::F32> w_scales,
@@ -196,14 +258,23 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const auto w_dims = w.dimensions();
   const auto y_dims = y->dimensions();
   if (x_dims.size() != 2 || w_dims.size() != 3 || y_dims.size() != 2) {
-    return ffi::Error::InvalidArgument("packed_matmul: want x [R, D], w [P, D, 16], y [R, F].");
+    return ffi::Error::InvalidArgument(
+        "packed_matmul: want x [R, D], w [P, D, 16] (w8a8: [P, ceil(D / 4), 64]), y [R, F].");
   }
-  const int64_t rows = x_dims[0], d_in = w_dims[1], d_out = y_dims[1];
+  const ffi::DataType w_type = w.element_type();
+  const bool w8a8 = w_type == ffi::DataType::U8;
+  // w8a8 panels hold groups of 4 depths: D comes from x.
+  const int64_t rows = x_dims[0], d_out = y_dims[1];
+  const int64_t d_in = w8a8 ? (prologue == kSiluGate ? x_dims[1] / 2 : x_dims[1]) : w_dims[1];
   const int64_t num_panels = (d_out + kPanel - 1) / kPanel;
   const int64_t x_width = prologue == kSiluGate ? 2 * d_in : d_in;
-  if (w_dims[0] != num_panels || x_dims[1] != x_width || w_dims[2] != kPanel ||
-      y_dims[0] != rows) {
+  const bool w_fits = w8a8 ? w_dims[1] == (d_in + 3) / 4 && w_dims[2] == 4 * kPanel
+                           : w_dims[2] == kPanel;
+  if (w_dims[0] != num_panels || x_dims[1] != x_width || !w_fits || y_dims[0] != rows) {
     return ffi::Error::InvalidArgument("packed_matmul: shapes of x, w and y do not agree.");
+  }
+  if (w8a8 && d_in > kMaxIntDepth) {
+    return ffi::Error::InvalidArgument("packed_matmul: w8a8 takes at most 65536 input depths.");
   }
   if (prologue < kNone || prologue > kSiluGate) {
     return ffi::Error::InvalidArgument("packed_matmul: unknown prologue.");
@@ -215,17 +286,16 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (add_residual && static_cast<int64_t>(residual.element_count()) != rows * d_out) {
     return ffi::Error::InvalidArgument("packed_matmul: the residual must be [R, F] like y.");
   }
-  const ffi::DataType w_type = w.element_type();
   if (w_type != ffi::DataType::F32 && w_type != ffi::DataType::BF16 &&
-      w_type != ffi::DataType::S8) {
+      w_type != ffi::DataType::S8 && !w8a8) {
     return ffi::Error::InvalidArgument(
-        "packed_matmul: weights must be float32, bfloat16 or int8.");
+        "packed_matmul: weights must be float32, bfloat16, int8 or uint8 (w8a8).");
   }
-  if ((w_type == ffi::DataType::S8) != (w_scales.element_count() != 0) ||
-      (w_type == ffi::DataType::S8 &&
-       static_cast<int64_t>(w_scales.element_count()) != num_panels * kPanel)) {
+  const bool scaled = w_type == ffi::DataType::S8 || w8a8;
+  if (scaled != (w_scales.element_count() != 0) ||
+      (scaled && static_cast<int64_t>(w_scales.element_count()) != num_panels * kPanel)) {
     return ffi::Error::InvalidArgument(
-        "packed_matmul: int8 weights take one scale per panel column, other weights none.");
+        "packed_matmul: int8 and w8a8 weights take one scale per panel column, others none.");
   }
   const int64_t groups = counts.element_count();
   if (groups != 0 && rows % groups != 0) {
@@ -266,7 +336,7 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   }
   const float* residual_data = add_residual ? residual.typed_data() : nullptr;
   float* y_data = y->typed_data();
-  const float* scales = w_type == ffi::DataType::S8 ? w_scales.typed_data() : nullptr;
+  const float* scales = scaled ? w_scales.typed_data() : nullptr;
   const void* w_data = w.untyped_data();
   // Skipped rows come out as their residual, or zeros: finite, so that nothing downstream (XLA's
   // attention multiplies masked probabilities, zeros, by values) turns them into NaNs.
@@ -290,9 +360,12 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     } else if (w_type == ffi::DataType::BF16) {
       RunPanels<uint16_t>(pool, isa, threads, xs, rr, d_in, w_data, d_out, ys, num_panels, res,
                           scales, transposed);
-    } else {
+    } else if (w_type == ffi::DataType::S8) {
       RunPanels<int8_t>(pool, isa, threads, xs, rr, d_in, w_data, d_out, ys, num_panels, res,
                         scales, transposed);
+    } else {
+      RunQuantizedPanels(pool, isa, threads, xs, rr, d_in, static_cast<const uint8_t*>(w_data),
+                         d_out, ys, num_panels, res, scales);
     }
   };
   // A decoding call with idle rows (a few rows, in several runs): the rows computed are gathered
@@ -340,8 +413,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxPackedMatmul, PackedMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::F32>>()  // norm scale, or empty
                                   .Arg<ffi::Buffer<ffi::F32>>()  // residual, or empty
-                                  .Arg<ffi::AnyBuffer>()  // w, packed: float32, bfloat16, int8
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // int8: column scales; or empty
+                                  .Arg<ffi::AnyBuffer>()  // w: float32, bfloat16, int8, uint8
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // int8, w8a8: column scales
                                   .Arg<ffi::Buffer<ffi::S32>>()  // counts [B], or empty: all rows
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("isa")
