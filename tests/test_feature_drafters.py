@@ -183,9 +183,9 @@ def test_output_law_is_target_law(tiny_target, kind, setting, k, packed):
   sampling = {'temperature_1': SamplingConfig(), 'top_p_0.8': SamplingConfig(top_p=0.8)}[setting]
   head = _head(tiny_target, kind, 1 if kind == 'feature' else 3, 4, scale=2.0)
   target, head = tiny_target, head
-  if packed:  # The head in int8, drafting through its own int8 copy of the output layer.
+  if packed:  # The head in w8a8 (the drafts' default), through its own copy of the output layer.
     target = models.for_decoding(tiny_target)
-    head = models.for_decoding(head, 'int8', target)
+    head = models.for_decoding(head, 'w8a8', target)
     assert 'output' in head.params
   assert models.is_packed(target) == packed == models.is_packed(head)
   prompts, lengths = interleaved(RAGGED_PROMPTS, ROWS)
