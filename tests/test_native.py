@@ -333,6 +333,8 @@ def test_w8a8_zero_and_non_finite_rows(isa):
 def test_pack_rejects_what_it_cannot_do():
   with pytest.raises(ValueError, match='stored as one of'):
     native.pack(jnp.zeros((4, 4)), dtype='float16')
+  with pytest.raises(ValueError, match='w8a8 weights take at most 65536 input depths'):
+    native.pack(jnp.zeros((65537, 1)), dtype='w8a8')  # Beyond it int32 sums could overflow.
   with pytest.raises(ValueError, match='Packed weights are one of'):
     models.pack(_model(), 'int4')
   with pytest.raises(ValueError, match='float32'):
