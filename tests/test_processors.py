@@ -121,6 +121,54 @@ def test_masks_match_a_sort_based_reference_with_ties(top_k, top_p):
     np.testing.assert_allclose(got[row], expected, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize('search', [processors.CPU_SEARCH, processors.ACCELERATOR_SEARCH],
+                         ids=['cpu', 'accelerator'])
+@pytest.mark.parametrize('top_p', [0.3, 0.8, 0.95, 0.999])
+def test_every_top_p_search_keeps_the_sort_based_nucleus(search, top_p):
+  """Both search plans (the CPU's loop of 4-way steps, the accelerators' unrolled 16-way steps)
+  keep the sort-based nucleus of the float32 probabilities they are given: the most likely tokens
+  (ties by id) while the mass ranked before them (summed in float64) is below top_p. A token
+  whose mass before lies within 1e-6 of top_p may go either way (float32 masses of 50k tokens
+  round by that much). Rows with many ties (rounded logits), a flat row, peaked rows, at 40
+  tokens and at GPT-2's 50,257."""
+  rng = np.random.default_rng(int(top_p * 1000))
+  rows = [np.round(rng.normal(size=(48, 40)) * 2) / 2, np.zeros((1, 40)),
+          rng.normal(size=(6, 50_257)) * 3, rng.standard_cauchy(size=(4, 50_257))]
+  for logits in rows:
+    probs = np.asarray(probabilities(jnp.asarray(logits, jnp.float32), SamplingConfig()))
+    mask = np.asarray(jax.jit(lambda p: processors._top_p_mask(p, top_p, search))(probs))
+    for row, (p_V, mask_V) in enumerate(zip(probs, mask)):
+      order = np.argsort(-p_V, kind='stable')
+      kept = int(mask_V.sum())
+      where = f'row {row} of {logits.shape}'
+      assert mask_V[order[:kept]].all(), f'{where}: not the {kept} most likely, ties by id'
+      before = np.cumsum(p_V[order].astype(np.float64)) - p_V[order]
+      assert before[kept - 1] < top_p + 1e-6, where
+      assert kept == len(p_V) or before[kept] >= top_p - 1e-6, where
+
+
+@pytest.mark.parametrize('ways', [0, 1, 3, 12])
+def test_a_top_p_search_splits_in_a_power_of_two(ways):
+  with pytest.raises(ValueError, match='power of two'):
+    processors.TopPSearch(ways=ways, unrolled=False)
+  assert processors.TopPSearch(ways=2, unrolled=False).steps == 32
+  assert processors.ACCELERATOR_SEARCH.steps == 8 and processors.CPU_SEARCH.steps == 16
+
+
+def test_the_top_p_search_is_unrolled_off_the_cpu():
+  """`probabilities` lowers the CPU's search as a loop and an accelerator's as straight-line code
+  (a loop on a GPU splits the SpS loop's CUDA graph): exported for each platform, only the CPU's
+  program has a while loop."""
+  f = jax.jit(lambda logits: probabilities(logits, SamplingConfig(temperature=0.8, top_p=0.95)))
+  x = jax.ShapeDtypeStruct((5, 1000), jnp.float32)
+  module = lambda platform: jax.export.export(f, platforms=[platform])(x).mlir_module()
+  assert 'stablehlo.while' in module('cpu')
+  assert 'stablehlo.while' not in module('cuda') and 'stablehlo.while' not in module('tpu')
+  # Without top-p there is no search, and no loop anywhere.
+  g = jax.jit(lambda logits: probabilities(logits, SamplingConfig(temperature=0.8)))
+  assert 'stablehlo.while' not in jax.export.export(g, platforms=['cpu'])(x).mlir_module()
+
+
 @pytest.mark.parametrize('native_kernel', [False, True])
 def test_sampling_with_uniforms_drawn_ahead_is_sampling_with_keys(native_kernel):
   """`uniforms` of a [B, K] key array gives each key's own number, and sampling with them equals

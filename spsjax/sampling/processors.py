@@ -129,26 +129,52 @@ def _top_k_mask(logits_xV, k: int):
   return above_xV | _first_ties(logits_xV == kth_x[..., None], room_x)
 
 
-def _top_p_mask(probs_xV, top_p: float):
-  """The smallest set of most likely tokens (ties by id) whose mass reaches top_p, without a sort.
+@dataclasses.dataclass(frozen=True)
+class TopPSearch:
+  """How `_top_p_mask` searches for its cut: each step splits the interval of bit patterns in
+  `ways` (ways - 1 masses a step, each a pass over the row), ceil(32 / log2(ways)) steps, as a
+  loop or (`unrolled`) as straight-line code. Every plan finds the same cut, up to the rounding
+  of the masses.
 
-  A token is kept iff the mass ranked before it is < top_p. The last kept token's probability v*
-  is the largest v with mass(p >= v) >= top_p: found by a search over the bit patterns of
-  non-negative float32 (ordered like the values) that splits the interval in 4 per step (three
-  masses per step, as one product of p with the 0/1 masks): 16 steps of O(V). Tokens above v* are
-  kept; tokens at v* are kept in id order while the mass before them stays < top_p.
+  A CPU runs `CPU_SEARCH` (the fewest passes over the row: 16 steps of 3 masses, one product of
+  the row with the three masks each, in a loop). A GPU or TPU runs `ACCELERATOR_SEARCH`: on a GPU
+  a loop's every step is launched from the host and the loop splits the SpS loop's CUDA graph
+  (an H100 trace idled 20-50 us at each such boundary, `Loop.drafts_unrolled`), and SpS searches
+  k + 1 times a loop. XLA:GPU for an H100 (`experiments/compile_only.py`, llama1b, top-p 0.95):
+  `probabilities` of 5 rows 49 kernels unrolled against 149 launches (16 trips of a loop), and
+  SpS's loop body (k = 4) 709 operations with no inner loop against 1189 with five.
   """
-  bits_xV = jax.lax.bitcast_convert_type(probs_xV, jnp.int32)
-  ways = 4
+  ways: int
+  unrolled: bool
+
+  def __post_init__(self):
+    if self.ways < 2 or self.ways & (self.ways - 1):
+      raise ValueError(f'ways must be a power of two >= 2, got {self.ways}.')
+
+  @property
+  def steps(self) -> int:
+    return -(-32 // (self.ways.bit_length() - 1))  # ways ** steps >= 2^32 > hi - lo.
+
+
+CPU_SEARCH = TopPSearch(ways=4, unrolled=False)
+ACCELERATOR_SEARCH = TopPSearch(ways=16, unrolled=True)
+
+
+def _top_p_cut(probs_xV, bits_xV, top_p: float, search: TopPSearch):
+  """The bit pattern v* of the last kept value: the largest v with mass(p >= v) >= top_p."""
+  ways = search.ways
   cuts_xW = jnp.arange(1, ways, dtype=jnp.int32).reshape((1,) * (probs_xV.ndim - 1) + (ways - 1,))
 
   def split(_, bounds):
     lo_x, hi_x = bounds  # mass(p >= lo) >= top_p > mass(p >= hi), as bit patterns.
     width_x = (hi_x - lo_x + ways - 1) // ways
     t_xW = jnp.minimum(lo_x[..., None] + cuts_xW * width_x[..., None], hi_x[..., None])
-    above_xWxV = (bits_xV[..., None, :] >= t_xW[..., None]).astype(jnp.float32)
-    mass_xW = jnp.einsum('...V,...WV->...W', probs_xV, above_xWxV,
-                         precision=jax.lax.Precision.HIGHEST)
+    above_xWxV = bits_xV[..., None, :] >= t_xW[..., None]
+    if search.unrolled:  # A reduction per step (XLA:GPU: two kernels, no [W, V] mask stored).
+      mass_xW = jnp.sum(jnp.where(above_xWxV, probs_xV[..., None, :], 0.0), axis=-1)
+    else:
+      mass_xW = jnp.einsum('...V,...WV->...W', probs_xV, above_xWxV.astype(jnp.float32),
+                           precision=jax.lax.Precision.HIGHEST)
     n_x = jnp.sum(mass_xW >= top_p, axis=-1)[..., None]  # Cuts that keep the invariant.
     edges_xWp2 = jnp.concatenate([lo_x[..., None], t_xW, hi_x[..., None]], axis=-1)
     return (jnp.take_along_axis(edges_xWp2, n_x, axis=-1)[..., 0],
@@ -156,7 +182,25 @@ def _top_p_mask(probs_xV, top_p: float):
 
   lo_x = jnp.zeros(probs_xV.shape[:-1], jnp.int32)
   hi_x = jnp.max(bits_xV, axis=-1) + 1
-  v_x, _ = jax.lax.fori_loop(0, 16, split, (lo_x, hi_x))  # 4^16 = 2^32 >= hi - lo.
+  return jax.lax.fori_loop(0, search.steps, split, (lo_x, hi_x), unroll=search.unrolled)[0]
+
+
+def _top_p_mask(probs_xV, top_p: float, search: TopPSearch | None = None):
+  """The smallest set of most likely tokens (ties by id) whose mass reaches top_p, without a sort.
+
+  A token is kept iff the mass ranked before it is < top_p. The last kept token's probability v*
+  is the largest v with mass(p >= v) >= top_p: found by a search over the bit patterns of
+  non-negative float32 (ordered like the values) that splits the interval in `search.ways` per
+  step (`TopPSearch`; None: the plan of the platform the program is lowered for). Tokens above v*
+  are kept; tokens at v* are kept in id order while the mass before them stays < top_p.
+  """
+  bits_xV = jax.lax.bitcast_convert_type(probs_xV, jnp.int32)
+  if search is None:
+    cut = lambda plan: lambda p, b: _top_p_cut(p, b, top_p, plan)
+    v_x = jax.lax.platform_dependent(probs_xV, bits_xV, cpu=cut(CPU_SEARCH),
+                                     default=cut(ACCELERATOR_SEARCH))
+  else:
+    v_x = _top_p_cut(probs_xV, bits_xV, top_p, search)
   above_xV = bits_xV > v_x[..., None]
   tied_xV = bits_xV == v_x[..., None]
   mass_above_x = jnp.sum(jnp.where(above_xV, probs_xV, 0.0), axis=-1)
