@@ -132,13 +132,13 @@ def _top_k_mask(logits_xV, k: int):
 @dataclasses.dataclass(frozen=True)
 class TopPSearch:
   """How `_top_p_mask` searches for its cut: each step splits the interval of bit patterns in
-  `ways` (ways - 1 masses a step, each a pass over the row), ceil(32 / log2(ways)) steps, as a
+  `ways` (ways - 1 masses a step, from one read of the row), ceil(32 / log2(ways)) steps, as a
   loop or (`unrolled`) as straight-line code. Every plan finds the same cut, up to the rounding
   of the masses.
 
-  A CPU runs `CPU_SEARCH` (the fewest passes over the row: 16 steps of 3 masses, one product of
-  the row with the three masks each, in a loop). A GPU or TPU runs `ACCELERATOR_SEARCH`: on a GPU
-  a loop's every step is launched from the host and the loop splits the SpS loop's CUDA graph
+  A CPU runs `CPU_SEARCH` (the least arithmetic: 16 steps of 3 masses, one product of the row
+  with the three masks each, in a loop). A GPU or TPU runs `ACCELERATOR_SEARCH`: half the reads
+  of the row, in straight-line code. On a GPU a loop's every step is launched from the host and the loop splits the SpS loop's CUDA graph
   (an H100 trace idled 20-50 us at each such boundary, `Loop.drafts_unrolled`), and SpS searches
   k + 1 times a loop. XLA:GPU for an H100 (`experiments/compile_only.py`, llama1b, top-p 0.95):
   `probabilities` of 5 rows 49 kernels unrolled against 149 launches (16 trips of a loop), and
