@@ -138,11 +138,12 @@ class TopPSearch:
 
   A CPU runs `CPU_SEARCH` (the least arithmetic: 16 steps of 3 masses, one product of the row
   with the three masks each, in a loop). A GPU or TPU runs `ACCELERATOR_SEARCH`: half the reads
-  of the row, in straight-line code. On a GPU a loop's every step is launched from the host and the loop splits the SpS loop's CUDA graph
-  (an H100 trace idled 20-50 us at each such boundary, `Loop.drafts_unrolled`), and SpS searches
-  k + 1 times a loop. XLA:GPU for an H100 (`experiments/compile_only.py`, llama1b, top-p 0.95):
-  `probabilities` of 5 rows 49 kernels unrolled against 149 launches (16 trips of a loop), and
-  SpS's loop body (k = 4) 709 operations with no inner loop against 1189 with five.
+  of the row, in straight-line code. On a GPU a loop's every step is launched from the host and
+  the loop splits the SpS loop's CUDA graph (an H100 trace idled 20-50 us at each such boundary,
+  `Loop.drafts_unrolled`), and SpS searches k + 1 times a loop. XLA:GPU for an H100
+  (`experiments/compile_only.py`, llama1b, top-p 0.95): `probabilities` of 5 rows 49 kernels
+  unrolled against 149 launches (16 trips of a loop), and SpS's loop body (k = 4) 709 operations
+  with no inner loop against 1189 with five.
   """
   ways: int
   unrolled: bool
