@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spsjax import models, native, sharding
-from spsjax.sampling import (PAD_ID, SamplingConfig, autoregressive_sample, drafters, processors,
-                             speculative, speculative_sample)
+from spsjax import models, native
+from spsjax.sampling import (PAD_ID, SamplingConfig, autoregressive_sample, drafters, speculative,
+                             speculative_sample)
 from tests.stats import (exact_sequence_law, g_test_pvalue, scaled_model, sequence_counts,
                          truncated_at_eos)
 
@@ -90,22 +90,29 @@ def test_output_law_is_target_law(tiny_pair, setting, k):
   assert int(np.sum(out.accepted_histogram)) == int(np.sum(out.num_loops))
 
 
-def test_law_on_xla_ops_with_the_accelerators_top_p_search(tiny_pair, monkeypatch):
-  """What a GPU or TPU runs for top-p (`processors.ACCELERATOR_SEARCH`: unrolled 16-way steps),
-  here lowered for the CPU on XLA's ops (a one-device mesh), against the law enumerated with the
-  CPU's search. Power: as test_output_law_is_target_law's top-p 0.8 (total variation 0.012)."""
+def test_law_with_the_ops_an_accelerator_runs(tiny_pair, monkeypatch):
+  """What one GPU or TPU runs, lowered for the CPU: every `jax.lax.platform_dependent` takes its
+  accelerator branch, so XLA's ops draw instead of the native kernels, top-p searches with
+  `processors.ACCELERATOR_SEARCH` and prefix sums are `lax.cumsum`. Against the law enumerated
+  the CPU's way. Power: as test_output_law_is_target_law's top-p 0.8 (total variation 0.012)."""
   target, draft = tiny_pair
   sampling = SamplingConfig(temperature=0.9, top_p=0.8)
   law = exact_joint(target, sampling)
-  monkeypatch.setattr(processors, 'CPU_SEARCH', processors.ACCELERATOR_SEARCH)
-  jax.clear_caches()  # No program traced with the CPU's search may be reused.
+  taken = []
+
+  def accelerator_branch(*args, default=None, **_):
+    taken.append(default)
+    return default(*args)
+
+  monkeypatch.setattr(jax.lax, 'platform_dependent', accelerator_branch)
+  jax.clear_caches()  # No program lowered the CPU's way may be reused.
   try:
     prompts = np.tile(np.array(PROMPT, np.int32), (ROWS, 1))
     out = speculative_sample(target, draft, prompts, np.full((ROWS,), len(PROMPT), np.int32),
-                             jax.random.key(11), k=4, max_new_tokens=NEW, sampling=sampling,
-                             mesh=sharding.make_mesh(1, 1, jax.devices()[:1]))
+                             jax.random.key(11), k=4, max_new_tokens=NEW, sampling=sampling)
   finally:
     jax.clear_caches()
+  assert len(taken) >= 3  # The native sampling kernels, top-p's search and prefix sums.
   pvalue = g_test_pvalue(sequence_counts(np.asarray(out.tokens), V_SMALL), law)
   assert pvalue > P_MIN, f'G-test p-value {pvalue:.2e}'
 

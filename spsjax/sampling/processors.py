@@ -5,10 +5,12 @@ target with the same `SamplingConfig` are processed identically. Order: temperat
 then top-p on what top-k kept, then renormalise. Temperature 0 is greedy: a one-hot on the argmax.
 Output is float32 whatever the model dtype. `draw` / `sample` draw from such a distribution.
 
-Cost on CPUs matters here: SpS runs these on 2k + 1 vocabulary rows per loop. XLA's CPU sort and
+Cost matters here: SpS runs these on 2k + 1 vocabulary rows per loop. XLA's CPU sort and
 cumulative sum of a vocabulary row take 100s of microseconds (the sort ~1 ms), and
-`jax.random.categorical` makes V random numbers per draw. So nothing here sorts, prefix sums are
-two small triangular matrix products (`_cumsum`), and a draw uses one uniform number.
+`jax.random.categorical` makes V random numbers per draw. So nothing here sorts, prefix sums on
+a CPU are two small triangular matrix products (`_cumsum`), a draw uses one uniform number, and
+what a GPU or TPU runs differs where it costs them less (`_cumsum`, `TopPSearch`: chosen per
+platform when the program is lowered, the same law).
 
 `native=True` (a sampler on one CPU device) computes the same law with the native kernel
 (`spsjax.native.distribution`, one pass instead of XLA's tens of vocabulary-wide ops), from the
@@ -93,13 +95,25 @@ def _renormalise(probs_xV):
 
 
 def _cumsum(x_xV: jax.Array) -> jax.Array:
-  """Inclusive float32 prefix sums along the last axis, as two blocked triangular matmuls.
-
-  The row is cut into blocks of b ~ sqrt(V): sums within each block (x_xNxb @ upper-triangular
-  ones) plus the sum of the blocks before it. Exact for integer counts below 2^24; for
+  """Inclusive float32 prefix sums along the last axis. Exact for integer counts below 2^24; for
   probabilities, float32-accurate but not guaranteed monotone by an ulp where x is 0 (callers must
   not rely on equal neighbours being equal).
+
+  On a CPU, two blocked triangular matmuls (`_blocked_cumsum`: XLA:CPU's cumulative sum of a
+  vocabulary row takes 100s of microseconds); on a GPU or TPU `lax.cumsum`, which XLA computes as a
+  scan in blocks, O(V), where the matmuls take O(V^1.5) multiply-adds: 21 GFLOP for SpS's accept
+  at batch 32 and k = 4 over llama1b's 128k vocabulary (160 rows), a fraction of a millisecond on
+  an H100 in float32 (XLA:GPU for an H100 makes it one 40160 x 512 x 512 GEMM, `lax.cumsum` six
+  kernels; `experiments/compile_only.py`'s programs).
   """
+  return jax.lax.platform_dependent(
+      x_xV.astype(jnp.float32), cpu=_blocked_cumsum,
+      default=lambda x: jax.lax.cumsum(x, axis=x.ndim - 1))
+
+
+def _blocked_cumsum(x_xV: jax.Array) -> jax.Array:
+  """`_cumsum` as two blocked triangular matmuls: the row is cut into blocks of b ~ sqrt(V), sums
+  within each block (x_xNxb @ upper-triangular ones) plus the sum of the blocks before it."""
   V = x_xV.shape[-1]
   b = 1 << max(0, (V - 1).bit_length() + 1) // 2  # ~sqrt(V), a power of two.
   pad = (-V) % b
@@ -141,8 +155,8 @@ class TopPSearch:
   of the row, in straight-line code. On a GPU a loop's every step is launched from the host and
   the loop splits the SpS loop's CUDA graph (an H100 trace idled 20-50 us at each such boundary,
   `Loop.drafts_unrolled`), and SpS searches k + 1 times a loop. XLA:GPU for an H100
-  (`experiments/compile_only.py`, llama1b, top-p 0.95): `probabilities` of 5 rows 49 kernels
-  unrolled against 149 launches (16 trips of a loop), and SpS's loop body (k = 4) 709 operations
+  (`experiments/compile_only.py`, llama1b, top-p 0.95): `probabilities` of 5 rows 47 kernels
+  unrolled against 149 launches (16 trips of a loop), and SpS's loop body (k = 4) 708 operations
   with no inner loop against 1189 with five.
   """
   ways: int
