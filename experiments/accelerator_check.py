@@ -36,6 +36,9 @@ _BATCHES = flags.DEFINE_list('batches', None, 'Batch sizes (default 1, 8, 32; sm
 _KS = flags.DEFINE_list('ks', None, 'Lookaheads k of s(k + 1) (default 1..8; small: 1, 4).')
 _CEILING_KS = flags.DEFINE_list('ceiling_ks', None, 'k of the perfect-draft ceiling (default '
                                 '4, 8; small: 4; empty: no ceiling).')
+_CEILING_TOP_P = flags.DEFINE_float(
+    'ceiling_top_p', 1.0, 'Top-p of the perfect-draft ceilings\' ArS and SpS (temperature 1; 1: '
+    'off). Below 1 the calls also pay nucleus sampling, which the formula\'s c and s leave out.')
 _ROWS = flags.DEFINE_integer('rows', None, 'Rows of each law check (default 100,000; small: '
                              '20,000).')
 _REPEATS = flags.DEFINE_integer('repeats', None, 'Timed calls per figure (default 7; small 2).')
@@ -95,6 +98,8 @@ def _plan() -> _Plan:
   if min(plan.batches + plan.ks + plan.ceiling_ks + (plan.compile_threads,)) < 1:
     raise app.UsageError('--batches, --ks, --ceiling_ks and --compile_threads take positive '
                          'integers.')
+  if not 0.0 < _CEILING_TOP_P.value <= 1.0:
+    raise app.UsageError(f'--ceiling_top_p must be in (0, 1], got {_CEILING_TOP_P.value}.')
   if unknown := [name for name in plan.presets if name not in presets.PRESETS]:
     raise app.UsageError(f'Unknown --presets {unknown}; known: '
                          f'{", ".join(sorted(presets.PRESETS))}.')
@@ -142,12 +147,14 @@ def _ceilings(plan, report, name, target, i, write, log):
       c = report.attempt(f'{name} perfect-draft ceiling k={k}', lambda: accelerator.ceilings(
           target, draft, ks=[k], prompt_len=plan.prompt_len, max_new_tokens=plan.max_new,
           repeats=plan.repeats, capacity=plan.capacity, compile_threads=plan.compile_threads,
-          profile_dir=traces)[0])
+          profile_dir=traces, top_p=_CEILING_TOP_P.value)[0])
       if c and c.loop and c.loop.error:
         report.errors.append(f'{name} perfect-draft ceiling k={k}, its profile: {c.loop.error}')
       if c:
-        report.ceiling_rows.append((f'{name} / {draft_name}{label}', c))
-        log(ceiling.report(c, f'{name} / {draft_name}{label}')[0])
+        row = f'{name} / {draft_name}{label}' + (
+            f', top-p {c.top_p:g}' if c.top_p < 1 else '')
+        report.ceiling_rows.append((row, c))
+        log(ceiling.report(c, row)[0])
         write()  # Each row as it comes: a run cut short keeps it.
 
 

@@ -44,6 +44,8 @@ _CEILING = flags.DEFINE_bool('ceiling', True, 'Also the perfect-draft SpS/ArS ce
 _DRAFT_PRESET = flags.DEFINE_string('draft_preset', '', 'Draft of the ceiling; default: the '
                                     'target preset\'s family draft (reference_draft, tiny_draft).')
 _K = flags.DEFINE_integer('k', 4, 'Lookahead of the ceiling.')
+_CEILING_TOP_P = flags.DEFINE_float('ceiling_top_p', 1.0, 'Top-p of the ceiling\'s ArS and SpS '
+                                    '(temperature 1; 1: off).')
 _DRAFT_WEIGHTS = flags.DEFINE_enum('draft_weights', 'w8a8', list(models.WEIGHT_DTYPES),
                                    'How the native path stores the ceiling draft\'s packed weights.')
 _CEILING_REPEATS = flags.DEFINE_integer('ceiling_repeats', 7, 'Timed calls per method of the '
@@ -87,6 +89,8 @@ def main(argv):
     raise app.UsageError(f'--paths takes {", ".join(_PATH_NAMES)}; got {unknown}.')
   if mesh is not None and 'native' in _PATHS.value:
     raise app.UsageError('The native path runs on one device; on a mesh pass --paths=xla.')
+  if not 0.0 < _CEILING_TOP_P.value <= 1.0:
+    raise app.UsageError(f'--ceiling_top_p must be in (0, 1], got {_CEILING_TOP_P.value}.')
   print0(f'JAX {jax.__version__} on {jax.devices()[0].device_kind} ({os.cpu_count()} cores), '
          f'model preset {preset}, batch 1, prompt {prompt_len}, {max_new_tokens} new tokens, '
          f'median of {_REPEATS.value} steps / {_ARS_REPEATS.value} ArS runs; load average '
@@ -130,7 +134,8 @@ def main(argv):
     for path in _PATHS.value:
       result = ceiling.measure(_place(target, path), _place(draft, path, _DRAFT_WEIGHTS.value),
                                k=_K.value, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                               repeats=_CEILING_REPEATS.value, mesh=mesh)
+                               repeats=_CEILING_REPEATS.value, mesh=mesh,
+                               top_p=_CEILING_TOP_P.value)
       label = f'float32 {path}' + (f', draft weights {_DRAFT_WEIGHTS.value}'
                                    if path == 'native' else '')
       for line in ceiling.report(result, label):

@@ -43,6 +43,7 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
           '--variants=fused,scanned',
           f'--dump_dir={tmp_path / "dump"}',
           '--profile_ceilings',  # Its trace goes to the dump too.
+          '--ceiling_top_p=0.9',  # Every draft still accepted; the calls pay nucleus sampling.
           '--fused']  # Decode figures and ceilings on fused models; the variants start plain.
   code = _RUN_WITHOUT.format(absent=set(_ABSENT), argv=argv)
   result = subprocess.run([sys.executable, '-c', code], cwd=_ROOT, capture_output=True, text=True,
@@ -73,11 +74,11 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
   assert [row.split('|')[3].strip() for row in decode_rows] == ['1']
   assert '| ops/step |' in report and int(decode_rows[0].split('|')[8]) > 0, decode_rows
   assert 's(5)' in report
-  assert '| tiny_target / tiny_draft fused | 4 |' in report
+  assert '| tiny_target / tiny_draft fused, top-p 0.9 | 4 |' in report
   # The ceiling's SpS loop profiled: its loops found in the trace, a wall time and each phase.
-  loop = re.search(r'\| tiny_target / tiny_draft fused \| 4 \| (\d+) \| ([\d.]+) \| ([\d.]+) \| '
-                   r'([\d.]+) \((\d+) ops\) \| ([\d.]+) \((\d+) ops\) \| ([\d.]+) \((\d+) ops\) \| '
-                   r'([\d.]+) \|', report)
+  loop = re.search(r'\| tiny_target / tiny_draft fused, top-p 0.9 \| 4 \| (\d+) \| ([\d.]+) \| '
+                   r'([\d.]+) \| ([\d.]+) \((\d+) ops\) \| ([\d.]+) \((\d+) ops\) \| '
+                   r'([\d.]+) \((\d+) ops\) \| ([\d.]+) \|', report)
   # 16 new tokens: the prefill's, then 3 loops of k + 1; each phase's time and ops a loop.
   assert loop and int(loop[1]) == 3 and all(float(x) > 0 for x in loop.groups()[1:9]), loop
   assert int(loop[5]) > int(loop[9]), loop  # k = 4 draft steps run more ops than accepting.
@@ -100,7 +101,8 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
     ('--batches=1,-8', 'positive integers'), ('--ceiling_ks=four', 'take integers'),
     ('--compile_threads=0', 'positive integers'),
     ('--presets=nope', 'nope'), ('--variants=fused,nope', 'Unknown step variants'),
-    ('--dump_dir=/tmp/x', 'pass --variants or --profile_ceilings')])
+    ('--dump_dir=/tmp/x', 'pass --variants or --profile_ceilings'),
+    ('--ceiling_top_p=0', 'must be in (0, 1]')])
 def test_bad_flags_are_usage_errors_before_anything_runs(flag, message):
   result = subprocess.run(
       [sys.executable, os.path.join(_ROOT, 'experiments', 'accelerator_check.py'), flag,

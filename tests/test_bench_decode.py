@@ -70,6 +70,7 @@ def test_batch_scoring_report_gives_s_for_each_block_at_the_batch():
     (['--batches=8', '--block=1'],
      "--batches needs batch sizes >= 1 and --block >= 2, got ['8'] and --block=1."),
     (['--paths=xla,cuda'], "--paths takes native, xla, xla_fused; got ['cuda']."),
+    (['--ceiling_top_p=1.5'], '--ceiling_top_p must be in (0, 1], got 1.5.'),
 ])
 def test_decode_benchmark_rejects_bad_batches_before_measuring(flags, message):
   repo = pathlib.Path(__file__).resolve().parents[1]
@@ -147,7 +148,13 @@ def test_perfect_pair_accepts_every_draft(monkeypatch):
     else:  # One call each of a tiny model: on a busy machine the prefill call may take longer.
       assert math.isnan(r.decode_speedup)
     assert abs(r.predicted_whole - r.ars / (r.sps_prefill + decode / r.predicted)) < 1e-12
-    assert len(ceiling.report(r, 'x')) == 1
+    assert len(ceiling.report(r, 'x')) == 1 and 'top-p' not in ceiling.report(r, 'x')[0]
+  # Under top-p the uniform laws keep their first 90% of tokens, the same for target and draft:
+  # every draft is still accepted, and the calls pay nucleus sampling's work.
+  generated.clear()
+  r = ceiling.measure(target, draft, k=3, prompt_len=5, max_new_tokens=17, repeats=1, top_p=0.9)
+  assert r.top_p == 0.9 and r.tokens_per_loop == 4.0 and generated['sps'] == {(17, 4)}
+  assert ', top-p 0.9 ' in ceiling.report(r, 'x')[0]
   with pytest.raises(ValueError, match='before packing'):
     ceiling.perfect_pair(models.pack(target), draft)
 

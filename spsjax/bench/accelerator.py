@@ -354,14 +354,16 @@ def decode_figures(model: models.Model, preset: str, *, batch: int, blocks: Sequ
 
 def ceilings(target: models.Model, draft: models.Model, *, ks: Sequence[int], prompt_len: int,
              max_new_tokens: int, repeats: int, capacity: int | None = None,
-             compile_threads: int = 1, profile_dir: str | None = None) -> list[ceiling.Ceiling]:
-  """The perfect-draft ceiling (zero output layers: every draft accepted) at each k, batch 1;
-  c and s at a cache of `capacity` slots (`decode_figures`' capacity reuses its programs). With
-  `profile_dir`, one SpS call per k is profiled under `profile_dir/k<k>`."""
+             compile_threads: int = 1, profile_dir: str | None = None,
+             top_p: float = 1.0) -> list[ceiling.Ceiling]:
+  """The perfect-draft ceiling (zero output layers: every draft accepted) at each k, batch 1,
+  temperature 1 and `top_p`; c and s at a cache of `capacity` slots (`decode_figures`' capacity
+  reuses its programs). With `profile_dir`, one SpS call per k is profiled under
+  `profile_dir/k<k>`."""
   pair = ceiling.perfect_pair(target, draft)
   return [ceiling.measure(*pair, k=k, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
                           repeats=repeats, capacity=capacity, compile_threads=compile_threads,
-                          profile_dir=profile_dir and f'{profile_dir}/k{k}')
+                          profile_dir=profile_dir and f'{profile_dir}/k{k}', top_p=top_p)
           for k in ks]
 
 

@@ -74,6 +74,7 @@ class Ceiling:
   c: float
   s: float
   target_step: float = float('nan')  # The target's one-position step, which c and s divide.
+  top_p: float = 1.0  # Both methods' sampling: temperature 1 and this top-p.
   loop: LoopProfile | None = None
 
   @property
@@ -110,16 +111,18 @@ class Ceiling:
 def measure(target: models.Model, draft: models.Model, *, k: int = 4, prompt_len: int = 64,
             max_new_tokens: int = 128, repeats: int = 5, mesh: Mesh | None = None,
             capacity: int | None = None, compile_threads: int = 1,
-            profile_dir: str | None = None) -> Ceiling:
+            profile_dir: str | None = None, top_p: float = 1.0) -> Ceiling:
   """ArS and SpS of a perfect pair (from `perfect_pair`, packed or not) at batch 1, temperature 1
-  (on `mesh`, if given: the pair is placed on it before anything is timed). c and s are measured
+  and `top_p` (below 1 every call also pays nucleus sampling's work, which the formula's c and s
+  leave out; p = q stays uniform on the kept tokens, so every draft is still accepted) (on
+  `mesh`, if given: the pair is placed on it before anything is timed). c and s are measured
   at a cache of `capacity` slots (default: prompt, new tokens and k; another run's capacity
   reuses its compiled `extend` programs). Its four programs compile `compile_threads` at a time
   (`timing.warm`). With `profile_dir` (local or a URI), one more SpS call is profiled there."""
   target, draft = (common.place_params(m, mesh) for m in (target, draft))
   prompts_BxP = (jnp.arange(prompt_len, dtype=jnp.int32)[None, :] * 7 + 1) % target.config.vocab_size
   lengths_B = jnp.full((1,), prompt_len, jnp.int32)
-  config = sampling.SamplingConfig(temperature=1.0)
+  config = sampling.SamplingConfig(temperature=1.0, top_p=top_p)
   def ars(n):
     return lambda i: sampling.autoregressive_sample(
         target, prompts_BxP, lengths_B, jax.random.key(i), max_new_tokens=n, sampling=config,
@@ -150,14 +153,15 @@ def measure(target: models.Model, draft: models.Model, *, k: int = 4, prompt_len
                          phase=prof.per_loop(), ops=prof.per_loop_ops())
     except Exception as e:  # pylint: disable=broad-except
       loop = LoopProfile(loops=0, wall=None, phase={}, error=f'{type(e).__name__}: {e}'[:300])
-  return Ceiling(k=k, max_new_tokens=max_new_tokens, **median,
+  return Ceiling(k=k, max_new_tokens=max_new_tokens, top_p=top_p, **median,
                  tokens_per_loop=timings['sps'].tokens_per_loop, c=costs.c, s=costs.s,
                  target_step=costs.target_step, loop=loop)
 
 
 def report(result: Ceiling, label: str) -> list[str]:
   r, ms = result, 1e3
-  return [f'[{label}] perfect draft, k={r.k}, {r.max_new_tokens} tokens, batch 1 '
+  return [f'[{label}] perfect draft, k={r.k}, {r.max_new_tokens} tokens, batch 1'
+          + (f', top-p {r.top_p:g}' if r.top_p < 1 else '') + ' '
           f'({r.tokens_per_loop:.2f} tokens per loop), c = {r.c:.3f}, s = {r.s:.2f}: '
           f'decoding (prefill calls subtracted) SpS/ArS {r.decode_speedup:.2f}x, formula '
           f'(k + 1) / (k c + s) = {r.predicted:.2f}x; whole calls ArS {r.ars * ms:.1f} ms, SpS '
