@@ -114,7 +114,8 @@ def measure(target: models.Model, draft: models.Model, *, k: int = 4, prompt_len
             profile_dir: str | None = None, top_p: float = 1.0) -> Ceiling:
   """ArS and SpS of a perfect pair (from `perfect_pair`, packed or not) at batch 1, temperature 1
   and `top_p` (below 1 every call also pays nucleus sampling's work, which the formula's c and s
-  leave out; p = q stays uniform on the kept tokens, so every draft is still accepted) (on
+  leave out; p = q stays uniform on the kept tokens, so every draft is still accepted; uniform
+  laws are the native CPU kernel's slowest case, every token in its crossing bucket) (on
   `mesh`, if given: the pair is placed on it before anything is timed). c and s are measured
   at a cache of `capacity` slots (default: prompt, new tokens and k; another run's capacity
   reuses its compiled `extend` programs). Its four programs compile `compile_threads` at a time
