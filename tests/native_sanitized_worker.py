@@ -363,13 +363,15 @@ def sampling_settings(V):
 
 
 def logit_rows(V, rng):
-  """Finite logits: two random rows, ties at the maximum, a flat row, one dominant token, and
-  two levels alternating (ties everywhere)."""
-  rows = grid_normal(rng, (6, V))
+  """Finite logits: two random rows, ties at the maximum, a flat row, one dominant token, two
+  levels alternating (ties everywhere), and a near-flat row (most tokens in top-p's crossing
+  bucket, which the kernel refines by finer buckets)."""
+  rows = grid_normal(rng, (7, V))
   rows[2, :10] = rows[2].max() + 1.0
   rows[3] = 0.0
   rows[4, V // 2] = rows[4].max() + 15.0
   rows[5] = np.arange(V) % 2
+  rows[6] = grid_normal(rng, (V,), scale=0.1)
   return rows
 
 
@@ -506,7 +508,8 @@ def sampling(isas):
   for V in VOCABULARIES:
     start = time.time()
     rng = np.random.default_rng(V)
-    logits, no_law = logit_rows(V, rng), np.zeros(6, bool)
+    logits = logit_rows(V, rng)
+    no_law = np.zeros(len(logits), bool)
     if CHECK_NONFINITE_LOGITS:
       extra, extra_no_law = nonfinite_logit_rows(V, rng)
       logits, no_law = np.concatenate([logits, extra]), np.concatenate([no_law, extra_no_law])
