@@ -141,3 +141,30 @@ def test_random_weights_have_the_models_tree_and_are_random():
   assert all(0.015 < m.std() < 0.025 for m in matrices)
   assert len({m.ravel()[:8].tobytes() for m in matrices}) == len(matrices)  # Each leaf its own.
   assert all((np.asarray(x, np.float32) == 1).all() for x in leaves if x.ndim == 1)
+
+
+def test_the_gpu_session_script_runs_each_part_and_packs_its_logs(tmp_path):
+  """`experiments/accelerator_session.sh`, cut to tiny sizes by flags after each part's own."""
+  script = os.path.join(_ROOT, 'experiments', 'accelerator_session.sh')
+  env = xla_env.subprocess_env(
+      PYTHON=sys.executable, PRESETS='tiny_target',
+      EXTRA='--small --batches=1 --ks=1 --ceiling_ks= --repeats=1')
+  bad = subprocess.run(['bash', script, str(tmp_path / 'bad'), 'nucleus', 'nope'], env=env,
+                       capture_output=True, text=True, timeout=60, check=False)
+  assert bad.returncode == 2 and 'unknown part: nope' in bad.stderr, bad.stderr
+  assert not (tmp_path / 'bad').exists()  # Checked before anything ran.
+  out = tmp_path / 'out'
+  result = subprocess.run(['bash', script, str(out), 'variants', 'nucleus', 'loops'], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert re.findall(r'^(\w+): exit 0 after', result.stdout, re.M) == [
+      'variants', 'nucleus', 'loops'], result.stdout
+  # A device returns few files: the reports, the variants' HLO and traces, the logs packed.
+  assert sorted(p.name for p in out.iterdir()) == [
+      'dump.tgz', 'logs.tgz', 'loops.md', 'nucleus.md', 'variants.md']
+  variants_report = (out / 'variants.md').read_text()
+  assert '--variants=unpadded,stream,parallel_compile,no_autotune' in variants_report
+  assert '| tiny_target | 1 | stream |' in variants_report
+  assert '--ceiling_top_p=0.95' in (out / 'nucleus.md').read_text()
+  assert '_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL' in (
+      out / 'loops.md').read_text()  # What it ran under.
