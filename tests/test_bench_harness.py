@@ -290,8 +290,10 @@ def test_parity_columns_flag_a_biased_sampler_and_pass_the_exact_one(peaked_fami
                                             c_hat=0.5)
   exact = compare(speedup.run_rows(target, draft, tok, task, 'nucleus', cfg, batch=8, k=3,
                                    seed=0))
+  # Lenience 1e-30 accepts every draft the target gives any mass (1e-4 still rejected a third of
+  # them in a pair drawn by JAX 0.12, whose random weights differ from 0.10's).
   biased = compare(speedup.run_rows(target, draft, tok, task, 'nucleus', cfg, batch=8, k=3,
-                                    seed=0, lenience=1e-4))
+                                    seed=0, lenience=1e-30))
   assert set(exact.parity) == {'chrF', 'next-line EM', 'log p', 'log p/q'}
   assert all(p.level == pytest.approx(0.05 / 4) for p in exact.parity.values())
   strict = {name: metrics.parity(exact.ars.columns[name], exact.sps.columns[name],

@@ -174,18 +174,20 @@ def test_a_top_p_search_splits_in_a_power_of_two(ways):
 
 def test_the_top_p_search_is_unrolled_off_the_cpu():
   """`probabilities` lowers the CPU's search as a loop and an accelerator's as straight-line code
-  (a loop on a GPU splits the SpS loop's CUDA graph): exported for each platform, only the CPU's
-  program has a while loop."""
+  (a loop on a GPU splits the SpS loop's CUDA graph): lowered for each platform, only the CPU's
+  program has a while loop. (Not `jax.export`ed: from JAX 0.12 a GPU's cumulative sum is a
+  `chlo.scan`, which XLA:GPU compiles to a few kernels and export rewrites as a while loop over
+  the vocabulary.)"""
   f = jax.jit(lambda logits: probabilities(logits, SamplingConfig(temperature=0.8, top_p=0.95)))
   x = jax.ShapeDtypeStruct((5, 1000), jnp.float32)
-  module = lambda platform: jax.export.export(f, platforms=[platform])(x).mlir_module()
+  module = lambda platform, g=f: g.trace(x).lower(lowering_platforms=(platform,)).as_text()
   assert 'stablehlo.while' in module('cpu')
   assert 'stablehlo.while' not in module('cuda') and 'stablehlo.while' not in module('tpu')
   # Its prefix sums (the ties' ranks): matmuls on the CPU, a cumulative sum elsewhere.
   assert 'stablehlo.dot_general' in module('cpu') and 'dot_general' not in module('cuda')
   # Without top-p there is no search, and no loop anywhere.
   g = jax.jit(lambda logits: probabilities(logits, SamplingConfig(temperature=0.8)))
-  assert 'stablehlo.while' not in jax.export.export(g, platforms=['cpu'])(x).mlir_module()
+  assert 'stablehlo.while' not in module('cpu', g)
 
 
 @pytest.mark.parametrize('native_kernel', [False, True])
