@@ -41,6 +41,9 @@ def _run_workers(worker: str, out_dir, *args: str, name: str = 'process',
   """Runs `worker ADDRESS PROCESS_ID OUT_DIR *args` as processes 0 and 1 (2 CPU devices each);
   returns their exit codes and the tails of their logs (`out_dir/<name>_<i>.log`)."""
   env = xla_env.subprocess_env(devices=2, JAX_PLATFORMS='cpu', **env)
+  # Not the run's compilation cache: with JAX 0.12 (Python 3.12+) the resumed pair, loading the
+  # programs the first pair cached, hung in its first training step (gloo, CPU).
+  env.pop('JAX_COMPILATION_CACHE_DIR', None)
   address = f'127.0.0.1:{_free_port()}'
   logs = [open(out_dir / f'{name}_{i}.log', 'w', encoding='utf-8') for i in range(2)]
   procs = []
