@@ -44,9 +44,10 @@ for part in "${parts[@]}"; do
   case $part in
     full) run full 350 --compile_threads=8 ;;
     variants)
+      dump=$(mktemp -d)  # HLO and traces, many files: one archive comes back.
       run variants 130 $one --ks=1,4 --ceiling_ks=4 --profile_ceilings \
-          --variants=unpadded,stream,parallel_compile,no_autotune --dump_dir=/tmp/accelerator_dump
-      tar czf "$out/dump.tgz" -C /tmp accelerator_dump 2>/dev/null ;;
+          --variants=unpadded,stream,parallel_compile,no_autotune --dump_dir="$dump"
+      tar czf "$out/dump.tgz" -C "$dump" . && rm -rf "$dump" ;;
     nucleus) run nucleus 60 $one --ks=1 --ceiling_ks=4 --ceiling_top_p=0.95 --profile_ceilings ;;
     loops)
       graphed=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL

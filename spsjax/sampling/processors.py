@@ -7,8 +7,9 @@ Output is float32 whatever the model dtype. `draw` / `sample` draw from such a d
 
 Cost matters here: SpS runs these on 2k + 1 vocabulary rows per loop. XLA's CPU sort and
 cumulative sum of a vocabulary row take 100s of microseconds (the sort ~1 ms), and
-`jax.random.categorical` makes V random numbers per draw. So nothing here sorts, prefix sums on
-a CPU are two small triangular matrix products (`_cumsum`), a draw uses one uniform number, and
+`jax.random.categorical` makes V random numbers per draw. So nothing here sorts (but XLA:GPU's
+`lax.top_k` sorts the row above k = 16: `_top_k_mask`), prefix sums on a CPU are two small
+triangular matrix products (`_cumsum`), a draw uses one uniform number, and
 what a GPU or TPU runs differs where it costs them less (`_cumsum`, `TopPSearch`: chosen per
 platform when the program is lowered, the same law).
 
@@ -136,7 +137,9 @@ def _first_ties(tied_xV, room_x):
 
 
 def _top_k_mask(logits_xV, k: int):
-  """The k most likely tokens, ties by id: those above the k-th largest logit, then tied ones."""
+  """The k most likely tokens, ties by id: those above the k-th largest logit, then tied ones.
+  (`lax.top_k`: a TPU's TopK op; on a GPU XLA's TopK kernel up to k = 16, a sort of the row
+  above, by compile-only H100 programs of JAX 0.11.)"""
   kth_x = jax.lax.top_k(logits_xV, k)[0][..., -1]
   above_xV = logits_xV > kth_x[..., None]
   room_x = k - jnp.sum(above_xV, axis=-1)
