@@ -24,7 +24,7 @@ from absl import app, flags
 import jax
 
 from spsjax import models, storage
-from spsjax.bench import accelerator, ceiling, decode, timing, variants
+from spsjax.bench import accelerator, ceiling, decode, sampling_costs, timing, variants
 from spsjax.models import presets
 
 _SMALL = flags.DEFINE_bool('small', None, 'Tiny sizes (a smoke run); default: on a CPU only.')
@@ -60,6 +60,10 @@ _PROFILE_CEILINGS = flags.DEFINE_bool(
 _FUSED = flags.DEFINE_bool(
     'fused', False, 'Time the decode figures and ceilings on models fused for XLA (`models.fuse`: '
     'q, k and v one product, gate and input one); their rows say "fused".')
+_SAMPLING_COSTS = flags.DEFINE_bool(
+    'sampling_costs', False, 'Time sampling per call at the first preset\'s vocabulary, by '
+    'setting (top-k 8 / 50, top-k 50 without lax.top_k, top-p), at 1 and 5 rows '
+    '(`spsjax.bench.sampling_costs`).')
 _EXACTNESS = flags.DEFINE_list('exactness', ['float32', 'bfloat16'], 'dtypes of the exactness '
                                 'checks (empty: none, nor the one-program check).')
 
@@ -188,6 +192,18 @@ def _measure(plan, report, write, log):
       (16 if plan.small else 1024) * 2**20, repeats=plan.repeats))
   if report.copy:
     log(f'copy bandwidth {report.copy.best:.0f} GB/s')
+  if _SAMPLING_COSTS.value:
+    vocab = presets.get(plan.presets[0])['vocab_size']
+    found = report.attempt('sampling costs', lambda: sampling_costs.costs(
+        vocab, [1, 5], repeats=plan.repeats))
+    if found:
+      report.sampling = (vocab, found)
+      for c in found:
+        log(f'sampling {c.setting}, {c.rows} rows: {c.seconds * 1e6:.0f} us a call'
+            + ('' if c.same_law in (None, True) else ' NOT the top-k law'))
+      if not all(c.same_law in (None, True) for c in found):
+        report.errors.append('sampling costs: top-k by search kept other tokens than lax.top_k')
+      write()
   for i, name in enumerate(plan.presets):
     # Batch 1 and the ceilings first: what a run cut short should still have.
     target = accelerator.random_model(presets.get(name), _DTYPE.value, seed=2 * i)

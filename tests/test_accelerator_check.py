@@ -165,6 +165,9 @@ def test_the_gpu_session_script_runs_each_part_and_packs_its_logs(tmp_path):
   variants_report = (out / 'variants.md').read_text()
   assert '--variants=unpadded,stream,parallel_compile,no_autotune' in variants_report
   assert '| tiny_target | 1 | stream |' in variants_report
-  assert '--ceiling_top_p=0.95' in (out / 'nucleus.md').read_text()
+  nucleus = (out / 'nucleus.md').read_text()
+  assert '--ceiling_top_p=0.95' in nucleus
+  # Sampling's cost a call, top-k by search beside lax.top_k (and keeping what it keeps).
+  assert re.search(r'^\| top-k 50, search \| \d+ \| \d+ \|$', nucleus, re.M), nucleus
   assert '_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL' in (
       out / 'loops.md').read_text()  # What it ran under.

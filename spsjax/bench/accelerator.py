@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spsjax import models, sampling, sharding
-from spsjax.bench import ceiling, decode, profile, timing, trace, variants
+from spsjax.bench import ceiling, decode, profile, sampling_costs, timing, trace, variants
 from spsjax.eval import exactness
 from spsjax.sampling import SamplingConfig, speculative
 
@@ -405,6 +405,7 @@ class Report:
   ceiling_rows: list[tuple[str, ceiling.Ceiling]] = dataclasses.field(default_factory=list)
   variant_rows: list[tuple[str, int, list[variants.Variant]]] = dataclasses.field(
       default_factory=list)  # (preset, batch, the plain step and its variants).
+  sampling: tuple[int, list[sampling_costs.Cost]] | None = None  # (vocabulary, costs).
   errors: list[str] = dataclasses.field(default_factory=list)
   time_spent: str = ''  # Where the run's wall time went (compiling, the rest).
 
@@ -420,13 +421,15 @@ class Report:
   def markdown(self) -> str:
     return markdown(device=self.device, copy=self.copy, checks=self.checks, rows=self.rows,
                     ceiling_rows=self.ceiling_rows, command=self.command, errors=self.errors,
-                    time_spent=self.time_spent, variant_rows=self.variant_rows)
+                    time_spent=self.time_spent, variant_rows=self.variant_rows,
+                    sampling=self.sampling)
 
 
 def markdown(*, device: str, copy: decode.CopyBandwidth | None, checks: Sequence[Check],
              rows: Sequence[DecodeRow], ceiling_rows: Sequence[tuple[str, ceiling.Ceiling]],
              command: str, errors: Sequence[str] = (), time_spent: str = '',
-             variant_rows: Sequence[tuple[str, int, Sequence[variants.Variant]]] = ()) -> str:
+             variant_rows: Sequence[tuple[str, int, Sequence[variants.Variant]]] = (),
+             sampling: tuple[int, Sequence[sampling_costs.Cost]] | None = None) -> str:
   """The one-screen report."""
   lines = [f'# Accelerator check: {device}', '', f'`{command}`', '']
   if time_spent:
@@ -482,4 +485,25 @@ def markdown(*, device: str, copy: decode.CopyBandwidth | None, checks: Sequence
           f'- | - | - | failed: `{v.error}` |' if v.error else
           f'{v.compile_seconds:.2f} | {v.step_seconds * 1e3:.3f} | '
           f'{"-" if v.ops is None else v.ops} | {v.logit_diff:.1e} |') for v in found]
+  if sampling:
+    lines += [''] if lines[-1] else []
+    lines += _sampling_lines(*sampling)
   return '\n'.join(lines) + '\n'
+
+
+def _sampling_lines(vocab: int, found: Sequence[sampling_costs.Cost]) -> list[str]:
+  """The sampling costs as a table: a row per setting, a column per row count."""
+  rows = sorted({c.rows for c in found})
+  by = {(c.setting, c.rows): c for c in found}
+  lines = [f'Sampling, us a call (`probabilities` and a draw, V = {vocab:,}; '
+           '`spsjax.bench.sampling_costs`):', '',
+           '| setting | ' + ' | '.join(f'{R} row{"s" * (R > 1)}' for R in rows) + ' |',
+           '|---|' + '---|' * len(rows)]
+  for setting in dict.fromkeys(c.setting for c in found):
+    cells = []
+    for R in rows:
+      c = by.get((setting, R))
+      cells.append('-' if c is None else f'{c.seconds * 1e6:.0f}' + (
+          '' if c.same_law in (None, True) else ' (NOT the top-k law)'))
+    lines.append(f'| {setting} | ' + ' | '.join(cells) + ' |')
+  return lines

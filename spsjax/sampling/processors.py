@@ -10,7 +10,7 @@ cumulative sum of a vocabulary row take 100s of microseconds (the sort ~1 ms), a
 `jax.random.categorical` makes V random numbers per draw. So nothing here sorts (but XLA:GPU's
 `lax.top_k` sorts the row above k = 16: `_top_k_mask`), prefix sums on a CPU are two small
 triangular matrix products (`_cumsum`), a draw uses one uniform number, and
-what a GPU or TPU runs differs where it costs them less (`_cumsum`, `TopPSearch`: chosen per
+what a GPU or TPU runs differs where it costs them less (`_cumsum`, `CutSearch`: chosen per
 platform when the program is lowered, the same law).
 
 `native=True` (a sampler on one CPU device) computes the same law with the native kernel
@@ -59,7 +59,8 @@ class SamplingConfig:
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 
-def probabilities(logits_xV: jax.Array, sampling: SamplingConfig) -> jax.Array:
+def probabilities(logits_xV: jax.Array, sampling: SamplingConfig, *,
+                  top_k_search: 'CutSearch | None' = None) -> jax.Array:
   """float32[..., V]: the distribution a sampler draws from under `sampling`.
 
   Logits are scaled as (logit - max) / temperature (at most 0: no overflow at any temperature).
@@ -67,6 +68,8 @@ def probabilities(logits_xV: jax.Array, sampling: SamplingConfig) -> jax.Array:
   log(float32 tiny) ~ -87.3 (its exp underflows). A row with no distribution (a NaN or +inf
   logit, or every logit -inf) comes out NaN everywhere, at every temperature; a draw from it gives
   token 0 (`draw`).
+
+  `top_k_search`: top-k by that search, without `lax.top_k` (the same law; `_top_k_mask`).
   """
   logits_xV = logits_xV.astype(jnp.float32)
   V = logits_xV.shape[-1]
@@ -85,7 +88,8 @@ def probabilities(logits_xV: jax.Array, sampling: SamplingConfig) -> jax.Array:
   probs_xV = unnormalized_xV / jnp.sum(unnormalized_xV, axis=-1, keepdims=True)
   top_k = sampling.top_k if 0 < sampling.top_k < V else 0
   if top_k:
-    probs_xV = _renormalise(jnp.where(_top_k_mask(logits_xV, top_k), probs_xV, 0.0))
+    probs_xV = _renormalise(
+        jnp.where(_top_k_mask(logits_xV, top_k, top_k_search), probs_xV, 0.0))
   if sampling.top_p < 1.0:
     probs_xV = _renormalise(jnp.where(_top_p_mask(probs_xV, sampling.top_p), probs_xV, 0.0))
   return jnp.where(defined_x1, probs_xV, jnp.nan)
@@ -136,19 +140,38 @@ def _first_ties(tied_xV, room_x):
   return tied_xV & (rank_xV < room_x[..., None])
 
 
-def _top_k_mask(logits_xV, k: int):
+def _top_k_mask(logits_xV, k: int, search: 'CutSearch | None' = None):
   """The k most likely tokens, ties by id: those above the k-th largest logit, then tied ones.
-  (`lax.top_k`: a TPU's TopK op; on a GPU XLA's TopK kernel up to k = 16, a sort of the row
-  above, by compile-only H100 programs of JAX 0.11.)"""
-  kth_x = jax.lax.top_k(logits_xV, k)[0][..., -1]
-  above_xV = logits_xV > kth_x[..., None]
+  (`lax.top_k`: XLA:CPU's TopK kernel, a TPU's TopK op; on a GPU XLA's TopK kernel up to
+  k = 16, a sort of the row above, by compile-only H100 programs of JAX 0.11: CUB's radix sort
+  where a GPU is present, else XLA's own sort, 21 kernels for 128k logits.)
+
+  The k-th largest is the min of the k largest, not their last: XLA:CPU before JAX 0.12 rewrote
+  a top-k whose only use is one element into a stable sort of the whole row (llama1b's 128,256
+  logits: 26 ms a row, against 0.2 ms for its TopK kernel); the min keeps the TopK everywhere.
+  With a `search`, no top-k: `_search_cut` counts the logits above its cuts (an alternative to
+  a GPU's sort, timed beside it by `spsjax.bench.sampling_costs`). `logits_xV`: scaled, <= 0.
+  """
+  if search is None:
+    kth_x = jnp.min(jax.lax.top_k(logits_xV, k)[0], axis=-1)
+    above_xV, tied_xV = logits_xV > kth_x[..., None], logits_xV == kth_x[..., None]
+  else:
+    keys_xV = _descending_keys(logits_xV)
+    kth_x = _search_cut(jnp.ones_like(logits_xV), keys_xV, float(k), search)
+    above_xV, tied_xV = keys_xV > kth_x[..., None], keys_xV == kth_x[..., None]
   room_x = k - jnp.sum(above_xV, axis=-1)
-  return above_xV | _first_ties(logits_xV == kth_x[..., None], room_x)
+  return above_xV | _first_ties(tied_xV, room_x)
+
+
+def _descending_keys(scaled_xV):
+  """int32 keys in [0, 0x7f800000] ordered as the scaled logits (all <= 0, -inf included): the
+  bit patterns of their magnitudes, reversed (equal logits, -0.0 and 0.0 too, give equal keys)."""
+  return 0x7f800000 - jax.lax.bitcast_convert_type(jnp.abs(scaled_xV), jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
-class TopPSearch:
-  """How `_top_p_mask` searches for its cut: each step splits the interval of bit patterns in
+class CutSearch:
+  """How `_search_cut` searches (for top-p's cut, or top-k's without `lax.top_k`): each step splits the interval of bit patterns in
   `ways` (ways - 1 masses a step, from one read of the row), ceil(32 / log2(ways)) steps, as a
   loop or (`unrolled`) as straight-line code. Every plan finds the same cut, up to the rounding
   of the masses.
@@ -174,51 +197,53 @@ class TopPSearch:
     return -(-32 // (self.ways.bit_length() - 1))  # ways ** steps >= 2^32 > hi - lo.
 
 
-CPU_SEARCH = TopPSearch(ways=4, unrolled=False)
-ACCELERATOR_SEARCH = TopPSearch(ways=16, unrolled=True)
+CPU_SEARCH = CutSearch(ways=4, unrolled=False)
+ACCELERATOR_SEARCH = CutSearch(ways=16, unrolled=True)
 
 
-def _top_p_cut(probs_xV, bits_xV, top_p: float, search: TopPSearch):
-  """The bit pattern v* of the last kept value: the largest v with mass(p >= v) >= top_p."""
+def _search_cut(weights_xV, bits_xV, threshold: float, search: CutSearch):
+  """The largest v with mass(bits >= v) >= threshold, the mass of a set being the sum of its
+  `weights` (>= 0, their total >= threshold), `bits` int32 >= 0: top-p's cut with probabilities
+  and their bit patterns, top-k's with ones and the logits' keys (counts: exact below 2^24)."""
   ways = search.ways
-  cuts_xW = jnp.arange(1, ways, dtype=jnp.int32).reshape((1,) * (probs_xV.ndim - 1) + (ways - 1,))
+  cuts_xW = jnp.arange(1, ways, dtype=jnp.int32).reshape((1,) * (bits_xV.ndim - 1) + (ways - 1,))
 
   def split(_, bounds):
-    lo_x, hi_x = bounds  # mass(p >= lo) >= top_p > mass(p >= hi), as bit patterns.
+    lo_x, hi_x = bounds  # mass(bits >= lo) >= threshold > mass(bits >= hi).
     width_x = (hi_x - lo_x + ways - 1) // ways
     t_xW = jnp.minimum(lo_x[..., None] + cuts_xW * width_x[..., None], hi_x[..., None])
     above_xWxV = bits_xV[..., None, :] >= t_xW[..., None]
     if search.unrolled:  # A reduction per step (XLA:GPU: two kernels, no [W, V] mask stored).
-      mass_xW = jnp.sum(jnp.where(above_xWxV, probs_xV[..., None, :], 0.0), axis=-1)
+      mass_xW = jnp.sum(jnp.where(above_xWxV, weights_xV[..., None, :], 0.0), axis=-1)
     else:
-      mass_xW = jnp.einsum('...V,...WV->...W', probs_xV, above_xWxV.astype(jnp.float32),
+      mass_xW = jnp.einsum('...V,...WV->...W', weights_xV, above_xWxV.astype(jnp.float32),
                            precision=jax.lax.Precision.HIGHEST)
-    n_x = jnp.sum(mass_xW >= top_p, axis=-1)[..., None]  # Cuts that keep the invariant.
+    n_x = jnp.sum(mass_xW >= threshold, axis=-1)[..., None]  # Cuts that keep the invariant.
     edges_xWp2 = jnp.concatenate([lo_x[..., None], t_xW, hi_x[..., None]], axis=-1)
     return (jnp.take_along_axis(edges_xWp2, n_x, axis=-1)[..., 0],
             jnp.take_along_axis(edges_xWp2, n_x + 1, axis=-1)[..., 0])
 
-  lo_x = jnp.zeros(probs_xV.shape[:-1], jnp.int32)
+  lo_x = jnp.zeros(bits_xV.shape[:-1], jnp.int32)
   hi_x = jnp.max(bits_xV, axis=-1) + 1
   return jax.lax.fori_loop(0, search.steps, split, (lo_x, hi_x), unroll=search.unrolled)[0]
 
 
-def _top_p_mask(probs_xV, top_p: float, search: TopPSearch | None = None):
+def _top_p_mask(probs_xV, top_p: float, search: CutSearch | None = None):
   """The smallest set of most likely tokens (ties by id) whose mass reaches top_p, without a sort.
 
   A token is kept iff the mass ranked before it is < top_p. The last kept token's probability v*
   is the largest v with mass(p >= v) >= top_p: found by a search over the bit patterns of
   non-negative float32 (ordered like the values) that splits the interval in `search.ways` per
-  step (`TopPSearch`; None: the plan of the platform the program is lowered for). Tokens above v*
+  step (`CutSearch`; None: the plan of the platform the program is lowered for). Tokens above v*
   are kept; tokens at v* are kept in id order while the mass before them stays < top_p.
   """
   bits_xV = jax.lax.bitcast_convert_type(probs_xV, jnp.int32)
   if search is None:
-    cut = lambda plan: lambda p, b: _top_p_cut(p, b, top_p, plan)
+    cut = lambda plan: lambda p, b: _search_cut(p, b, top_p, plan)
     v_x = jax.lax.platform_dependent(probs_xV, bits_xV, cpu=cut(CPU_SEARCH),
                                      default=cut(ACCELERATOR_SEARCH))
   else:
-    v_x = _top_p_cut(probs_xV, bits_xV, top_p, search)
+    v_x = _search_cut(probs_xV, bits_xV, top_p, search)
   above_xV = bits_xV > v_x[..., None]
   tied_xV = bits_xV == v_x[..., None]
   mass_above_x = jnp.sum(jnp.where(above_xV, probs_xV, 0.0), axis=-1)
