@@ -183,7 +183,9 @@ class CutSearch:
   `Loop.drafts_unrolled`), and SpS searches k + 1 times a loop. XLA:GPU for an H100
   (`experiments/compile_only.py`, llama1b, top-p 0.95): `probabilities` of 5 rows 47 kernels
   unrolled against 149 launches (16 trips of a loop), and SpS's loop body (k = 4) 708 operations
-  with no inner loop against 1189 with five.
+  with no inner loop against 1189 with five. A step's new bounds come in closed form (no gather
+  of the cuts): with JAX 0.11.2, `probabilities` of a row launches 42 kernels (three a step), SpS's
+  loop body 655 operations (k = 4, padded), ArS's step 332.
   """
   ways: int
   unrolled: bool
@@ -218,10 +220,11 @@ def _search_cut(weights_xV, bits_xV, threshold: float, search: CutSearch):
     else:
       mass_xW = jnp.einsum('...V,...WV->...W', weights_xV, above_xWxV.astype(jnp.float32),
                            precision=jax.lax.Precision.HIGHEST)
-    n_x = jnp.sum(mass_xW >= threshold, axis=-1)[..., None]  # Cuts that keep the invariant.
-    edges_xWp2 = jnp.concatenate([lo_x[..., None], t_xW, hi_x[..., None]], axis=-1)
-    return (jnp.take_along_axis(edges_xWp2, n_x, axis=-1)[..., 0],
-            jnp.take_along_axis(edges_xWp2, n_x + 1, axis=-1)[..., 0])
+    # The cuts that keep the invariant (the first n: masses fall as cuts rise). The new bounds
+    # are cuts n and n + 1 (cut 0 is lo, cut `ways` hi), in closed form: no gather of them.
+    n_x = jnp.sum(mass_xW >= threshold, axis=-1)
+    return (jnp.minimum(lo_x + n_x * width_x, hi_x),
+            jnp.minimum(lo_x + (n_x + 1) * width_x, hi_x))
 
   lo_x = jnp.zeros(bits_xV.shape[:-1], jnp.int32)
   hi_x = jnp.max(bits_xV, axis=-1) + 1
