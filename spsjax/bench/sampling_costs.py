@@ -4,8 +4,13 @@ SpS samples from its draft k times a loop (a row each at batch 1) and from its t
 k + 1 rows; ArS once a step. On an accelerator a step of a 1B model takes about a millisecond,
 so a sampler's launches count: `lax.top_k` sorts the vocabulary on a GPU above k = 16, top-p
 searches in 8 steps (`processors.CutSearch`). Each setting is timed per call, at each row
-count: a program runs `calls` calls in a loop, each on the logits shifted by a vanishing multiple
-of the previous draw (so none is hoisted out or left out), median of `repeats` runs.
+count: a program runs `calls` calls one after another, each on the logits shifted by a vanishing
+multiple of the previous draw (so none is hoisted out or left out), median of `repeats` runs,
+over `calls`. The calls are straight-line code, not a loop: on a GPU a loop reads its condition
+on the host every trip, which would dwarf a call. A call's share of the program's launch stays in
+its figure (a `calls`-th). The programs compile side by side, on as many threads as the process
+may use CPUs (they have no products: XLA:GPU autotunes nothing, so no compile slows another's
+kernels).
 
 'top-k 50, search' is top-k 50 without `lax.top_k` (`probabilities(top_k_search=)`, the plan
 the platform's top-p uses): the same law, which its row checks on the timed logits (the same
@@ -13,6 +18,7 @@ probabilities as 'top-k 50', to float32 rounding), and the measurement a default
 """
 
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -61,12 +67,19 @@ def _program(setting: str, calls: int):
     def call(i, drawn_R):
       shifted_RxV = logits_RxV + drawn_R[:, None].astype(jnp.float32) * 1e-30
       return jax.vmap(processors.draw_with)(uniforms_CxR[i], probabilities(shifted_RxV))
-    return jax.lax.fori_loop(0, calls, call, jnp.zeros(logits_RxV.shape[:1], jnp.int32))
+    return jax.lax.fori_loop(0, calls, call, jnp.zeros(logits_RxV.shape[:1], jnp.int32),
+                             unroll=True)
 
   return run
 
 
-def costs(vocab: int, rows: Sequence[int], *, repeats: int, calls: int = 16, seed: int = 0,
+def _usable_cpus() -> int:
+  if hasattr(os, 'sched_getaffinity'):  # Not on macOS.
+    return len(os.sched_getaffinity(0))
+  return os.cpu_count() or 1
+
+
+def costs(vocab: int, rows: Sequence[int], *, repeats: int, calls: int = 4, seed: int = 0,
           settings: Sequence[str] = tuple(SETTINGS)) -> list[Cost]:
   """Seconds per call of each setting at each row count, on random logits (a spread like a
   trained model's: normal, scale 3)."""
@@ -79,9 +92,9 @@ def costs(vocab: int, rows: Sequence[int], *, repeats: int, calls: int = 16, see
   for R in rows:
     logits_RxV = jnp.asarray(rng.normal(size=(R, vocab)) * 3, jnp.float32)
     uniforms_CxR = jnp.asarray(rng.random((calls, R)), jnp.float32)
-    programs = {s: _program(s, calls) for s in settings}
-    seconds = timing.medians({s: (lambda p=p: p(logits_RxV, uniforms_CxR))
-                              for s, p in programs.items()}, repeats=repeats)
+    runs = {s: (lambda p=_program(s, calls): p(logits_RxV, uniforms_CxR)) for s in settings}
+    timing.warm(list(runs.values()), threads=_usable_cpus())
+    seconds = timing.medians(runs, repeats=repeats)
     for s in settings:
       same = None
       if s == SEARCHED:
