@@ -21,13 +21,18 @@ machine's CPU devices): the operations one iteration of its main loop runs, per 
 count where XLA knows it, else once: dynamic k's drafting, whose every step then also reads its
 condition on the host), the collectives among them, and the memory a device holds
 (`deviceless.device_bytes`), from XLA's optimized HLO (`spsjax.bench.deviceless`): no times, no
-autotuning. With --dump_dir each program's HLO is written there. JAX_PLATFORMS defaults to cpu
+autotuning. For a GPU, --launches adds what an iteration launches, from XLA's thunk sequence
+(`spsjax.bench.thunks`): the HLO counts a fusion once where some launch many kernels. Without a
+GPU, XLA sorts with its own kernels, where a GPU would run CUB's radix sort. With --dump_dir each
+program's HLO is written there. JAX_PLATFORMS defaults to cpu
 here, so the plugins start without an accelerator, and ALLOW_MULTIPLE_LIBTPU_LOAD to 1, so that
 several such processes can compile for a TPU at once.
 """
 
 import dataclasses
 import os
+import shutil
+import tempfile
 import time
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
@@ -37,7 +42,7 @@ from absl import app, flags  # pylint: disable=g-import-not-at-top,wrong-import-
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from spsjax import cli, models, sharding, storage  # pylint: disable=wrong-import-position
-from spsjax.bench import deviceless, hlo  # pylint: disable=wrong-import-position
+from spsjax.bench import deviceless, hlo, thunks  # pylint: disable=wrong-import-position
 from spsjax.models import presets  # pylint: disable=wrong-import-position
 from spsjax.sampling import SamplingConfig, drafter_config  # pylint: disable=wrong-import-position
 
@@ -69,6 +74,11 @@ _STOP_BELOW = flags.DEFINE_float('stop_below', 0.0, 'Dynamic k for the model and
 _DUMP_DIR = flags.DEFINE_string('dump_dir', None, 'Write each program\'s HLO here: '
                                 '<program>[_<drafter>][_dynamic]_<single_row>.hlo.txt.')
 _OUT = flags.DEFINE_string('out', None, 'Also write the table (Markdown) to this file.')
+_LAUNCHES = flags.DEFINE_bool(
+    'launches', False, 'GPU targets: also what one loop iteration launches, from the thunk '
+    'sequence XLA:GPU writes (`spsjax.bench.thunks`): kernels and copies (a sort XLA emits '
+    'itself is many), CUDA graphs among them, launches outside any. Sets XLA_FLAGS to dump '
+    'into a temporary directory.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +90,7 @@ class Row:
   collectives: int  # Of those, the collectives (`hlo.COLLECTIVES`).
   device_bytes: int | None  # What one device holds (`deviceless.device_bytes`).
   compile_seconds: float
+  launched: thunks.Loop | None = None  # With --launches.
 
 
 def _model(preset: str, single_row: str, mesh) -> models.Model:
@@ -97,8 +108,10 @@ def _draft(kind: str, target: models.Model, single_row: str, mesh):
 
 
 def count(program: str, single_row: str, mesh, dump_dir: str | None,
-          drafter: str = 'model') -> Row:
-  """One program's operations per phase (`Row`), its HLO written to `dump_dir` if given."""
+          drafter: str = 'model', thunk_dir: str | None = None) -> Row:
+  """One program's operations per phase (`Row`), its HLO written to `dump_dir` if given; with
+  `thunk_dir` (where XLA_FLAGS dumps), what its loop launches."""
+  dumped = set(os.listdir(thunk_dir)) if thunk_dir else set()
   start = time.perf_counter()
   target = _model(_TARGET_PRESET.value, single_row, mesh)
   name, label, batch = program, '-', _BATCH.value
@@ -124,23 +137,55 @@ def count(program: str, single_row: str, mesh, dump_dir: str | None,
   if launches is None:
     raise RuntimeError(f'{name} ({single_row}): XLA left no loop to count.')
   return Row(program, label, single_row, launches, hlo.loop_collectives(text),
-             deviceless.device_bytes(compiled), seconds)
+             deviceless.device_bytes(compiled), seconds,
+             _loop_thunks(thunk_dir, dumped, name) if thunk_dir else None)
+
+
+def _loop_thunks(thunk_dir: str, before: set[str], name: str) -> thunks.Loop:
+  """The loop launches of the program this compile dumped (the largest new thunk sequence),
+  its dump then removed."""
+  new = sorted(set(os.listdir(thunk_dir)) - before)
+  sequences = [f for f in new if f.endswith('thunk_sequence_after_thunk_passes.txt')]
+  if not sequences:
+    raise RuntimeError(f'{name}: XLA wrote no thunk sequence into {thunk_dir} (XLA_FLAGS was '
+                       'set after XLA read it?).')
+  largest = max(sequences, key=lambda f: os.path.getsize(os.path.join(thunk_dir, f)))
+  with open(os.path.join(thunk_dir, largest), encoding='utf-8') as f:
+    found = thunks.main_loop(f.read())
+  for f in new:
+    path = os.path.join(thunk_dir, f)
+    if os.path.isdir(path):
+      shutil.rmtree(path)
+    else:
+      os.remove(path)
+  if found is None:
+    raise RuntimeError(f'{name}: no loop in its thunk sequence.')
+  return found
+
+
+def _launch_text(loop: thunks.Loop | None) -> str:
+  if loop is None:
+    return ' - |'
+  inner = f', {loop.inner_loops} inner loops once' if loop.inner_loops else ''
+  return f' {loop.launches} ({loop.graphs}, {loop.outside}{inner}) |'
 
 
 def table(rows: list[Row], device: str, mesh_shape: str) -> str:
   phases = (*hlo.PHASES, hlo.OTHER)
+  launched = any(r.launched is not None for r in rows)
   lines = [f'Operations one loop iteration runs on {device}, mesh {mesh_shape} (JAX '
            f'{jax.__version__}; {_TARGET_PRESET.value}, draft {_DRAFT_PRESET.value}, batch '
            f'{_BATCH.value}, k = {_K.value}, {_DTYPE.value}, {_sampling_text()})', '',
            '| program | drafter | single rows | ' + ' | '.join(phases)
-           + ' | all | collectives | MiB a device | compile s |',
-           '|---' * (len(phases) + 7) + '|']
+           + ' | all | collectives | MiB a device | compile s |'
+           + (' launches (graphs, outside) |' if launched else ''),
+           '|---' * (len(phases) + 7 + launched) + '|']
   for r in rows:
     mib = '-' if r.device_bytes is None else f'{r.device_bytes / 2**20:.1f}'
     lines.append(f'| {r.program} | {r.drafter} | {r.single_row} | '
                  + ' | '.join(str(r.launches.get(p, 0)) for p in phases)
                  + f' | {sum(r.launches.values())} | {r.collectives} | {mib} | '
-                 f'{r.compile_seconds:.0f} |')
+                 f'{r.compile_seconds:.0f} |' + (_launch_text(r.launched) if launched else ''))
   return '\n'.join(lines) + '\n'
 
 
@@ -171,6 +216,15 @@ def main(argv):
   if _BATCH.value < 1 or _BATCH.value % data:
     raise app.UsageError(f'--batch={_BATCH.value} must be a positive multiple of the mesh\'s '
                          f'data axis ({data}).')
+  thunk_dir = None
+  if _LAUNCHES.value:
+    if _TARGET.value not in deviceless.GPU_TARGETS:
+      raise app.UsageError(f'--launches reads XLA:GPU\'s thunks: a GPU target '
+                           f'({", ".join(deviceless.GPU_TARGETS)}), not {_TARGET.value}.')
+    # Read when XLA first compiles, below: no program has been compiled yet.
+    thunk_dir = tempfile.mkdtemp(prefix='spsjax-thunks-')
+    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                               f' --xla_dump_to={thunk_dir} --xla_dump_hlo_as_text').strip()
   if _TARGET.value == 'cpu':
     devices = jax.devices('cpu')
     if len(devices) < data * model_axis:
@@ -184,9 +238,13 @@ def main(argv):
     except (RuntimeError, ValueError) as e:  # What to install, or what mesh it has: one line.
       raise app.UsageError(str(e)) from e
   mesh = sharding.make_mesh(data, model_axis, devices)
-  rows = [count(p, s, mesh, _DUMP_DIR.value, d)
-          for p in _PROGRAMS if p in _PROGRAM.value
-          for d in (_DRAFTER.value if p == 'sps' else ['model']) for s in _SINGLE_ROW.value]
+  try:
+    rows = [count(p, s, mesh, _DUMP_DIR.value, d, thunk_dir)
+            for p in _PROGRAMS if p in _PROGRAM.value
+            for d in (_DRAFTER.value if p == 'sps' else ['model']) for s in _SINGLE_ROW.value]
+  finally:
+    if thunk_dir:
+      shutil.rmtree(thunk_dir, ignore_errors=True)
   kind = getattr(devices[0], 'device_kind', devices[0].platform)
   text = table(rows, f'{_TARGET.value} ({kind})', f'{data} x {model_axis}')
   print(text)

@@ -145,7 +145,7 @@ def test_the_binary_counts_on_this_machines_cpu(tmp_path):
     (('--model_axis=0',), 'must be >= 1'),
     (('--data=2',), 'must be a positive multiple of the mesh\'s data axis (2)'),
     (('--data=4', '--model_axis=4', '--batch=4'), 'needs 16 CPU devices'),
-    (('--top_p=1.5',), 'top_p')])
+    (('--top_p=1.5',), 'top_p'), (('--launches',), '--launches reads XLA:GPU')])
 def test_flags_that_cannot_work_are_usage_errors(flags, message):
   result = _run_binary('--target=cpu', *flags, check=False)
   assert result.returncode == 1 and message in result.stderr, result.stderr[-2000:]
