@@ -171,10 +171,10 @@ def _descending_keys(scaled_xV):
 
 @dataclasses.dataclass(frozen=True)
 class CutSearch:
-  """How `_search_cut` searches (for top-p's cut, or top-k's without `lax.top_k`): each step splits the interval of bit patterns in
-  `ways` (ways - 1 masses a step, from one read of the row), ceil(32 / log2(ways)) steps, as a
-  loop or (`unrolled`) as straight-line code. Every plan finds the same cut, up to the rounding
-  of the masses.
+  """How `_search_cut` searches (top-p's cut, or top-k's without `lax.top_k`): each step splits
+  the interval of bit patterns in `ways` (ways - 1 masses a step, from one read of the row),
+  ceil(32 / log2(ways)) steps, as a loop or (`unrolled`) as straight-line code. Every plan finds
+  the same cut, up to the rounding of the masses.
 
   A CPU runs `CPU_SEARCH` (the least arithmetic: 16 steps of 3 masses, one product of the row
   with the three masks each, in a loop). A GPU or TPU runs `ACCELERATOR_SEARCH`: half the reads
