@@ -504,6 +504,6 @@ def _sampling_lines(vocab: int, found: Sequence[sampling_costs.Cost]) -> list[st
     for R in rows:
       c = by.get((setting, R))
       cells.append('-' if c is None else f'{c.seconds * 1e6:.0f}' + (
-          '' if c.same_law in (None, True) else ' (NOT the top-k law)'))
+          ' (NOT the top-k law)' if c.law_differs else ''))
     lines.append(f'| {setting} | ' + ' | '.join(cells) + ' |')
   return lines

@@ -46,6 +46,11 @@ class Cost:
   seconds: float  # Median per call.
   same_law: bool | None = None  # SEARCHED: its probabilities equal 'top-k 50''s.
 
+  @property
+  def law_differs(self) -> bool:
+    """A search that kept other tokens than `lax.top_k` (a bug, not a cost)."""
+    return self.same_law is False
+
 
 def _search() -> processors.CutSearch:
   """The plan the default backend's top-p runs."""
