@@ -258,7 +258,7 @@ _libm.powf.argtypes = [ctypes.c_float, ctypes.c_float]
 
 
 def _inverse_frequencies(half):
-  """base^(-i / half) as the kernel and the model compute it, in float32 (libm's powf)."""
+  """base^(-i / half) in float32 (libm's powf): the frequencies the kernel is given."""
   return np.array([_libm.powf(ROPE_BASE, float(np.float32(-i) / np.float32(half)))
                    for i in range(half)], np.float32)
 
@@ -299,7 +299,8 @@ def attention_reference(qkv, keys, values, starts, counts):
 
 @functools.partial(jax.jit, static_argnames='isas')
 def _attentions(cases, isas):
-  return [{isa: native.cached_attention(qkv, keys, values, starts, rope_base=ROPE_BASE,
+  return [{isa: native.cached_attention(qkv, keys, values, starts,
+                                        rope_freqs=_inverse_frequencies(qkv.shape[-1] // 2),
                                         counts_B=counts, isa=isa) for isa in isas}
           for qkv, keys, values, starts, counts in cases]
 
@@ -337,7 +338,8 @@ def attention(isas):
   qkv, keys, values, _, _ = cases[0]  # A row whose positions would pass the cache's end.
   S, T = keys.shape[1], qkv.shape[1]
   expect_error('attention past the cache', 'exceed the cache', lambda: native.cached_attention(
-      qkv, keys, values, np.array([0, 1, S - T + 1], np.int32), rope_base=ROPE_BASE))
+      qkv, keys, values, np.array([0, 1, S - T + 1], np.int32),
+      rope_freqs=_inverse_frequencies(qkv.shape[-1] // 2)))
   print(f'attention: {len(cases)} cases', flush=True)
 
 

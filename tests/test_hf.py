@@ -1,12 +1,14 @@
-"""Hugging Face checkpoints: tiny random Llama, Qwen2 and GPT-2 models that transformers saved load into
-spsjax and compute transformers' logits (full and cached paths, packed for the CPU kernels and
-sharded), greedy ArS and SpS give transformers' greedy `generate`, unsupported configs are refused
-by name, and an exported model is what transformers computed from the same export.
+"""Hugging Face checkpoints: tiny random Llama, Mistral, Qwen2 and GPT-2 models that transformers
+saved (two with rope scaling: Llama 3's and linear) load into spsjax and compute transformers'
+logits (full and cached paths, packed for the CPU kernels and sharded), greedy ArS and SpS give
+transformers' greedy `generate`, unsupported configs are refused by name, and an exported model
+(with Llama 3's rope scaling) is what transformers computed from the same export.
 
 The expected values were recorded by tests/fixtures/make_hf_fixtures.py with transformers (see
 its docstring for why they are fixtures).
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,7 +19,7 @@ import numpy as np
 import pytest
 
 from spsjax import models, sharding
-from spsjax.models import hf
+from spsjax.models import hf, presets
 from spsjax.sampling import SamplingConfig, autoregressive_sample, drafters, speculative_sample
 from tests.fixtures import make_hf_fixtures as fixtures
 
@@ -48,7 +50,13 @@ def loaded():
 
 
 def test_configs_map_every_field(loaded):
-  gqa, mqa, qwen, mistral, gpt2 = (loaded[n].config for n in NAMES)
+  gqa, mqa, qwen, mistral, gpt2, llama3, linear = (loaded[n].config for n in (
+      'llama_gqa', 'llama_tied_mqa', 'qwen2', 'mistral', 'gpt2', 'llama_rope_llama3',
+      'mistral_rope_linear'))
+  assert gqa.rope_scaling is None and gpt2.rope_scaling is None
+  assert llama3.rope_scaling == models.RopeScaling('llama3', factor=8.0, low_freq_factor=1.0,
+                                                   high_freq_factor=4.0, original_max_len=64)
+  assert llama3.rope_base == 500_000.0 and linear.rope_scaling == models.RopeScaling('linear', 4.0)
   assert (gqa.num_kv_heads, gqa.tie_embeddings, gqa.rope_base, gqa.norm_eps) == (
       2, False, 500_000.0, 1e-5)
   assert (mqa.num_kv_heads, mqa.dims_per_head, mqa.tie_embeddings) == (1, 16, True)
@@ -82,7 +90,8 @@ def test_logits_equal_transformers_full_cached_and_packed(loaded, name):
 
 
 @pytest.mark.parametrize('name,draft', [('llama_gqa', 'llama_tied_mqa'), ('qwen2', 'llama_gqa'),
-                                        ('mistral', 'gpt2'), ('gpt2', None)])
+                                        ('mistral', 'gpt2'), ('gpt2', None),
+                                        ('llama_rope_llama3', 'mistral_rope_linear')])
 def test_greedy_ars_and_sps_equal_transformers_generate(loaded, name, draft):
   model, want = loaded[name], _expected(name)
   assert want['margin'] >= fixtures.MIN_MARGIN  # No argmax is closer than float noise.
@@ -124,10 +133,15 @@ def _copy_with(tmp_path, name, **changes):
 
 
 @pytest.mark.parametrize('name,changes,message', [
-    ('llama_tied_mqa', dict(rope_parameters={'rope_type': 'linear', 'factor': 2.0}),
-     "rope_parameters of type 'linear' is not supported"),
+    ('llama_tied_mqa', dict(rope_parameters={'rope_type': 'dynamic', 'factor': 2.0}),
+     "rope scaling of type 'dynamic' is not supported"),
     ('llama_tied_mqa', dict(rope_scaling={'type': 'yarn', 'factor': 4.0}),
-     "rope_scaling of type 'yarn' is not supported"),
+     "rope scaling of type 'yarn' is not supported"),
+    ('llama_rope_llama3', dict(rope_parameters={'rope_type': 'llama3', 'factor': 8.0}),
+     "llama3 rope scaling without ['low_freq_factor', 'high_freq_factor']"),
+    ('llama_tied_mqa', dict(partial_rotary_factor=0.5), 'partial_rotary_factor=0.5'),
+    ('llama_tied_mqa', dict(rope_parameters={'full_attention': {'rope_type': 'default'}}),
+     'rope_parameters per layer type'),
     ('llama_tied_mqa', dict(model_type='mistral', sliding_window=4096),
      'sliding_window=4096 is not supported'),
     ('qwen2', dict(use_sliding_window=True), 'use_sliding_window=True is not supported'),
@@ -148,6 +162,55 @@ def test_unsupported_or_inconsistent_checkpoints_are_refused_by_name(tmp_path, n
   assert message in str(error.value)
 
 
+def test_rope_scaling_reads_the_hubs_format_and_changes_the_logits(tmp_path, loaded):
+  """Llama 3.1 / 3.2 on the Hub write `rope_theta` and `rope_scaling` (the fixture, written by
+  transformers 5, has `rope_parameters`): both read as the same model. Without its scaling the
+  fixture's logits are far from transformers' (the bands the fixture puts its frequencies in
+  matter at these positions)."""
+  name = 'llama_rope_llama3'
+  params = json.loads(open(os.path.join(FIXTURES, name, 'config.json'), encoding='utf-8').read())[
+      'rope_parameters']
+  hub = hf.load(_copy_with(tmp_path, name, rope_parameters=None, rope_theta=params['rope_theta'],
+                           rope_scaling={k: v for k, v in params.items() if k != 'rope_theta'}))
+  assert hub.config == loaded[name].config
+  hub_style = dict(hf.read_config(os.path.join(FIXTURES, name)), rope_parameters=None,
+                   rope_theta=500_000.0, original_max_position_embeddings=32,
+                   rope_scaling=dict(rope_type='llama3', factor=8.0, low_freq_factor=1.0,
+                                     high_freq_factor=4.0, original_max_position_embeddings=64))
+  assert hf.config_from_hf(hub_style).rope_scaling.original_max_len == 32  # The config's own.
+  plain = hf.load(_copy_with(tmp_path / 'plain', name, rope_parameters=dict(
+      rope_type='default', rope_theta=params['rope_theta'])))
+  assert plain.config.rope_scaling is None
+  want = _expected(name)
+  got = np.asarray(_logits(plain.config, plain.params, jnp.asarray(want['prompts'])))
+  worst = max(np.abs(got[b, :n] - want['logits'][b, :n]).max() / np.abs(want['logits'][b, :n]).max()
+              for b, n in enumerate(want['lengths']))
+  assert worst > 100 * RTOL
+
+
+# Llama-3.2-1B's config.json as the Hub has it (no weights: nothing can be downloaded here).
+LLAMA_3_2_1B = {
+    'architectures': ['LlamaForCausalLM'], 'attention_bias': False, 'attention_dropout': 0.0,
+    'bos_token_id': 128000, 'eos_token_id': 128001, 'head_dim': 64, 'hidden_act': 'silu',
+    'hidden_size': 2048, 'initializer_range': 0.02, 'intermediate_size': 8192,
+    'max_position_embeddings': 131072, 'mlp_bias': False, 'model_type': 'llama',
+    'num_attention_heads': 32, 'num_hidden_layers': 16, 'num_key_value_heads': 8,
+    'pretraining_tp': 1, 'rms_norm_eps': 1e-05,
+    'rope_scaling': {'factor': 32.0, 'high_freq_factor': 4.0, 'low_freq_factor': 1.0,
+                     'original_max_position_embeddings': 8192, 'rope_type': 'llama3'},
+    'rope_theta': 500000.0, 'tie_word_embeddings': True, 'torch_dtype': 'bfloat16',
+    'use_cache': True, 'vocab_size': 128256}
+
+
+def test_llama_3_2_1b_is_the_llama1b_preset_with_its_rope_scaling():
+  config = hf.config_from_hf(LLAMA_3_2_1B)
+  preset = models.TransformerConfig(**presets.get('llama1b'))
+  scaling = models.RopeScaling('llama3', 32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                original_max_len=8192)
+  assert config == dataclasses.replace(preset, max_seq_len=131072, norm_eps=1e-5,
+                                       rope_scaling=scaling)
+
+
 def test_a_directory_without_a_checkpoint_is_a_clear_error(tmp_path):
   with pytest.raises(FileNotFoundError, match='no config.json'):
     hf.load(str(tmp_path))
@@ -162,6 +225,9 @@ def test_export_round_trips_and_is_what_transformers_computed(tmp_path):
   path = hf.save_llama(models.pack(model), str(tmp_path / 'export'))  # Packed: unpacked first.
   config = json.loads(open(os.path.join(path, 'config.json'), encoding='utf-8').read())
   assert config['architectures'] == ['LlamaForCausalLM'] and config['num_key_value_heads'] == 2
+  assert config['rope_scaling'] == dict(rope_type='llama3', factor=4.0, low_freq_factor=1.0,
+                                        high_freq_factor=16.0,
+                                        original_max_position_embeddings=128)
   back = hf.load(path)
   assert back.config == model.config
   jax.tree.map(np.testing.assert_array_equal, back.params, model.params)

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spsjax import models
+from spsjax import models, native
+from spsjax.models import rope
 
 VOCAB = 97
 
@@ -132,6 +133,33 @@ def test_config_validation():
     _config(2, kernels='pallas')
   with pytest.raises(ValueError, match='native kernels'):
     _config(2, dtype='bfloat16', kernels='native')
+
+
+def test_rope_scalings_rescale_the_frequencies():
+  """Linear divides every frequency; Llama 3's keeps the short wavelengths, divides the long ones
+  and joins them in between (transformers' own numbers: tests/test_hf.py's fixtures)."""
+  config = _config(2)
+  H = config.dims_per_head
+  plain = np.asarray(rope.frequencies(config))
+  np.testing.assert_array_equal(plain, native.rope_frequencies(H, config.rope_base))
+  linear = dataclasses.replace(config, rope_scaling=models.RopeScaling('linear', 4.0))
+  np.testing.assert_array_equal(rope.frequencies(linear), plain / np.float32(4.0))
+  scaling = models.RopeScaling('llama3', 8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                               original_max_len=64)
+  got = np.asarray(rope.frequencies(dataclasses.replace(config, rope_scaling=scaling)))
+  wavelengths = 2 * np.pi / plain
+  short, long = wavelengths < 64 / 4, wavelengths > 64 / 1
+  assert short.any() and long.any() and (~short & ~long).any()  # All three bands.
+  np.testing.assert_array_equal(got[short], plain[short])
+  np.testing.assert_allclose(got[long], plain[long] / 8, rtol=1e-6)
+  between = ~short & ~long
+  assert np.all((got[between] < plain[between]) & (got[between] > plain[between] / 8))
+  with pytest.raises(ValueError, match='RopeScaling.kind'):
+    models.RopeScaling('yarn', 4.0)
+  with pytest.raises(ValueError, match='low_freq_factor < high_freq_factor'):
+    models.RopeScaling('llama3', 8.0, low_freq_factor=4.0, high_freq_factor=1.0)
+  with pytest.raises(ValueError, match='rotary model'):
+    dataclasses.replace(config, position='learned', rope_scaling=scaling)
 
 
 def _two_row_products(stablehlo: str) -> int:

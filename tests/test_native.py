@@ -365,7 +365,7 @@ ATTENTION_SHAPES = [  # (T, K, G, H, S): queries, kv heads, queries per kv head,
 
 
 # One program per shape: op by op, the reference compiled ~1 s of small programs per shape.
-_attention_reference = jax.jit(attention.reference, static_argnums=4)
+_attention_reference = jax.jit(attention.reference)
 
 
 @functools.cache
@@ -384,6 +384,13 @@ def test_write_rows_writes_each_rows_slots_a_batch_of_one_too():
     np.testing.assert_array_equal(got, want)
 
 
+def _freqs(qkv):
+  """Rotary frequencies for the heads of `qkv`: base 500's, rescaled unevenly (as a model's
+  rope scaling would), so that a kernel computing its own would differ."""
+  half = qkv.shape[-1] // 2
+  return attention.rope_frequencies(2 * half, 500.0) / jnp.linspace(1.0, 8.0, half)
+
+
 def _attention_case():
   """Inputs (qkv, keys, values, starts) of every ATTENTION_SHAPES case, batch 4, and the XLA
   reference's outputs and caches for them (one program for all)."""
@@ -392,7 +399,7 @@ def _attention_case():
     keys, values = _normal(3 * i, (B, S, K, H)), _normal(3 * i + 1, (B, S, K, H))
     qkv = _normal(3 * i + 2, (B, T, K * G + 2 * K, H), scale=3.0)  # Peaked softmaxes.
     cases.append((qkv, keys, values, np.array([0, 17, S - T, 5], np.int32)))
-  wants = jax.jit(lambda cases: [attention.reference(*c, 500.0) for c in cases])(cases)
+  wants = jax.jit(lambda cases: [attention.reference(*c, _freqs(c[0])) for c in cases])(cases)
   return cases, jax.tree.map(np.asarray, wants)
 
 
@@ -407,9 +414,10 @@ def test_cached_attention_equals_reference(isa):
     assert attention.use_kernel(qkv, keys)
   no_counts = np.zeros((0,), np.int32)
   row = lambda tree: jax.tree.map(lambda x: x[1:2], tree)
-  gots = jax.jit(lambda cases: [(attention._kernel(*c, no_counts, 500.0, isa),  # pylint: disable=protected-access
-                                 attention._kernel(*row(c), no_counts, 500.0, isa))  # pylint: disable=protected-access
-                                for c in cases])(cases)
+  gots = jax.jit(lambda cases: [
+      (attention._kernel(*c, no_counts, _freqs(c[0]), isa),  # pylint: disable=protected-access
+       attention._kernel(*row(c), no_counts, _freqs(c[0]), isa))  # pylint: disable=protected-access
+      for c in cases])(cases)
   for shape, (got, got_row), want in zip(ATTENTION_SHAPES, gots, wants, strict=True):
     for name, g, g_row, w in zip(('outputs', 'keys', 'values'), got, got_row, want, strict=True):
       np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5,
@@ -429,10 +437,10 @@ def test_cached_attention_skips_padding_positions(isa, T):
   qkv = _normal(2, (B, T, K * G + 2 * K, H), scale=3.0)
   starts, counts = np.array([0, 5, 20, 9], np.int32), [T, T // 3, 0, 1]
   got_out, got_k, got_v = jax.tree.map(np.asarray, jax.jit(lambda *a: attention.cached_attention(
-      *a[:4], rope_base=500.0, counts_B=a[4], isa=isa))(qkv, keys, values, starts,
+      *a[:4], rope_freqs=_freqs(qkv), counts_B=a[4], isa=isa))(qkv, keys, values, starts,
                                                        np.array(counts, np.int32)))
   want_out, want_k, want_v = jax.tree.map(
-      np.asarray, _attention_reference(qkv, keys, values, starts, 500.0))
+      np.asarray, _attention_reference(qkv, keys, values, starts, _freqs(qkv)))
   for b, (start, count) in enumerate(zip(np.asarray(starts), counts)):
     np.testing.assert_allclose(got_out[b, :count], want_out[b, :count], rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(got_out[b, count:], 0.0)
@@ -449,8 +457,9 @@ def test_cached_attention_writes_in_place_or_copies():
   values = jax.random.normal(jax.random.key(1), (B, S, K, H))
   qkv = jax.random.normal(jax.random.key(2), (B, 3, K * G + 2 * K, H))
   starts = jnp.array([2, 9], jnp.int32)
-  want = _attention_reference(qkv, keys, values, starts, 10_000.0)
-  call = lambda *a: attention.cached_attention(*a, rope_base=10_000.0)
+  freqs = attention.rope_frequencies(H, 10_000.0)
+  want = _attention_reference(qkv, keys, values, starts, freqs)
+  call = lambda *a: attention.cached_attention(*a, rope_freqs=freqs)
   kept = jax.jit(call)(qkv, keys, values, starts)
   keys_copy, values_copy = jnp.copy(keys), jnp.copy(values)
   donated = jax.jit(call, donate_argnums=(1, 2))(qkv, keys_copy, values_copy, starts)
@@ -468,7 +477,12 @@ def test_cached_attention_falls_back_for_many_queries():
   assert not attention.use_kernel(qkv[:, :1], jnp.zeros((1, 80, 1, 8), jnp.bfloat16))
   with pytest.raises(ValueError, match='kv heads'):
     attention.cached_attention(jnp.zeros((1, 1, 5, 8)), jnp.zeros((1, 8, 2, 8)),
-                               jnp.zeros((1, 8, 2, 8)), jnp.zeros((1,), jnp.int32), rope_base=1e4)
+                               jnp.zeros((1, 8, 2, 8)), jnp.zeros((1,), jnp.int32),
+                               rope_freqs=jnp.ones(4))
+  with pytest.raises(ValueError, match='rope_freqs of shape'):
+    attention.cached_attention(jnp.zeros((1, 1, 6, 8)), jnp.zeros((1, 8, 2, 8)),
+                               jnp.zeros((1, 8, 2, 8)), jnp.zeros((1,), jnp.int32),
+                               rope_freqs=jnp.ones(8))
 
 
 def _model(dtype='float32', **overrides):

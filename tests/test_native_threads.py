@@ -39,7 +39,8 @@ B, S, T, K, G, H = 2, 256, 5, 2, 3, 64
 qkv = jnp.asarray(rng.standard_normal((B, T, K * G + 2 * K, H), np.float32))
 keys = jnp.asarray(rng.standard_normal((B, S, K, H), np.float32))
 values = jnp.asarray(rng.standard_normal((B, S, K, H), np.float32))
-out = jax.jit(lambda *a: attention.cached_attention(*a, rope_base=1e4))(
+out = jax.jit(lambda *a: attention.cached_attention(
+    *a, rope_freqs=attention.rope_frequencies(H, 1e4)))(
     qkv, keys, values, jnp.array([3, 200], jnp.int32))
 np.savez(sys.argv[1], y=y, out=out[0], keys=out[1], values=out[2])
 

@@ -4,6 +4,7 @@ and bad configs fail at start with a message that names the problem."""
 
 import dataclasses
 import functools
+import json
 import os
 import shutil
 import subprocess
@@ -323,11 +324,15 @@ def test_a_checkpoint_that_predates_a_model_option_resumes():
   its meta lacks them and means the defaults; any field that differs still refuses."""
   config = train_helpers.CONFIG.model
   meta = checkpoint.encode_meta(config, b'tokenizer', {})
-  newer = ('qkv_bias', 'dense_bias', 'norm', 'position')
+  newer = ('qkv_bias', 'dense_bias', 'norm', 'position', 'rope_scaling')
   old = dict(meta, model={k: v for k, v in meta['model'].items() if k not in newer})
   assert checkpoint.same_model(old, config) and checkpoint.same_model(meta, config)
   assert not checkpoint.same_model(old, dataclasses.replace(config, norm='layer'))
   assert not checkpoint.same_model(meta, dataclasses.replace(config, d_ff=config.d_ff * 2))
+  scaled = dataclasses.replace(config, rope_scaling=models.RopeScaling('llama3', 8.0))
+  assert not checkpoint.same_model(meta, scaled)
+  as_json = json.loads(json.dumps(checkpoint.encode_meta(scaled, b'tokenizer', {})))
+  assert checkpoint.decode_meta(as_json)[0] == scaled and checkpoint.same_model(as_json, scaled)
 
 
 def test_a_checkpoint_meta_leaves_out_the_kernels():

@@ -13,10 +13,41 @@ _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 _MLP_KINDS = ('gated_silu', 'gelu')
 _NORMS = ('rms', 'layer')
 _POSITIONS = ('rope', 'learned')
+_ROPE_SCALINGS = ('linear', 'llama3')
 KERNELS = ('xla', 'xla_fused', 'native')
 SINGLE_ROW = ('auto', 'padded', 'plain', 'stream')
 # How a placed model computes, not what it is: checkpoints do not store these fields.
 COMPUTE_FIELDS = ('kernels', 'single_row')
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """A rescaling of the rotary frequencies for contexts past the trained length, as Hugging Face
+  configs name it (`rope_type`); `spsjax.models.rope` computes the frequencies.
+
+  'linear': every frequency divided by `factor` (positions interpolated). 'llama3' (Llama 3.1 and
+  3.2): the frequencies whose wavelength is under original_max_len / high_freq_factor kept, those
+  over original_max_len / low_freq_factor divided by `factor`, the ones between interpolated
+  smoothly. Neither changes the attention's temperature.
+  """
+
+  kind: str
+  factor: float
+  low_freq_factor: float = 1.0  # 'llama3' only, like the three below.
+  high_freq_factor: float = 4.0
+  original_max_len: int = 8192
+
+  def __post_init__(self):
+    if self.kind not in _ROPE_SCALINGS:
+      raise ValueError(f'RopeScaling.kind must be one of {_ROPE_SCALINGS}, got {self.kind!r}.')
+    if not self.factor > 0:
+      raise ValueError(f'RopeScaling.factor must be > 0, got {self.factor}.')
+    if self.kind == 'llama3' and not (0 < self.low_freq_factor < self.high_freq_factor
+                                      and self.original_max_len >= 1):
+      raise ValueError(
+          f'llama3 rope scaling wants 0 < low_freq_factor < high_freq_factor and '
+          f'original_max_len >= 1, got {self.low_freq_factor}, {self.high_freq_factor}, '
+          f'{self.original_max_len}.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +68,7 @@ class TransformerConfig:
   mlp: str = 'gated_silu'
   tie_embeddings: bool = True
   rope_base: float = 10_000.0
+  rope_scaling: RopeScaling | None = None  # A dict (a checkpoint's JSON) becomes a RopeScaling.
   norm_eps: float = 1e-6
   qkv_bias: bool = False  # Biases on the q, k and v projections (Qwen2).
   dense_bias: bool = False  # Biases on the attention output and both MLP products (GPT-2).
@@ -59,6 +91,12 @@ class TransformerConfig:
   single_row: str = 'auto'
 
   def __post_init__(self):
+    if isinstance(self.rope_scaling, dict):
+      object.__setattr__(self, 'rope_scaling', RopeScaling(**self.rope_scaling))
+    if self.rope_scaling is not None and (not isinstance(self.rope_scaling, RopeScaling)
+                                          or self.position != 'rope'):
+      raise ValueError(f'rope_scaling must be a RopeScaling (or its dict) of a rotary model, got '
+                       f'{self.rope_scaling!r} with position {self.position!r}.')
     for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'max_seq_len'):
       if getattr(self, name) < 1:
         raise ValueError(f'TransformerConfig.{name} must be >= 1, got {getattr(self, name)}.')

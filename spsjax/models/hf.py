@@ -3,10 +3,11 @@ Llama directories back.
 
 A checkpoint directory holds `config.json` and safetensors weights: `model.safetensors`, or shards
 listed by `model.safetensors.index.json`. `load` maps the config to a `TransformerConfig`, refusing
-by name every field whose value would make a different model than ours computes (rope scaling,
-sliding windows, biases we do not have, other activations), reads each tensor with numpy, puts it
-into our layout and onto the mesh by the rules table one tensor at a time (each process builds
-only its own devices' shards). `save_llama` writes a model as a `LlamaForCausalLM` directory.
+by name every field whose value would make a different model than ours computes (rope scalings
+other than linear and Llama 3's, sliding windows, biases we do not have, other activations),
+reads each tensor with numpy, puts it into our layout and onto the mesh by the rules table one
+tensor at a time (each process builds only its own devices' shards). `save_llama` writes a
+model as a `LlamaForCausalLM` directory.
 
 Layouts. HF linear weights are [out, in]; ours are [in, out] with heads split:
 q_proj [N H, D] -> wq [D, N, H]; k_proj, v_proj [K H, D] -> [D, K, H]; o_proj [D, N H] ->
@@ -33,7 +34,7 @@ from safetensors import safe_open
 
 from spsjax import sharding, storage
 from spsjax.models.api import Model, param_shapes, param_shardings
-from spsjax.models.config import TransformerConfig
+from spsjax.models.config import RopeScaling, TransformerConfig
 from spsjax.models.packing import unfuse, unpack
 
 CONFIG = 'config.json'
@@ -61,17 +62,58 @@ def _refuse(hf: dict, field: str, allowed, why: str) -> None:
                                 f'supported: {allowed}.')
 
 
-def _rope_theta(hf: dict) -> float:
-  """The rotary base, from `rope_theta` or `rope_parameters` (newer transformers); any rope
-  scaling is refused."""
+# rope_type -> the RopeScaling fields it needs from config.json, by their names there.
+_ROPE_SCALING_FIELDS = {
+    'linear': dict(factor='factor'),
+    'llama3': dict(factor='factor', low_freq_factor='low_freq_factor',
+                   high_freq_factor='high_freq_factor',
+                   original_max_len='original_max_position_embeddings'),
+}
+
+
+def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
+  """The rotary base and scaling, from `rope_theta` and `rope_scaling` (Llama 3.1 and 3.2 on the
+  Hub) or from `rope_parameters` (transformers 5 writes that); as in transformers, llama3's
+  `original_max_position_embeddings` is the config's own where it has one, then the scaling's,
+  then `max_position_embeddings`. Scalings other than 'linear' and 'llama3' ('dynamic' changes
+  with the length; 'yarn' and 'longrope' also scale the attention), per-layer parameters and
+  partial rotations are refused."""
   params = hf.get('rope_parameters') or {}
-  scaling = hf.get('rope_scaling')
-  for name, value in (('rope_scaling', scaling), ('rope_parameters', params)):
-    kind = (value or {}).get('rope_type', (value or {}).get('type', 'default'))
-    if kind != 'default':
-      raise UnsupportedCheckpoint(f'{CONFIG}: {name} of type {kind!r} is not supported (only '
-                                  f'plain rotary embeddings, rope_type "default").')
-  return float(params.get('rope_theta', hf.get('rope_theta', 10_000.0)))
+  if any(isinstance(value, dict) for value in params.values()):
+    raise UnsupportedCheckpoint(f'{CONFIG}: rope_parameters per layer type '
+                                f'({sorted(params)}) are not supported.')
+  scaling = params if params.get('rope_type', params.get('type', 'default')) != 'default' else (
+      hf.get('rope_scaling') or {})
+  kind = scaling.get('rope_type', scaling.get('type', 'default'))
+  if kind not in ('default',) + tuple(_ROPE_SCALING_FIELDS):
+    raise UnsupportedCheckpoint(f'{CONFIG}: rope scaling of type {kind!r} is not supported '
+                                f'(supported: default, {", ".join(_ROPE_SCALING_FIELDS)}).')
+  for where in (hf, params):
+    if where.get('partial_rotary_factor', 1.0) != 1.0:
+      raise UnsupportedCheckpoint(f'{CONFIG}: partial_rotary_factor='
+                                  f'{where["partial_rotary_factor"]!r} is not supported (every '
+                                  f'head dim is rotated).')
+  base = float(params.get('rope_theta', hf.get('rope_theta', 10_000.0)))
+  if kind == 'default':
+    return base, None
+  original = 'original_max_position_embeddings'
+  scaling = dict(scaling, **{original: hf.get(original, scaling.get(
+      original, hf.get('max_position_embeddings')))})
+  missing = [theirs for theirs in _ROPE_SCALING_FIELDS[kind].values()
+             if scaling.get(theirs) is None]
+  if missing:
+    raise UnsupportedCheckpoint(f'{CONFIG}: {kind} rope scaling without {missing}.')
+  return base, RopeScaling(kind, **{ours: scaling[theirs]
+                                    for ours, theirs in _ROPE_SCALING_FIELDS[kind].items()})
+
+
+def _rope_scaling_json(scaling: RopeScaling | None) -> dict:
+  """config.json's `rope_scaling` of a RopeScaling (transformers' names), {} for none."""
+  if scaling is None:
+    return {}
+  fields = _ROPE_SCALING_FIELDS[scaling.kind]
+  return dict(rope_scaling=dict(rope_type=scaling.kind, **{
+      theirs: getattr(scaling, ours) for ours, theirs in fields.items()}))
 
 
 def config_from_hf(hf: dict, dtype: str = 'float32') -> TransformerConfig:
@@ -92,6 +134,7 @@ def config_from_hf(hf: dict, dtype: str = 'float32') -> TransformerConfig:
   if hf.get('layer_types') and set(hf['layer_types']) != {'full_attention'}:
     raise UnsupportedCheckpoint(f'{CONFIG}: layer_types={sorted(set(hf["layer_types"]))} is '
                                 f'not supported (every layer attends globally).')
+  rope_base, rope_scaling = _rope(hf)
   num_heads = hf['num_attention_heads']
   num_kv_heads = hf.get('num_key_value_heads') or num_heads
   head_dim = hf.get('head_dim')
@@ -103,7 +146,7 @@ def config_from_hf(hf: dict, dtype: str = 'float32') -> TransformerConfig:
       d_ff=hf['intermediate_size'], max_seq_len=hf['max_position_embeddings'], dtype=dtype,
       head_dim=head_dim, mlp='gated_silu',
       tie_embeddings=bool(hf.get('tie_word_embeddings', model_type != 'llama')),
-      rope_base=_rope_theta(hf), norm_eps=float(hf['rms_norm_eps']),
+      rope_base=rope_base, rope_scaling=rope_scaling, norm_eps=float(hf['rms_norm_eps']),
       qkv_bias=model_type == 'qwen2')
 
 
@@ -296,8 +339,9 @@ def hf_config(config: TransformerConfig, **extra) -> dict:
       num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
       num_key_value_heads=config.kv_heads, head_dim=config.dims_per_head, hidden_act='silu',
       max_position_embeddings=config.max_seq_len, rms_norm_eps=config.norm_eps,
-      rope_theta=config.rope_base, tie_word_embeddings=config.tie_embeddings,
-      attention_bias=False, mlp_bias=False, torch_dtype='float32', **extra)
+      rope_theta=config.rope_base, **_rope_scaling_json(config.rope_scaling),
+      tie_word_embeddings=config.tie_embeddings, attention_bias=False, mlp_bias=False,
+      torch_dtype='float32', **extra)
 
 
 def save_llama(model: Model, path: str, **extra) -> str:

@@ -35,7 +35,9 @@ import jax
 import jax.numpy as jnp
 
 from spsjax import native
+from spsjax.models import rope
 from spsjax.models.config import TransformerConfig
+
 
 def _param(module, name, shape, names, fan_in, dtype, zeros=False):
   init = nn.initializers.zeros if zeros else nn.initializers.normal(stddev=fan_in**-0.5)
@@ -190,7 +192,8 @@ class Attention(nn.Module):
       # use (a cached call's positions are starts + t, `api.extend`).
       cache_k, cache_v, starts_B = layer_cache
       out_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH = native.cached_attention(
-          qkv_BxTxMxH, cache_k, cache_v, starts_B, rope_base=c.rope_base, counts_B=counts_B)
+          qkv_BxTxMxH, cache_k, cache_v, starts_B, rope_freqs=rope.frequencies(c),
+          counts_B=counts_B)
       out_BxTxKxGxH = out_BxTxKxGxH.astype(dt)
     else:
       if packed:  # A full causal pass: XLA's attention after the packed product.
@@ -210,8 +213,9 @@ class Attention(nn.Module):
             q_BxTxNxH + bias_MxH[None, None, :N], k_BxTxKxH + bias_MxH[None, None, N:N + K],
             v_BxTxKxH + bias_MxH[None, None, N + K:])
       if c.position == 'rope':
-        q_BxTxNxH = native.rope(q_BxTxNxH, positions_BxT, c.rope_base)
-        k_BxTxKxH = native.rope(k_BxTxKxH, positions_BxT, c.rope_base)
+        freqs_H2 = rope.frequencies(c)
+        q_BxTxNxH = native.rope(q_BxTxNxH, positions_BxT, freqs_H2)
+        k_BxTxKxH = native.rope(k_BxTxKxH, positions_BxT, freqs_H2)
       q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, N // K, H)
       if layer_cache is None:  # Full causal pass: keys are the new positions themselves.
         keys_BxSxKxH, values_BxSxKxH, key_pos_BxS = k_BxTxKxH, v_BxTxKxH, positions_BxT

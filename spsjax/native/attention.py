@@ -29,11 +29,19 @@ from spsjax.native import library
 MAX_KERNEL_QUERIES = 4096
 
 
-def rope(x_BxTxNxH, positions_BxT, base):
-  """Rotary position embedding (half-split convention), computed in float32."""
+def rope_frequencies(head_dim: int, base: float) -> jax.Array:
+  """The plain rotary frequencies, float32[head_dim / 2]: base^(-i / half) for i < half (a model
+  with rope scaling rescales them: `spsjax.models.rope`)."""
+  half = head_dim // 2
+  return base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+
+
+def rope(x_BxTxNxH, positions_BxT, freqs_H2):
+  """Rotary position embedding (half-split convention) at angles position * freqs_H2[i] (float32[H
+  / 2]), computed in float32."""
   half = x_BxTxNxH.shape[-1] // 2
-  freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angles_BxTxH2 = positions_BxT[..., None].astype(jnp.float32) * freqs[None, None, :]
+  angles_BxTxH2 = (positions_BxT[..., None].astype(jnp.float32)
+                   * jnp.asarray(freqs_H2, jnp.float32)[None, None, :])
   sin, cos = jnp.sin(angles_BxTxH2)[:, :, None], jnp.cos(angles_BxTxH2)[:, :, None]
   x = x_BxTxNxH.astype(jnp.float32)
   x1, x2 = x[..., :half], x[..., half:]
@@ -82,22 +90,22 @@ def _split(qkv_BxTxMxH, K):
   return jnp.split(qkv_BxTxMxH, [N, N + K], axis=2)
 
 
-def reference(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, rope_base):
+def reference(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, freqs_H2):
   """XLA ops: what `cached_attention` computes, as the model's own rotation, writes and
   attention."""
   B, T, _, H = qkv_BxTxMxH.shape
   K = keys_BxSxKxH.shape[2]
   q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = _split(qkv_BxTxMxH, K)
   positions_BxT = starts_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-  keys_BxSxKxH = write_rows(keys_BxSxKxH, rope(k_BxTxKxH, positions_BxT, rope_base), starts_B)
+  keys_BxSxKxH = write_rows(keys_BxSxKxH, rope(k_BxTxKxH, positions_BxT, freqs_H2), starts_B)
   values_BxSxKxH = write_rows(values_BxSxKxH, v_BxTxKxH, starts_B)
-  q_BxTxKxGxH = rope(q_BxTxNxH, positions_BxT, rope_base).reshape(B, T, K, -1, H)
+  q_BxTxKxGxH = rope(q_BxTxNxH, positions_BxT, freqs_H2).reshape(B, T, K, -1, H)
   slots_BxS = jnp.broadcast_to(jnp.arange(keys_BxSxKxH.shape[1]), keys_BxSxKxH.shape[:2])
   out = attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT, slots_BxS)
   return out, keys_BxSxKxH, values_BxSxKxH
 
 
-def _kernel(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, counts_B, rope_base, isa):
+def _kernel(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, counts_B, freqs_H2, isa):
   B, T, M, H = qkv_BxTxMxH.shape
   K = keys_BxSxKxH.shape[2]
   out = jax.ShapeDtypeStruct((B, T, K, (M - 2 * K) // K, H), jnp.float32)
@@ -105,8 +113,7 @@ def _kernel(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, counts_B, rope_
   return jax.ffi.ffi_call('spsjax_cached_attention', (out, cache, cache),
                           vmap_method='sequential', input_output_aliases={1: 1, 2: 2})(
       qkv_BxTxMxH.astype(jnp.float32), keys_BxSxKxH, values_BxSxKxH, starts_B.astype(jnp.int32),
-      counts_B,
-      scale=np.float32(H**-0.5), rope_base=np.float32(rope_base),
+      counts_B, freqs_H2, scale=np.float32(H**-0.5),
       isa=np.int32(library.isa_code(isa)))
 
 
@@ -120,11 +127,13 @@ def use_kernel(qkv_BxTxMxH, keys_BxSxKxH) -> bool:
 
 
 def cached_attention(qkv_BxTxMxH: jax.Array, keys_BxSxKxH: jax.Array, values_BxSxKxH: jax.Array,
-                     starts_B: jax.Array, *, rope_base: float, counts_B: jax.Array | None = None,
+                     starts_B: jax.Array, *, rope_freqs: jax.Array,
+                     counts_B: jax.Array | None = None,
                      isa: str = 'best') -> tuple[jax.Array, jax.Array, jax.Array]:
   """(attention outputs [B, T, K, G, H], keys, values with this call's slots written); module
-  docstring. qkv holds N = K G query heads, then K key and K value heads, before the rotation;
-  the caller keeps starts + T <= S.
+  docstring. qkv holds N = K G query heads, then K key and K value heads, before the rotation by
+  `rope_freqs` (float32[H / 2], `rope_frequencies` or a model's rescaled ones); the caller keeps
+  starts + T <= S.
 
   `counts_B` (a prefill of right-padded prompts): row b's positions t >= counts[b] are padding;
   their outputs and cache slots (at or past the row's length) are left unspecified. The kernel
@@ -138,8 +147,14 @@ def cached_attention(qkv_BxTxMxH: jax.Array, keys_BxSxKxH: jax.Array, values_BxS
     counts_B = jnp.zeros((0,), jnp.int32)
   elif counts_B.shape != (B,):
     raise ValueError(f'counts of shape {counts_B.shape} for {B} rows.')
-  operands = (qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, counts_B.astype(jnp.int32))
-  xla = lambda ops: reference(*ops[:4], rope_base)
+  H = qkv_BxTxMxH.shape[3]
+  rope_freqs = jnp.asarray(rope_freqs, jnp.float32)
+  if rope_freqs.shape != (H // 2,):
+    raise ValueError(f'rope_freqs of shape {rope_freqs.shape} for heads of {H} dims: want '
+                     f'({H // 2},).')
+  operands = (qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, counts_B.astype(jnp.int32),
+              rope_freqs)
+  xla = lambda ops: reference(*ops[:4], ops[5])
   if not use_kernel(qkv_BxTxMxH, keys_BxSxKxH):
     return xla(operands)
-  return library.on_cpu(operands, lambda ops: _kernel(*ops, rope_base, isa), xla)
+  return library.on_cpu(operands, lambda ops: _kernel(*ops, isa), xla)

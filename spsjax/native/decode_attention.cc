@@ -65,9 +65,9 @@ void Rotate(const float* x, const float* cos_h, const float* sin_h, int64_t half
 ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
                                ffi::Buffer<ffi::F32> keys_in, ffi::Buffer<ffi::F32> values_in,
                                ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> counts,
-                               ffi::ResultBuffer<ffi::F32> out,
+                               ffi::Buffer<ffi::F32> freqs, ffi::ResultBuffer<ffi::F32> out,
                                ffi::ResultBuffer<ffi::F32> keys, ffi::ResultBuffer<ffi::F32> values,
-                               float scale, float rope_base, int32_t isa) {
+                               float scale, int32_t isa) {
   const auto x_dims = qkv.dimensions();
   const auto k_dims = keys_in.dimensions();
   if (x_dims.size() != 4 || k_dims.size() != 4 || !SameDims(values_in.dimensions(), k_dims) ||
@@ -96,6 +96,9 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
     return ffi::Error::InvalidArgument("cached_attention: counts must be [B] or empty.");
   }
   const int32_t* counts_data = counts.element_count() == 0 ? nullptr : counts.typed_data();
+  if (static_cast<int64_t>(freqs.element_count()) != half) {
+    return ffi::Error::InvalidArgument("cached_attention: freqs must be [H / 2].");
+  }
   const int32_t* starts_data = starts.typed_data();
   for (int64_t b = 0; b < B; ++b) {
     if (starts_data[b] < 0 || starts_data[b] + T > S) {
@@ -107,14 +110,10 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
   const size_t cache_bytes = sizeof(float) * B * S * K * H;
   if (k_data != keys_in.typed_data()) std::memcpy(k_data, keys_in.typed_data(), cache_bytes);
   if (v_data != values_in.typed_data()) std::memcpy(v_data, values_in.typed_data(), cache_bytes);
-  // The model's angles in float32: position * base^(-i / half).
-  std::vector<float> inv_freq(half);
-  for (int64_t i = 0; i < half; ++i) {
-    inv_freq[i] = std::pow(rope_base, -static_cast<float>(i) / static_cast<float>(half));
-  }
+  // The model's angles in float32: position * freqs[i] (its rotary frequencies, rescaled or not).
   const float* x_data = qkv.typed_data();
   float* out_data = out->typed_data();
-  const float* freq = inv_freq.data();
+  const float* freq = freqs.typed_data();
   const int64_t work = B * K * J * S * H;
   const int64_t threads = work < kMinParallelWork ? 1 : spsjax::MaxThreads(pool);
   // A task is a row's group of `heads` kv heads. A few positions (a decode step, an SpS score),
@@ -208,9 +207,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxCachedAttention, CachedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // starts [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // counts [B], or empty
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // freqs [H / 2]
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
-                                  .Attr<float>("rope_base")
                                   .Attr<int32_t>("isa"));

@@ -1,0 +1,39 @@
+"""A model's rotary frequencies: the one float32[H / 2] array every path rotates by.
+
+`frequencies(config)` is base^(-i / half) for i < half (`native.rope_frequencies`), rescaled as
+`config.rope_scaling` says (`RopeScaling`), with Hugging Face's definitions of each `rope_type`
+(transformers' `modeling_rope_utils`), in float32:
+- 'linear': f / factor.
+- 'llama3': with wavelength w = 2 pi / f and L = original_max_len, a frequency whose w is under
+  L / high_freq_factor is kept, one whose w is over L / low_freq_factor becomes f / factor, and one
+  between becomes (1 - a) f / factor + a f with a = (L / w - low_freq_factor) / (high_freq_factor -
+  low_freq_factor), which joins the two ends continuously.
+XLA's rotation (`native.rope`) and the native attention kernel take the array as it is, so both
+paths rotate by the same numbers.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from spsjax import native
+from spsjax.models.config import TransformerConfig
+
+
+def frequencies(config: TransformerConfig) -> jax.Array:
+  """float32[H / 2]: the rotary frequencies of `config` (module docstring)."""
+  freqs_H2 = native.rope_frequencies(config.dims_per_head, config.rope_base)
+  scaling = config.rope_scaling
+  if scaling is None:
+    return freqs_H2
+  if scaling.kind == 'linear':
+    return freqs_H2 / scaling.factor
+  wavelengths_H2 = 2 * math.pi / freqs_H2
+  long_wavelength = scaling.original_max_len / scaling.low_freq_factor
+  short_wavelength = scaling.original_max_len / scaling.high_freq_factor
+  ramp_H2 = ((scaling.original_max_len / wavelengths_H2 - scaling.low_freq_factor)
+             / (scaling.high_freq_factor - scaling.low_freq_factor))
+  between_H2 = (1 - ramp_H2) * freqs_H2 / scaling.factor + ramp_H2 * freqs_H2
+  return jnp.where(wavelengths_H2 > long_wavelength, freqs_H2 / scaling.factor,
+                   jnp.where(wavelengths_H2 < short_wavelength, freqs_H2, between_H2))
