@@ -100,7 +100,7 @@ def main(argv):
     note = prompts_lib.cut_note(tok, texts, room)
     if note:
       print0(note)
-    eos_id = tok.eos_id
+    eos_id = tok.eos_ids
   else:
     room = _prompt_room(c, models.TransformerConfig(**c.model),
                         models.TransformerConfig(**c.draft) if needs_draft else None)

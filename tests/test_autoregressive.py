@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from spsjax import models, sharding
-from spsjax.sampling import PAD_ID, SamplingConfig, autoregressive, autoregressive_sample
+from spsjax.sampling import (PAD_ID, SamplingConfig, autoregressive, autoregressive_sample,
+                             drafters, speculative_sample)
 from tests.stats import (exact_sequence_law, g_test_pvalue, scaled_model, sequence_counts,
                          truncated_at_eos)
 
@@ -26,7 +27,9 @@ def model():
 
 
 def argmax_rollout(model, prompt, max_new_tokens, eos_id=None):
-  """Greedy decoding with the uncached reference forward only."""
+  """Greedy decoding with the uncached reference forward only; stops after `eos_id` (one id or
+  a tuple of them)."""
+  eos_ids = eos_id if isinstance(eos_id, tuple) else (eos_id,)
   logits = jax.jit(models.logits, static_argnums=0)
   seq = list(prompt)
   out = []
@@ -34,7 +37,7 @@ def argmax_rollout(model, prompt, max_new_tokens, eos_id=None):
     token = int(jnp.argmax(logits(model.config, model.params, jnp.asarray([seq]))[0, -1]))
     out.append(token)
     seq.append(token)
-    if token == eos_id:
+    if token in eos_ids:
       break
   return out
 
@@ -185,6 +188,27 @@ def test_one_compilation_per_bucket(model):
     np.testing.assert_array_equal(out.tokens, expected.tokens)
 
 
+def test_greedy_stops_at_any_of_several_eos_ids(model):
+  """An instruct model's end of turn beside its end of text: ArS and SpS (prompt lookup) stop a
+  row after whichever of the ids comes first, and keep it."""
+  prompts, lengths = ragged_prompts(jax.random.key(1), 5, 6, 40)
+  rollouts = [argmax_rollout(model, prompts[b, :lengths[b]], 10) for b in range(5)]
+  first = rollouts[0][2]
+  second = next(t for t in rollouts[1][1:] if t != first and t not in rollouts[0][:3])
+  eos_ids = (first, second)
+  expected = [argmax_rollout(model, prompts[b, :lengths[b]], 10, eos_id=eos_ids)
+              for b in range(5)]
+  assert expected[0][-1] == first and expected[1][-1] == second  # Each id stops a row.
+  args = (prompts, lengths, jax.random.key(0))
+  kw = dict(max_new_tokens=10, sampling=GREEDY, eos_id=list(eos_ids))
+  for out in (autoregressive_sample(model, *args, **kw),
+              speculative_sample(model, None, *args, k=2, drafter=drafters.PromptLookup(), **kw)):
+    for b in range(5):
+      n = int(out.num_generated[b])
+      np.testing.assert_array_equal(out.tokens[b, :n], expected[b])
+      assert (np.asarray(out.tokens[b, n:]) == PAD_ID).all()
+
+
 @pytest.mark.parametrize('change, match', [
     (dict(lengths=[0, 3]), 'prompt length'),
     (dict(lengths=[3, 6]), 'prompt length'),
@@ -193,6 +217,9 @@ def test_one_compilation_per_bucket(model):
     (dict(prompts=[[1, 2, 40, 0, 0], [1, 2, 3, 4, 5]]), 'vocab'),
     (dict(prompts=[[1, -2, 3, 0, 0], [1, 2, 3, 4, 5]]), 'vocab'),
     (dict(eos_id=40), 'eos_id'),
+    (dict(eos_id=(3, 40)), 'eos_id'),
+    (dict(eos_id=(3, 'x')), 'eos_id'),
+    (dict(eos_id=True), 'eos_id'),
 ])
 def test_bad_input_raises(model, change, match):
   args = dict(prompts=[[1, 2, 3, 0, 0], [1, 2, 3, 4, 5]], lengths=[3, 5], max_new_tokens=4,

@@ -253,3 +253,18 @@ def test_tokenizer_json_behind_the_binaries_interface():
   assert tok.to_bytes() == HFTokenizer.load(os.path.join(FIXTURES, 'llama_gqa')).to_bytes()
   with pytest.raises(FileNotFoundError, match='no tokenizer.json'):
     HFTokenizer.load(os.path.join(FIXTURES, 'export'))
+
+
+def test_tokenizer_eos_ids_are_what_generate_stops_at(tmp_path):
+  """generation_config.json's eos ids (an instruct model's end of turn and end of text), else
+  config.json's, else tokenizer_config.json's eos_token; the first is `eos_id`."""
+  from spsjax.data.hf_tokenizer import HFTokenizer  # pylint: disable=g-import-not-at-top
+  tok = HFTokenizer.load(_copy_with(tmp_path / 'config', 'qwen2', eos_token_id=[5, 7]))
+  assert (tok.eos_ids, tok.eos_id, tok.pad_id) == ((5, 7), 5, 5)
+  path = _copy_with(tmp_path / 'generation', 'qwen2', eos_token_id=[5, 7])
+  with open(os.path.join(path, 'generation_config.json'), 'w', encoding='utf-8') as f:
+    json.dump(dict(eos_token_id=[9, 5, 11]), f)
+  tok = HFTokenizer.load(path)
+  assert (tok.eos_ids, tok.eos_id) == ((9, 5, 11), 9)
+  tok = HFTokenizer.load(os.path.join(FIXTURES, 'qwen2'))  # Neither names one: tokenizer_config.
+  assert (tok.eos_ids, tok.eos_id) == ((1,), 1)

@@ -173,7 +173,7 @@ class _Pair:
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), i),
                              METHODS.index(method))
     kw = dict(max_new_tokens=self.task.max_new_tokens, sampling=self.sampling_config,
-              eos_id=self.tok.eos_id, mesh=self.mesh)
+              eos_id=self.tok.eos_ids, mesh=self.mesh)
     k = self.policy.pending.k if self.policy is not None and method == 'SpS' else self.k
     if method == 'ArS' or not k:
       return sampling.autoregressive_sample(self.target, prompts_BxP, lengths_B, key, **kw)
@@ -321,7 +321,7 @@ def profile_row(target: models.Model, draft: models.Model | None, tok: Tokenizer
   out, trace = profile.profile_speculative(
       target, draft, prompts_NxP, lengths_N, jax.random.key(seed), k=k,
       max_new_tokens=task.max_new_tokens, log_dir=log_dir, sampling=sampling_config,
-      eos_id=tok.eos_id, mesh=mesh, drafter=drafter, lenience=lenience)
+      eos_id=tok.eos_ids, mesh=mesh, drafter=drafter, lenience=lenience)
   if not trace.loops:
     raise profile.ProfileError('The profiled call ran no loop.')
   its = trace.iterations

@@ -1,12 +1,13 @@
 """A Hugging Face `tokenizer.json` behind the interface the binaries use (`data.tokenizer`).
 
-`HFTokenizer.load(directory)` reads `tokenizer.json` with the `tokenizers` package; the eos id
-comes from the checkpoint's `config.json` (`eos_token_id`, the first if a list), else from
-`generation_config.json`, else the tokenizer's `eos_token` in `tokenizer_config.json`; None if
-none names one (generation then runs to max_new_tokens). The pad id is `pad_token_id`, else the
-eos id, else 0. `encode` adds no special tokens (prompts are plain text, as with our own
-tokenizer); `decode` drops special tokens. `to_bytes` is the tokenizer.json text: two tokenizers
-are the same if their bytes are.
+`HFTokenizer.load(directory)` reads `tokenizer.json` with the `tokenizers` package. The eos ids
+are those transformers' `generate` stops at: `eos_token_id` of `generation_config.json`, else of
+`config.json` (one id or a list: an instruct model's end of turn beside its end of text), else
+the tokenizer's `eos_token` in `tokenizer_config.json`; none if nothing names one (generation
+then runs to max_new_tokens). `eos_ids` are all of them (what the binaries pass the samplers),
+`eos_id` the first. The pad id is `pad_token_id`, else the eos id, else 0. `encode` adds no
+special tokens (prompts are plain text, as with our own tokenizer); `decode` drops special
+tokens. `to_bytes` is the tokenizer.json text: two tokenizers are the same if their bytes are.
 """
 
 import json
@@ -30,11 +31,13 @@ def _first(value):
 class HFTokenizer:
   """`tokenizers.Tokenizer` with the eos and pad ids of its checkpoint."""
 
-  def __init__(self, tokenizer_json: str, eos_id: int | None = None, pad_id: int | None = None):
+  def __init__(self, tokenizer_json: str, eos_id: int | Sequence[int] | None = None,
+               pad_id: int | None = None):
     self._json = tokenizer_json
     self._tok = tokenizers.Tokenizer.from_str(tokenizer_json)
-    self._eos_id = eos_id
-    self._pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
+    self._eos_ids = () if eos_id is None else tuple(
+        int(i) for i in (eos_id if isinstance(eos_id, (list, tuple)) else [eos_id]))
+    self._pad_id = pad_id if pad_id is not None else (self.eos_id if self._eos_ids else 0)
 
   @classmethod
   def load(cls, directory: str) -> 'HFTokenizer':
@@ -45,9 +48,11 @@ class HFTokenizer:
     text = (folder / FILE).read_text(encoding='utf-8')
     config = _json(folder / 'config.json')
     generation = _json(folder / 'generation_config.json')
-    eos_id = _first(config.get('eos_token_id'))
-    if eos_id is None:
-      eos_id = _first(generation.get('eos_token_id'))
+    eos_id = generation.get('eos_token_id')
+    if eos_id is None or eos_id == []:
+      eos_id = config.get('eos_token_id')
+    if eos_id == []:
+      eos_id = None
     tok = cls(text)
     if eos_id is None:
       eos = _json(folder / 'tokenizer_config.json').get('eos_token')
@@ -62,7 +67,11 @@ class HFTokenizer:
 
   @property
   def eos_id(self) -> int | None:
-    return self._eos_id
+    return self._eos_ids[0] if self._eos_ids else None
+
+  @property
+  def eos_ids(self) -> tuple[int, ...]:
+    return self._eos_ids
 
   @property
   def pad_id(self) -> int:
@@ -88,4 +97,5 @@ class HFTokenizer:
     storage.write_text(storage.join(directory, FILE), self._json)
 
   def __repr__(self) -> str:
-    return f'HFTokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, pad_id={self.pad_id})'
+    return (f'HFTokenizer(vocab_size={self.vocab_size}, eos_ids={self.eos_ids}, '
+            f'pad_id={self.pad_id})')

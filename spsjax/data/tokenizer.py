@@ -86,6 +86,11 @@ class Tokenizer:
     return self._sp.eos_id()
 
   @property
+  def eos_ids(self) -> tuple[int, ...]:
+    """The ids a sampler stops after (`HFTokenizer`'s interface): the one eos."""
+    return (self.eos_id,)
+
+  @property
   def pad_id(self) -> int:
     return self._sp.pad_id()
 

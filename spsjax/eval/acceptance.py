@@ -134,7 +134,7 @@ def sample_task(target: models.Model, tok: Tokenizer, task: tasks.Task,
     prompts_BxP, lengths_B = prompts_lib.for_call(prompts_NxP, lengths_N, rows)
     out = distributed.gather(sampling.autoregressive_sample(
         target, prompts_BxP, lengths_B, jax.random.fold_in(jax.random.key(seed), i),
-        max_new_tokens=task.max_new_tokens, sampling=sampling_config, eos_id=tok.eos_id,
+        max_new_tokens=task.max_new_tokens, sampling=sampling_config, eos_id=tok.eos_ids,
         mesh=mesh))
     n = len(real)
     calls.append((prompts_BxP[:n], lengths_B[:n], sampling.SampleOutput(

@@ -87,7 +87,7 @@ class Loop(common.LoopSettings):
 
 
 def prepare(model: Model, prompts, prompt_lengths, *, max_new_tokens: int,
-            sampling: SamplingConfig = SamplingConfig(), eos_id: int | None = None,
+            sampling: SamplingConfig = SamplingConfig(), eos_id: common.EosIds = None,
             mesh: Mesh | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES,
             compiler_options: Mapping[str, Any] | None = None):
   """Checks the inputs and places them: (loop, (model, prompts, prompt_lengths)); the program is
@@ -95,21 +95,23 @@ def prepare(model: Model, prompts, prompt_lengths, *, max_new_tokens: int,
   common.check_inputs(model, prompts, prompt_lengths, max_new_tokens=max_new_tokens,
                       eos_id=eos_id, mesh=mesh)
   args = common.place(model, prompts, prompt_lengths, mesh, rules)
-  return Loop(max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id, mesh=mesh,
+  return Loop(max_new_tokens=max_new_tokens, sampling=sampling, eos_id=common.eos_ids(eos_id),
+              mesh=mesh,
               rules=rules, compiler_options=common.compiler_options(compiler_options)), args
 
 
 def autoregressive_sample(model: Model, prompts, prompt_lengths, rng: jax.Array, *,
                           max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
-                          eos_id: int | None = None, mesh: Mesh | None = None,
+                          eos_id: common.EosIds = None, mesh: Mesh | None = None,
                           rules: sharding.Rules = sharding.DEFAULT_RULES,
                           compiler_options: Mapping[str, Any] | None = None
                           ) -> common.SampleOutput:
   """Samples up to `max_new_tokens` per row from `model`; one compiled program per shape bucket.
 
   `rng` is one JAX key, typed (`jax.random.key`) or legacy (`jax.random.PRNGKey`): the same seed
-  gives the same tokens. A row stops after emitting `eos_id` or `max_new_tokens` tokens.
-  Recompiles only when the padded prompt width P, the batch size, `max_new_tokens`, the sampling
+  gives the same tokens. A row stops after emitting `eos_id` (an id, or any of a sequence of
+  ids: an instruct model's end of turn and end of text) or `max_new_tokens` tokens. Recompiles
+  only when the padded prompt width P, the batch size, `max_new_tokens`, the sampling
   settings, eos, mesh or `compiler_options` (XLA's options for the program, `jax.jit`'s) change.
   """
   common.check_rng(rng)

@@ -6,7 +6,7 @@ output holds generated tokens only, `PAD_ID` after each row's end.
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.struct
@@ -41,7 +41,7 @@ class LoopSettings:
   and hashable, so equal settings reuse one compiled program."""
   max_new_tokens: int
   sampling: SamplingConfig
-  eos_id: int | None = None
+  eos_id: int | tuple[int, ...] | None = None  # One id or several (`eos_ids`).
   mesh: Mesh | None = None
   rules: sharding.Rules = sharding.DEFAULT_RULES
   # XLA options of the program (`jax.jit`'s compiler_options), as sorted (name, value) pairs.
@@ -103,8 +103,22 @@ def local_rows(x) -> dict[int, np.ndarray]:
   return rows
 
 
+EosIds = int | Sequence[int] | None
+
+
+def eos_ids(eos_id: EosIds) -> tuple[int, ...]:
+  """A sampler's `eos_id` as the tuple of ids a row stops after: none, one, or several (an
+  instruct model's end of turn beside its end of text); raises ValueError for anything else."""
+  if eos_id is None:
+    return ()
+  ids = (eos_id,) if np.ndim(eos_id) == 0 else tuple(eos_id)
+  if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids):
+    raise ValueError(f'eos_id must be an integer id, a sequence of them or None, got {eos_id!r}.')
+  return tuple(int(i) for i in ids)
+
+
 def check_inputs(model: Model, prompts, prompt_lengths, *, max_new_tokens: int,
-                 eos_id: int | None, mesh: Mesh | None, headroom: int = 0) -> None:
+                 eos_id: EosIds, mesh: Mesh | None, headroom: int = 0) -> None:
   """Raises ValueError naming the problem; `headroom` is extra cache a sampler needs past the end.
 
   Prompts may be jax.Arrays spread over processes (rows on the mesh's `data` axis): each process
@@ -149,7 +163,7 @@ def check_inputs(model: Model, prompts, prompt_lengths, *, max_new_tokens: int,
   if ids.min() < 0 or ids.max() >= config.vocab_size:
     raise ValueError(f'Prompt token ids must be in [0, vocab_size={config.vocab_size}); got ids '
                      f'from {ids.min()} to {ids.max()}.')
-  if eos_id is not None and not 0 <= eos_id < config.vocab_size:
+  if any(not 0 <= i < config.vocab_size for i in eos_ids(eos_id)):
     raise ValueError(f'eos_id must be in [0, vocab_size={config.vocab_size}), got {eos_id}.')
   sharding.check_batch(batch, mesh)
 
@@ -243,20 +257,21 @@ def output_buffer(batch: int, max_new_tokens: int, block: int) -> jax.Array:
   return jnp.full((batch, max_new_tokens + block), PAD_ID, jnp.int32)
 
 
-def commit(tokens_BxW, num_generated_B, done_B, block_BxT, count_B, *, eos_id: int | None,
+def commit(tokens_BxW, num_generated_B, done_B, block_BxT, count_B, *, eos_id: EosIds,
            max_new_tokens: int):
   """Appends the first `count_B[b]` tokens of each active row's block to its output.
 
-  A row takes no more than its remaining room, stops after an eos inside the block (the eos is
-  kept) and is marked done at eos or max_new_tokens. Returns (tokens, num_generated, done,
-  emitted_B). Stopped rows are left untouched.
+  A row takes no more than its remaining room, stops after an eos (any of `eos_ids(eos_id)`)
+  inside the block (the eos is kept) and is marked done at eos or max_new_tokens. Returns
+  (tokens, num_generated, done, emitted_B). Stopped rows are left untouched.
   """
   T = block_BxT.shape[1]
   position_T = jnp.arange(T)
   count_B = jnp.where(done_B, 0, jnp.minimum(count_B, max_new_tokens - num_generated_B))
   hit_eos_B = jnp.zeros_like(done_B)
-  if eos_id is not None:
-    eos_BxT = (block_BxT == eos_id) & (position_T[None, :] < count_B[:, None])
+  if eos_ids(eos_id):
+    is_eos_BxT = functools.reduce(jnp.logical_or, [block_BxT == i for i in eos_ids(eos_id)])
+    eos_BxT = is_eos_BxT & (position_T[None, :] < count_B[:, None])
     hit_eos_B = jnp.any(eos_BxT, axis=1)
     count_B = jnp.where(hit_eos_B, jnp.argmax(eos_BxT, axis=1) + 1, count_B)
   block_BxT = jnp.where(position_T[None, :] < count_B[:, None], block_BxT, PAD_ID)

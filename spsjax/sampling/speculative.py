@@ -292,7 +292,7 @@ def check_pair(target: Model, draft: Model | None, k: int,
 
 def prepare(target: Model, draft: Model | None, prompts, prompt_lengths, *, k: int,
             max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
-            draft_sampling: SamplingConfig | None = None, eos_id: int | None = None,
+            draft_sampling: SamplingConfig | None = None, eos_id: common.EosIds = None,
             mesh: Mesh | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES,
             drafter: Drafter = drafters.ModelDrafter(), lenience: float = 1.0,
             trim_score: bool = False, compiler_options: Mapping[str, Any] | None = None):
@@ -309,7 +309,8 @@ def prepare(target: Model, draft: Model | None, prompts, prompt_lengths, *, k: i
   if draft is not None:
     draft = common.place_params(draft, mesh, rules)
   loop = Loop(k=k, max_new_tokens=max_new_tokens, sampling=sampling,
-              draft_sampling=draft_sampling or sampling, eos_id=eos_id, mesh=mesh, rules=rules,
+              draft_sampling=draft_sampling or sampling, eos_id=common.eos_ids(eos_id), mesh=mesh,
+              rules=rules,
               drafter=drafter, lenience=float(lenience), trim_score=bool(trim_score),
               compiler_options=common.compiler_options(compiler_options))
   return loop, (target, draft, prompts, prompt_lengths)
@@ -318,14 +319,15 @@ def prepare(target: Model, draft: Model | None, prompts, prompt_lengths, *, k: i
 def speculative_sample(target: Model, draft: Model | None, prompts, prompt_lengths,
                        rng: jax.Array, *, k: int, max_new_tokens: int,
                        sampling: SamplingConfig = SamplingConfig(),
-                       draft_sampling: SamplingConfig | None = None, eos_id: int | None = None,
+                       draft_sampling: SamplingConfig | None = None, eos_id: common.EosIds = None,
                        mesh: Mesh | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES,
                        drafter: Drafter = drafters.ModelDrafter(), lenience: float = 1.0,
                        trim_score: bool = False,
                        compiler_options: Mapping[str, Any] | None = None) -> common.SampleOutput:
   """Samples from `target` with `drafter` proposing up to k tokens per loop (by default the
   `draft` model, k per loop); the output law is the target's. `rng` is one JAX key, typed
-  (`jax.random.key`) or legacy (`jax.random.PRNGKey`): the same seed gives the same tokens.
+  (`jax.random.key`) or legacy (`jax.random.PRNGKey`): the same seed gives the same tokens. A row
+  stops after an `eos_id` (an id, or any of a sequence of ids) or `max_new_tokens` tokens.
 
   `draft_sampling` (default: `sampling`) sets how a draft model samples; acceptance always uses
   the distribution the draft really sampled from, so the output law does not depend on it. A
