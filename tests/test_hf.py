@@ -1,8 +1,9 @@
-"""Hugging Face checkpoints: tiny random Llama, Mistral, Qwen2 and GPT-2 models that transformers
-saved (two with rope scaling: Llama 3's and linear) load into spsjax and compute transformers'
-logits (full and cached paths, packed for the CPU kernels and sharded), greedy ArS and SpS give
-transformers' greedy `generate`, unsupported configs are refused by name, and an exported model
-(with Llama 3's rope scaling) is what transformers computed from the same export.
+"""Hugging Face checkpoints: tiny random Llama, Mistral, Qwen2, Qwen3 and GPT-2 models that
+transformers saved (two with rope scaling: Llama 3's and linear) load into spsjax and compute
+transformers' logits (full and cached paths, packed for the CPU kernels and sharded), greedy ArS
+and SpS give transformers' greedy `generate`, unsupported configs are refused by name, and an
+exported model (with Llama 3's rope scaling) is what transformers computed from the same
+export.
 
 The expected values were recorded by tests/fixtures/make_hf_fixtures.py with transformers (see
 its docstring for why they are fixtures).
@@ -57,6 +58,9 @@ def test_configs_map_every_field(loaded):
   assert llama3.rope_scaling == models.RopeScaling('llama3', factor=8.0, low_freq_factor=1.0,
                                                    high_freq_factor=4.0, original_max_len=64)
   assert llama3.rope_base == 500_000.0 and linear.rope_scaling == models.RopeScaling('linear', 4.0)
+  qwen3 = loaded['qwen3'].config
+  assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.dims_per_head == 16 and not qwen.qk_norm
+  assert loaded['qwen3'].params['layer_1']['attn']['k_norm'].shape == (16,)
   assert (gqa.num_kv_heads, gqa.tie_embeddings, gqa.rope_base, gqa.norm_eps) == (
       2, False, 500_000.0, 1e-5)
   assert (mqa.num_kv_heads, mqa.dims_per_head, mqa.tie_embeddings) == (1, 16, True)
@@ -91,7 +95,8 @@ def test_logits_equal_transformers_full_cached_and_packed(loaded, name):
 
 @pytest.mark.parametrize('name,draft', [('llama_gqa', 'llama_tied_mqa'), ('qwen2', 'llama_gqa'),
                                         ('mistral', 'gpt2'), ('gpt2', None),
-                                        ('llama_rope_llama3', 'mistral_rope_linear')])
+                                        ('llama_rope_llama3', 'mistral_rope_linear'),
+                                        ('qwen3', 'qwen2')])
 def test_greedy_ars_and_sps_equal_transformers_generate(loaded, name, draft):
   model, want = loaded[name], _expected(name)
   assert want['margin'] >= fixtures.MIN_MARGIN  # No argmax is closer than float noise.
@@ -145,6 +150,7 @@ def _copy_with(tmp_path, name, **changes):
     ('llama_tied_mqa', dict(model_type='mistral', sliding_window=4096),
      'sliding_window=4096 is not supported'),
     ('qwen2', dict(use_sliding_window=True), 'use_sliding_window=True is not supported'),
+    ('qwen3', dict(use_sliding_window=True), 'use_sliding_window=True is not supported'),
     ('llama_tied_mqa', dict(hidden_act='gelu'), "hidden_act='gelu' is not supported"),
     ('llama_tied_mqa', dict(attention_bias=True), 'attention_bias=True is not supported'),
     ('llama_tied_mqa', dict(model_type='gpt_neox'), "model_type='gpt_neox' is not supported"),
@@ -234,6 +240,8 @@ def test_export_round_trips_and_is_what_transformers_computed(tmp_path):
   want = _expected('export')
   _check_logits(_logits(back.config, back.params, jnp.asarray(want['prompts'])), want,
                 'exported model against transformers')
+  with pytest.raises(hf.UnsupportedCheckpoint, match='qk_norm=True'):
+    hf.save_llama(hf.load(os.path.join(FIXTURES, 'qwen3')), str(tmp_path / 'qwen3'))
   with pytest.raises(hf.UnsupportedCheckpoint, match="mlp='gelu'"):
     hf.save_llama(models.Model(
         models.TransformerConfig(vocab_size=8, d_model=8, num_layers=1, num_heads=2, mlp='gelu'),

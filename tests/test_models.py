@@ -93,7 +93,10 @@ def test_rollback_is_moving_lengths(layout):
   np.testing.assert_allclose(out_Bx4xV[1], logits(seq1[None])[0, 10:14], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize('overrides', [{}, dict(tie_embeddings=False, mlp='gelu')])
+@pytest.mark.parametrize('overrides', [
+    {}, dict(tie_embeddings=False, mlp='gelu'),
+    dict(qk_norm=True, rope_scaling=models.RopeScaling('llama3', 8.0, original_max_len=16))],
+                         ids=['plain', 'gelu', 'qk_norm-llama3_rope'])
 @pytest.mark.parametrize('layout', LAYOUTS)
 def test_logits_at_selects_positions_per_row(overrides, layout):
   """prefill(last_only) and extend(logits_at) give the selected rows of the full logits, and the
@@ -133,6 +136,8 @@ def test_config_validation():
     _config(2, kernels='pallas')
   with pytest.raises(ValueError, match='native kernels'):
     _config(2, dtype='bfloat16', kernels='native')
+  with pytest.raises(ValueError, match='qk_norm'):
+    _config(2, qk_norm=True, norm='layer')
 
 
 def test_rope_scalings_rescale_the_frequencies():
@@ -253,7 +258,8 @@ def test_kernels_are_the_config_setting_that_packing_sets():
 
 @pytest.mark.parametrize('overrides', [{}, dict(num_kv_heads=1, qkv_bias=True, dense_bias=True),
                                        dict(mlp='gelu', norm='layer', position='learned',
-                                            dense_bias=True)], ids=['gqa', 'mqa-biases', 'gpt2'])
+                                            dense_bias=True), dict(qk_norm=True)],
+                         ids=['gqa', 'mqa-biases', 'gpt2', 'qk_norm'])
 def test_fusing_lays_out_the_same_parameters_for_fewer_products(overrides):
   """`fuse` sets kernels='xla_fused' and gives the same logits; `unfuse` gives back exactly the
   parameters; each kv head's query heads, key and value sit side by side in `wqkv`."""

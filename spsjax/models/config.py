@@ -53,8 +53,8 @@ class RopeScaling:
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
   """Decoder-only transformer: RoPE, pre-norm RMSNorm, MHA/GQA/MQA, gated-SiLU or GELU MLP;
-  optionally q/k/v biases (Qwen2), and GPT-2's LayerNorm, learned positions and biases on every
-  other projection."""
+  optionally q/k/v biases (Qwen2), query and key norms (Qwen3), and GPT-2's LayerNorm, learned
+  positions and biases on every other projection."""
 
   vocab_size: int
   d_model: int
@@ -71,6 +71,9 @@ class TransformerConfig:
   rope_scaling: RopeScaling | None = None  # A dict (a checkpoint's JSON) becomes a RopeScaling.
   norm_eps: float = 1e-6
   qkv_bias: bool = False  # Biases on the q, k and v projections (Qwen2).
+  # RMSNorms of each query and key head over its dims (a scale of head_dim each, shared by the
+  # heads), after the projection and before the rotation (Qwen3).
+  qk_norm: bool = False
   dense_bias: bool = False  # Biases on the attention output and both MLP products (GPT-2).
   norm: str = 'rms'  # 'rms' or 'layer' (LayerNorm with a bias, GPT-2).
   position: str = 'rope'  # 'rope' (rotary) or 'learned' (a table of max_seq_len rows, GPT-2).
@@ -125,6 +128,8 @@ class TransformerConfig:
       raise ValueError(f'kernels must be one of {KERNELS}, got {self.kernels!r}.')
     if self.single_row not in SINGLE_ROW:
       raise ValueError(f'single_row must be one of {SINGLE_ROW}, got {self.single_row!r}.')
+    if self.qk_norm and self.norm != 'rms':
+      raise ValueError('qk_norm is an RMSNorm of queries and keys: it needs norm=\'rms\'.')
     if self.kernels == 'native' and (self.dtype != 'float32' or self.gpt2_style):
       raise ValueError(f'The native kernels compute float32 models without GPT-2 options; this '
                        f'one has dtype {self.dtype}, GPT-2 options {self.gpt2_style}.')

@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints in and out: Llama-family, Qwen2 and GPT-2 directories as `Model`s, and
-Llama directories back.
+"""Hugging Face checkpoints in and out: Llama-family, Qwen2, Qwen3 and GPT-2 directories as
+`Model`s, and Llama directories back.
 
 A checkpoint directory holds `config.json` and safetensors weights: `model.safetensors`, or shards
 listed by `model.safetensors.index.json`. `load` maps the config to a `TransformerConfig`, refusing
@@ -12,11 +12,11 @@ model as a `LlamaForCausalLM` directory.
 Layouts. HF linear weights are [out, in]; ours are [in, out] with heads split:
 q_proj [N H, D] -> wq [D, N, H]; k_proj, v_proj [K H, D] -> [D, K, H]; o_proj [D, N H] ->
 wo [N, H, D]; gate_proj, up_proj [F, D] -> w_gate, w_in [D, F]; down_proj [D, F] -> w_out [F, D];
-lm_head [V, D] -> head [D, V]. Both use the half-split rotary convention (rotate_half), so q and
-k need no permutation. GPT-2's Conv1D weights are already [in, out]: c_attn [D, 3 D] splits into
-wq, wk, wv; c_proj, c_fc and the MLP's c_proj map to wo, w_in and w_out; biases, LayerNorm biases
-and the position table (wpe) map to the model's GPT-2 options (`TransformerConfig.norm`,
-`position`, `dense_bias`).
+lm_head [V, D] -> head [D, V]; Qwen3's q_norm, k_norm [H] -> q_norm, k_norm. Both use the
+half-split rotary convention (rotate_half), so q and k need no permutation. GPT-2's Conv1D
+weights are already [in, out]: c_attn [D, 3 D] splits into wq, wk, wv; c_proj, c_fc and the
+MLP's c_proj map to wo, w_in and w_out; biases, LayerNorm biases and the position table (wpe) map
+to the model's GPT-2 options (`TransformerConfig.norm`, `position`, `dense_bias`).
 
 Invariant: `load(save_llama(model))` has exactly `model`'s parameters, and a loaded model's
 logits are transformers' (tests/test_hf.py against fixtures transformers wrote).
@@ -40,7 +40,7 @@ from spsjax.models.packing import unfuse, unpack
 CONFIG = 'config.json'
 WEIGHTS = 'model.safetensors'
 INDEX = 'model.safetensors.index.json'
-LLAMA_TYPES = ('llama', 'mistral', 'qwen2')
+LLAMA_TYPES = ('llama', 'mistral', 'qwen2', 'qwen3')
 MODEL_TYPES = LLAMA_TYPES + ('gpt2',)
 
 
@@ -117,7 +117,7 @@ def _rope_scaling_json(scaling: RopeScaling | None) -> dict:
 
 
 def config_from_hf(hf: dict, dtype: str = 'float32') -> TransformerConfig:
-  """Our config for a Llama, Mistral, Qwen2 or GPT-2 `config.json` (a dict)."""
+  """Our config for a Llama, Mistral, Qwen2, Qwen3 or GPT-2 `config.json` (a dict)."""
   model_type = hf.get('model_type')
   if model_type not in MODEL_TYPES:
     raise UnsupportedCheckpoint(f'{CONFIG}: model_type={model_type!r} is not supported; '
@@ -127,7 +127,7 @@ def config_from_hf(hf: dict, dtype: str = 'float32') -> TransformerConfig:
   _refuse(hf, 'hidden_act', ('silu',), 'the gated MLP is SiLU-gated')
   _refuse(hf, 'mlp_bias', (None, False), 'the MLP has no biases')
   _refuse(hf, 'attention_bias', (None, False), 'q/k/v biases only come with Qwen2, o_proj has none')
-  if model_type == 'qwen2':
+  if model_type in ('qwen2', 'qwen3'):
     _refuse(hf, 'use_sliding_window', (None, False), 'attention is global')
   else:
     _refuse(hf, 'sliding_window', (None,), 'attention is global')
@@ -147,7 +147,7 @@ def config_from_hf(hf: dict, dtype: str = 'float32') -> TransformerConfig:
       head_dim=head_dim, mlp='gated_silu',
       tie_embeddings=bool(hf.get('tie_word_embeddings', model_type != 'llama')),
       rope_base=rope_base, rope_scaling=rope_scaling, norm_eps=float(hf['rms_norm_eps']),
-      qkv_bias=model_type == 'qwen2')
+      qkv_bias=model_type == 'qwen2', qk_norm=model_type == 'qwen3')
 
 
 def _gpt2_config(hf: dict, dtype: str) -> TransformerConfig:
@@ -217,6 +217,9 @@ def _llama_layout(config: TransformerConfig) -> dict[str, tuple[Entry, ...]]:
         hf + 'input_layernorm.weight': ((ours, 'attn_norm', 'scale'), lambda w: w),
         hf + 'post_attention_layernorm.weight': ((ours, 'mlp_norm', 'scale'), lambda w: w),
     })
+    if config.qk_norm:
+      out.update({hf + 'self_attn.q_norm.weight': ((ours, 'attn', 'q_norm'), lambda w: w),
+                  hf + 'self_attn.k_norm.weight': ((ours, 'attn', 'k_norm'), lambda w: w)})
     if config.qkv_bias:
       out.update({
           hf + 'self_attn.q_proj.bias': ((ours, 'attn', 'bq'), lambda b: b.reshape(N, H)),
@@ -329,9 +332,10 @@ def load(path: str, *, mesh: Mesh | None = None, rules: sharding.Rules = shardin
 def hf_config(config: TransformerConfig, **extra) -> dict:
   """The `LlamaForCausalLM` config.json of a model (gated SiLU MLP, RMSNorm, rotary, no
   biases); `extra` adds fields such as token ids."""
-  if config.mlp != 'gated_silu' or config.qkv_bias or config.gpt2_style:
-    raise UnsupportedCheckpoint(f'Only a gated-SiLU model without biases exports as Llama; this '
-                                f'one has mlp={config.mlp!r}, qkv_bias={config.qkv_bias}, '
+  if config.mlp != 'gated_silu' or config.qkv_bias or config.qk_norm or config.gpt2_style:
+    raise UnsupportedCheckpoint(f'Only a gated-SiLU model without biases or query and key norms '
+                                f'exports as Llama; this one has mlp={config.mlp!r}, '
+                                f'qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}, '
                                 f'GPT-2 options {config.gpt2_style}.')
   return dict(
       architectures=['LlamaForCausalLM'], model_type='llama', vocab_size=config.vocab_size,

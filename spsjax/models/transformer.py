@@ -148,9 +148,11 @@ class Attention(nn.Module):
   """Multi-head attention with K kv heads shared by groups of G query heads (MHA, GQA, MQA).
 
   Takes the residual stream and its pre-norm, returns the stream with the attention added.
-  `keep_BxL` (indices into T): return the stream at those positions only, [B, L, D]; the keys and
-  values of all T positions are still computed and returned (the model's last layer when only
-  some positions' logits are wanted: the other positions' output projection and MLP are skipped).
+  With `qk_norm`, queries and keys are RMS-normed per head (scales `q_norm`, `k_norm`) before the
+  rotation, by XLA's ops on every path. `keep_BxL` (indices into T): return the stream at those
+  positions only, [B, L, D]; the keys and values of all T positions are still computed and
+  returned (the model's last layer when only some positions' logits are wanted: the other
+  positions' output projection and MLP are skipped).
   `counts_B` (a prefill of right-padded prompts, or 0 for a decoder's idle rows): positions
   t >= counts[b] are padding, whose outputs nothing reads; the packed kernels skip them (XLA's ops
   compute them). After `keep_BxL`, the kept positions that are real count (`_kept_counts`).
@@ -187,9 +189,18 @@ class Attention(nn.Module):
       wk = _param(self, 'wk', (D, K, H), ('embed', 'kv_heads', 'head_dim'), D, dt)
       wv = _param(self, 'wv', (D, K, H), ('embed', 'kv_heads', 'head_dim'), D, dt)
       wo = _param(self, 'wo', (N, H, D), ('heads', 'head_dim', 'embed'), N * H, dt)
+    if c.qk_norm:
+      q_scale_H, k_scale_H = (
+          self.param(name, nn.with_logical_partitioning(nn.initializers.ones, ('head_dim',)),
+                     (H,), dt) for name in ('q_norm', 'k_norm'))
+      norm_qk = lambda q, k: (native.rms_norm(q, q_scale_H, c.norm_eps).astype(dt),
+                              native.rms_norm(k, k_scale_H, c.norm_eps).astype(dt))
     if packed and layer_cache is not None:
       # Rotation, cache writes and attention in one native call that reads only the slots in
       # use (a cached call's positions are starts + t, `api.extend`).
+      if c.qk_norm:  # Normed by XLA's ops between the product and the attention kernel.
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = jnp.split(qkv_BxTxMxH, [N, N + K], axis=2)
+        qkv_BxTxMxH = jnp.concatenate([*norm_qk(q_BxTxNxH, k_BxTxKxH), v_BxTxKxH], axis=2)
       cache_k, cache_v, starts_B = layer_cache
       out_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH = native.cached_attention(
           qkv_BxTxMxH, cache_k, cache_v, starts_B, rope_freqs=rope.frequencies(c),
@@ -212,6 +223,8 @@ class Attention(nn.Module):
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = (
             q_BxTxNxH + bias_MxH[None, None, :N], k_BxTxKxH + bias_MxH[None, None, N:N + K],
             v_BxTxKxH + bias_MxH[None, None, N + K:])
+      if c.qk_norm:
+        q_BxTxNxH, k_BxTxKxH = norm_qk(q_BxTxNxH, k_BxTxKxH)
       if c.position == 'rope':
         freqs_H2 = rope.frequencies(c)
         q_BxTxNxH = native.rope(q_BxTxNxH, positions_BxT, freqs_H2)
