@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints: tiny random Llama, Mistral, Qwen2, Qwen3 and GPT-2 models that
+"""Hugging Face checkpoints: tiny random Llama, Mistral, Qwen2, Qwen3, Phi-3 and GPT-2 models that
 transformers saved (two with rope scaling: Llama 3's and linear) load into spsjax and compute
 transformers' logits (full and cached paths, packed for the CPU kernels and sharded), greedy ArS
 and SpS give transformers' greedy `generate`, unsupported configs are refused by name, and an
@@ -61,6 +61,8 @@ def test_configs_map_every_field(loaded):
   qwen3 = loaded['qwen3'].config
   assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.dims_per_head == 16 and not qwen.qk_norm
   assert loaded['qwen3'].params['layer_1']['attn']['k_norm'].shape == (16,)
+  phi3 = loaded['phi3'].config
+  assert phi3.max_seq_len == 32 and not phi3.tie_embeddings  # Capped at its sliding window.
   assert (gqa.num_kv_heads, gqa.tie_embeddings, gqa.rope_base, gqa.norm_eps) == (
       2, False, 500_000.0, 1e-5)
   assert (mqa.num_kv_heads, mqa.dims_per_head, mqa.tie_embeddings) == (1, 16, True)
@@ -96,7 +98,7 @@ def test_logits_equal_transformers_full_cached_and_packed(loaded, name):
 @pytest.mark.parametrize('name,draft', [('llama_gqa', 'llama_tied_mqa'), ('qwen2', 'llama_gqa'),
                                         ('mistral', 'gpt2'), ('gpt2', None),
                                         ('llama_rope_llama3', 'mistral_rope_linear'),
-                                        ('qwen3', 'qwen2')])
+                                        ('qwen3', 'qwen2'), ('phi3', 'mistral')])
 def test_greedy_ars_and_sps_equal_transformers_generate(loaded, name, draft):
   model, want = loaded[name], _expected(name)
   assert want['margin'] >= fixtures.MIN_MARGIN  # No argmax is closer than float noise.
@@ -147,10 +149,11 @@ def _copy_with(tmp_path, name, **changes):
     ('llama_tied_mqa', dict(partial_rotary_factor=0.5), 'partial_rotary_factor=0.5'),
     ('llama_tied_mqa', dict(rope_parameters={'full_attention': {'rope_type': 'default'}}),
      'rope_parameters per layer type'),
-    ('llama_tied_mqa', dict(model_type='mistral', sliding_window=4096),
-     'sliding_window=4096 is not supported'),
-    ('qwen2', dict(use_sliding_window=True), 'use_sliding_window=True is not supported'),
-    ('qwen3', dict(use_sliding_window=True), 'use_sliding_window=True is not supported'),
+    ('llama_tied_mqa', dict(layer_types=['full_attention', 'chunked_attention']),
+     "layer_types=['chunked_attention', 'full_attention'] is not supported"),
+    ('qwen3', dict(layer_types=['full_attention', 'sliding_attention']),
+     "layer_types=['full_attention', 'sliding_attention'] is not supported"),
+    ('phi3', dict(num_key_value_heads=4), 'self_attn.qkv_proj.weight has shape (96, 48)'),
     ('llama_tied_mqa', dict(hidden_act='gelu'), "hidden_act='gelu' is not supported"),
     ('llama_tied_mqa', dict(attention_bias=True), 'attention_bias=True is not supported'),
     ('llama_tied_mqa', dict(model_type='gpt_neox'), "model_type='gpt_neox' is not supported"),
@@ -215,6 +218,42 @@ def test_llama_3_2_1b_is_the_llama1b_preset_with_its_rope_scaling():
                                 original_max_len=8192)
   assert config == dataclasses.replace(preset, max_seq_len=131072, norm_eps=1e-5,
                                        rope_scaling=scaling)
+
+
+# Qwen3-0.6B's config.json as the Hub has it.
+QWEN3_0_6B = {
+    'architectures': ['Qwen3ForCausalLM'], 'attention_bias': False, 'attention_dropout': 0.0,
+    'bos_token_id': 151643, 'eos_token_id': 151645, 'head_dim': 128, 'hidden_act': 'silu',
+    'hidden_size': 1024, 'initializer_range': 0.02, 'intermediate_size': 3072,
+    'max_position_embeddings': 40960, 'max_window_layers': 28, 'model_type': 'qwen3',
+    'num_attention_heads': 16, 'num_hidden_layers': 28, 'num_key_value_heads': 8,
+    'rms_norm_eps': 1e-06, 'rope_scaling': None, 'rope_theta': 1000000, 'sliding_window': None,
+    'tie_word_embeddings': True, 'torch_dtype': 'bfloat16', 'use_cache': True,
+    'use_sliding_window': False, 'vocab_size': 151936}
+
+
+def test_qwen3_0_6b_maps_every_field():
+  assert hf.config_from_hf(QWEN3_0_6B, dtype='bfloat16') == models.TransformerConfig(
+      vocab_size=151936, d_model=1024, num_layers=28, num_heads=16, num_kv_heads=8, d_ff=3072,
+      max_seq_len=40960, dtype='bfloat16', head_dim=128, tie_embeddings=True,
+      rope_base=1_000_000.0, norm_eps=1e-6, qk_norm=True)
+
+
+def test_a_sliding_window_caps_the_length(tmp_path):
+  """A window longer than every sequence changes nothing (Mistral 7B v0.1 has 4096), so the model
+  loads with max_seq_len at the window and computes transformers' logits; Qwen's window counts
+  only with use_sliding_window; a sampler refuses a sequence past it."""
+  mistral = hf.load(_copy_with(tmp_path, 'mistral', sliding_window=16))
+  assert mistral.config.max_seq_len == 16
+  want = _expected('mistral')
+  _check_logits(_logits(mistral.config, mistral.params, jnp.asarray(want['prompts'])), want,
+                'mistral with a sliding window of 16')
+  qwen = dict(hf.read_config(os.path.join(FIXTURES, 'qwen2')), sliding_window=8)
+  assert hf.config_from_hf(qwen).max_seq_len == 64
+  assert hf.config_from_hf(dict(qwen, use_sliding_window=True)).max_seq_len == 8
+  with pytest.raises(ValueError, match=r'exceeds the model max_seq_len \(16\)'):
+    autoregressive_sample(mistral, want['prompts'], want['lengths'], jax.random.key(0),
+                          max_new_tokens=6, sampling=GREEDY)
 
 
 def test_a_directory_without_a_checkpoint_is_a_clear_error(tmp_path):

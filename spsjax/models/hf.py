@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints in and out: Llama-family, Qwen2, Qwen3 and GPT-2 directories as
-`Model`s, and Llama directories back.
+"""Hugging Face checkpoints in and out: Llama-family, Qwen2, Qwen3, Phi-3 and GPT-2 directories
+as `Model`s, and Llama directories back.
 
 A checkpoint directory holds `config.json` and safetensors weights: `model.safetensors`, or shards
 listed by `model.safetensors.index.json`. `load` maps the config to a `TransformerConfig`, refusing
@@ -40,7 +40,7 @@ from spsjax.models.packing import unfuse, unpack
 CONFIG = 'config.json'
 WEIGHTS = 'model.safetensors'
 INDEX = 'model.safetensors.index.json'
-LLAMA_TYPES = ('llama', 'mistral', 'qwen2', 'qwen3')
+LLAMA_TYPES = ('llama', 'mistral', 'qwen2', 'qwen3', 'phi3')
 MODEL_TYPES = LLAMA_TYPES + ('gpt2',)
 
 
@@ -117,7 +117,11 @@ def _rope_scaling_json(scaling: RopeScaling | None) -> dict:
 
 
 def config_from_hf(hf: dict, dtype: str = 'float32') -> TransformerConfig:
-  """Our config for a Llama, Mistral, Qwen2, Qwen3 or GPT-2 `config.json` (a dict)."""
+  """Our config for a Llama, Mistral, Qwen2, Qwen3, Phi-3 or GPT-2 `config.json` (a dict).
+
+  A sliding attention window (Mistral 7B v0.1, Phi-3, Qwen's `use_sliding_window`) caps
+  `max_seq_len` at the window: every earlier position then lies inside a query's window, so the
+  global attention we compute is the model's up to there, and longer sequences are refused."""
   model_type = hf.get('model_type')
   if model_type not in MODEL_TYPES:
     raise UnsupportedCheckpoint(f'{CONFIG}: model_type={model_type!r} is not supported; '
@@ -127,13 +131,17 @@ def config_from_hf(hf: dict, dtype: str = 'float32') -> TransformerConfig:
   _refuse(hf, 'hidden_act', ('silu',), 'the gated MLP is SiLU-gated')
   _refuse(hf, 'mlp_bias', (None, False), 'the MLP has no biases')
   _refuse(hf, 'attention_bias', (None, False), 'q/k/v biases only come with Qwen2, o_proj has none')
-  if model_type in ('qwen2', 'qwen3'):
-    _refuse(hf, 'use_sliding_window', (None, False), 'attention is global')
-  else:
-    _refuse(hf, 'sliding_window', (None,), 'attention is global')
-  if hf.get('layer_types') and set(hf['layer_types']) != {'full_attention'}:
-    raise UnsupportedCheckpoint(f'{CONFIG}: layer_types={sorted(set(hf["layer_types"]))} is '
-                                f'not supported (every layer attends globally).')
+  window = hf.get('sliding_window')
+  if model_type in ('qwen2', 'qwen3') and not hf.get('use_sliding_window'):
+    window = None  # Qwen's window applies only with use_sliding_window.
+  kinds = set(hf.get('layer_types') or ())
+  if kinds - {'full_attention', 'sliding_attention'} or ('sliding_attention' in kinds
+                                                         and window is None):
+    raise UnsupportedCheckpoint(f'{CONFIG}: layer_types={sorted(kinds)} is not supported (full '
+                                f'attention, or sliding attention with a sliding_window).')
+  max_seq_len = hf['max_position_embeddings']
+  if window is not None:
+    max_seq_len = min(max_seq_len, int(window))
   rope_base, rope_scaling = _rope(hf)
   num_heads = hf['num_attention_heads']
   num_kv_heads = hf.get('num_key_value_heads') or num_heads
@@ -143,9 +151,8 @@ def config_from_hf(hf: dict, dtype: str = 'float32') -> TransformerConfig:
   return TransformerConfig(
       vocab_size=hf['vocab_size'], d_model=hf['hidden_size'], num_layers=hf['num_hidden_layers'],
       num_heads=num_heads, num_kv_heads=None if num_kv_heads == num_heads else num_kv_heads,
-      d_ff=hf['intermediate_size'], max_seq_len=hf['max_position_embeddings'], dtype=dtype,
-      head_dim=head_dim, mlp='gated_silu',
-      tie_embeddings=bool(hf.get('tie_word_embeddings', model_type != 'llama')),
+      d_ff=hf['intermediate_size'], max_seq_len=max_seq_len, dtype=dtype, head_dim=head_dim,
+      mlp='gated_silu', tie_embeddings=bool(hf.get('tie_word_embeddings', False)),
       rope_base=rope_base, rope_scaling=rope_scaling, norm_eps=float(hf['rms_norm_eps']),
       qkv_bias=model_type == 'qwen2', qk_norm=model_type == 'qwen3')
 
@@ -192,9 +199,13 @@ def _tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
 Entry = tuple[tuple[str, ...], object]  # Our parameter path, HF array -> our array.
 
 
-def _layout(config: TransformerConfig) -> dict[str, tuple[Entry, ...]]:
-  """HF tensor name -> the parameters it fills (one, or q, k and v from GPT-2's c_attn)."""
-  return _gpt2_layout(config) if config.gpt2_style else _llama_layout(config)
+def _layout(config: TransformerConfig, model_type: str = 'llama'
+            ) -> dict[str, tuple[Entry, ...]]:
+  """HF tensor name -> the parameters it fills (one, or several from a fused tensor: GPT-2's
+  c_attn, Phi-3's qkv_proj and gate_up_proj)."""
+  if config.gpt2_style:
+    return _gpt2_layout(config)
+  return _phi3_layout(config) if model_type == 'phi3' else _llama_layout(config)
 
 
 def _llama_layout(config: TransformerConfig) -> dict[str, tuple[Entry, ...]]:
@@ -227,6 +238,37 @@ def _llama_layout(config: TransformerConfig) -> dict[str, tuple[Entry, ...]]:
           hf + 'self_attn.v_proj.bias': ((ours, 'attn', 'bv'), lambda b: b.reshape(K, H)),
       })
   return {name: (entry,) for name, entry in out.items()}
+
+
+def _rows(start: int, stop: int, total: int, shape: tuple[int, ...]):
+  """A fused [total, D] tensor's rows [start, stop), transposed to [D, ...] `shape`; a tensor of
+  another row count raises ValueError (`load` names it)."""
+  def convert(w):
+    if w.shape[0] != total:
+      raise ValueError(f'{w.shape[0]} rows, not {total}')
+    return w[start:stop].T.reshape(shape)
+  return convert
+
+
+def _phi3_layout(config: TransformerConfig) -> dict[str, tuple[Entry, ...]]:
+  """Llama's, but q, k and v stored as one qkv_proj [(N + 2K) H, D] and the MLP's gate and input
+  as one gate_up_proj [2F, D], gate first."""
+  D, N, K, H, F = (config.d_model, config.num_heads, config.kv_heads, config.dims_per_head,
+                   config.ff_dim)
+  out = _llama_layout(config)
+  for i in range(config.num_layers):
+    hf, ours = f'model.layers.{i}.', f'layer_{i}'
+    for part in ('self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj', 'mlp.gate_proj',
+                 'mlp.up_proj'):
+      del out[f'{hf}{part}.weight']
+    M = (N + 2 * K) * H
+    out[hf + 'self_attn.qkv_proj.weight'] = (
+        ((ours, 'attn', 'wq'), _rows(0, N * H, M, (D, N, H))),
+        ((ours, 'attn', 'wk'), _rows(N * H, (N + K) * H, M, (D, K, H))),
+        ((ours, 'attn', 'wv'), _rows((N + K) * H, M, M, (D, K, H))))
+    out[hf + 'mlp.gate_up_proj.weight'] = (((ours, 'mlp', 'w_gate'), _rows(0, F, 2 * F, (D, F))),
+                                           ((ours, 'mlp', 'w_in'), _rows(F, 2 * F, 2 * F, (D, F))))
+  return out
 
 
 def _gpt2_layout(config: TransformerConfig) -> dict[str, tuple[Entry, ...]]:
@@ -293,7 +335,7 @@ def load(path: str, *, mesh: Mesh | None = None, rules: sharding.Rules = shardin
   """
   hf = read_config(path)
   config = config_from_hf(hf, dtype)
-  layout = _layout(config)
+  layout = _layout(config, hf['model_type'])
   abstract = param_shapes(config)
   shardings = param_shardings(config, mesh, rules) if mesh is not None else None
   params, seen = {}, set()
