@@ -4,10 +4,11 @@ as `Model`s, and Llama directories back.
 A checkpoint directory holds `config.json` and safetensors weights: `model.safetensors`, or shards
 listed by `model.safetensors.index.json`. `load` maps the config to a `TransformerConfig`, refusing
 by name every field whose value would make a different model than ours computes (rope scalings
-other than linear and Llama 3's, sliding windows, biases we do not have, other activations),
-reads each tensor with numpy, puts it into our layout and onto the mesh by the rules table one
-tensor at a time (each process builds only its own devices' shards). `save_llama` writes a
-model as a `LlamaForCausalLM` directory.
+other than linear and Llama 3's, attention other than full or sliding, biases we do not have,
+other activations; a sliding window caps max_seq_len, `config_from_hf`), reads each tensor with
+numpy, puts it into our layout and onto the mesh by the rules table one tensor at a time (each
+process builds only its own devices' shards). `save_llama` writes a model as a
+`LlamaForCausalLM` directory.
 
 Layouts. HF linear weights are [out, in]; ours are [in, out] with heads split:
 q_proj [N H, D] -> wq [D, N, H]; k_proj, v_proj [K H, D] -> [D, K, H]; o_proj [D, N H] ->
