@@ -1,8 +1,8 @@
-"""Hugging Face checkpoints: tiny random Llama, Mistral, Qwen2, Qwen3, Phi-3 and GPT-2 models that
-transformers saved (two with rope scaling: Llama 3's and linear) load into spsjax and compute
-transformers' logits (full and cached paths, packed for the CPU kernels and sharded), greedy ArS
-and SpS give transformers' greedy `generate`, unsupported configs are refused by name, and an
-exported model (with Llama 3's rope scaling) is what transformers computed from the same
+"""Hugging Face checkpoints: tiny random Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma and GPT-2
+models that transformers saved (two with rope scaling: Llama 3's and linear) load into spsjax and
+compute transformers' logits (full and cached paths, packed for the CPU kernels and sharded),
+greedy ArS and SpS give transformers' greedy `generate`, unsupported configs are refused by name,
+and an exported model (with Llama 3's rope scaling) is what transformers computed from the same
 export.
 
 The expected values were recorded by tests/fixtures/make_hf_fixtures.py with transformers (see
@@ -63,6 +63,12 @@ def test_configs_map_every_field(loaded):
   assert loaded['qwen3'].params['layer_1']['attn']['k_norm'].shape == (16,)
   phi3 = loaded['phi3'].config
   assert phi3.max_seq_len == 32 and not phi3.tie_embeddings  # Capped at its sliding window.
+  gemma = loaded['gemma'].config
+  assert (gemma.mlp, gemma.embed_scale, gemma.tie_embeddings, gemma.kv_heads) == (
+      'gated_gelu', True, True, 1)
+  stored = hf._tensors(os.path.join(FIXTURES, 'gemma'))  # pylint: disable=protected-access
+  norm = dict(stored)['model.layers.0.input_layernorm.weight']
+  np.testing.assert_array_equal(loaded['gemma'].params['layer_0']['attn_norm']['scale'], 1 + norm)
   assert (gqa.num_kv_heads, gqa.tie_embeddings, gqa.rope_base, gqa.norm_eps) == (
       2, False, 500_000.0, 1e-5)
   assert (mqa.num_kv_heads, mqa.dims_per_head, mqa.tie_embeddings) == (1, 16, True)
@@ -98,7 +104,8 @@ def test_logits_equal_transformers_full_cached_and_packed(loaded, name):
 @pytest.mark.parametrize('name,draft', [('llama_gqa', 'llama_tied_mqa'), ('qwen2', 'llama_gqa'),
                                         ('mistral', 'gpt2'), ('gpt2', None),
                                         ('llama_rope_llama3', 'mistral_rope_linear'),
-                                        ('qwen3', 'qwen2'), ('phi3', 'mistral')])
+                                        ('qwen3', 'qwen2'), ('phi3', 'mistral'),
+                                        ('gemma', 'qwen3')])
 def test_greedy_ars_and_sps_equal_transformers_generate(loaded, name, draft):
   model, want = loaded[name], _expected(name)
   assert want['margin'] >= fixtures.MIN_MARGIN  # No argmax is closer than float noise.
@@ -154,6 +161,7 @@ def _copy_with(tmp_path, name, **changes):
     ('qwen3', dict(layer_types=['full_attention', 'sliding_attention']),
      "layer_types=['full_attention', 'sliding_attention'] is not supported"),
     ('phi3', dict(num_key_value_heads=4), 'self_attn.qkv_proj.weight has shape (96, 48)'),
+    ('gemma', dict(hidden_act='relu'), "hidden_act='relu' is not supported"),
     ('llama_tied_mqa', dict(hidden_act='gelu'), "hidden_act='gelu' is not supported"),
     ('llama_tied_mqa', dict(attention_bias=True), 'attention_bias=True is not supported'),
     ('llama_tied_mqa', dict(model_type='gpt_neox'), "model_type='gpt_neox' is not supported"),
@@ -281,6 +289,8 @@ def test_export_round_trips_and_is_what_transformers_computed(tmp_path):
                 'exported model against transformers')
   with pytest.raises(hf.UnsupportedCheckpoint, match='qk_norm=True'):
     hf.save_llama(hf.load(os.path.join(FIXTURES, 'qwen3')), str(tmp_path / 'qwen3'))
+  with pytest.raises(hf.UnsupportedCheckpoint, match='embed_scale=True'):
+    hf.save_llama(hf.load(os.path.join(FIXTURES, 'gemma')), str(tmp_path / 'gemma'))
   with pytest.raises(hf.UnsupportedCheckpoint, match="mlp='gelu'"):
     hf.save_llama(models.Model(
         models.TransformerConfig(vocab_size=8, d_model=8, num_layers=1, num_heads=2, mlp='gelu'),

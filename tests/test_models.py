@@ -95,8 +95,9 @@ def test_rollback_is_moving_lengths(layout):
 
 @pytest.mark.parametrize('overrides', [
     {}, dict(tie_embeddings=False, mlp='gelu'),
-    dict(qk_norm=True, rope_scaling=models.RopeScaling('llama3', 8.0, original_max_len=16))],
-                         ids=['plain', 'gelu', 'qk_norm-llama3_rope'])
+    dict(qk_norm=True, rope_scaling=models.RopeScaling('llama3', 8.0, original_max_len=16)),
+    dict(mlp='gated_gelu', embed_scale=True)],
+                         ids=['plain', 'gelu', 'qk_norm-llama3_rope', 'gemma'])
 @pytest.mark.parametrize('layout', LAYOUTS)
 def test_logits_at_selects_positions_per_row(overrides, layout):
   """prefill(last_only) and extend(logits_at) give the selected rows of the full logits, and the
@@ -258,8 +259,9 @@ def test_kernels_are_the_config_setting_that_packing_sets():
 
 @pytest.mark.parametrize('overrides', [{}, dict(num_kv_heads=1, qkv_bias=True, dense_bias=True),
                                        dict(mlp='gelu', norm='layer', position='learned',
-                                            dense_bias=True), dict(qk_norm=True)],
-                         ids=['gqa', 'mqa-biases', 'gpt2', 'qk_norm'])
+                                            dense_bias=True), dict(qk_norm=True),
+                                       dict(mlp='gated_gelu', embed_scale=True)],
+                         ids=['gqa', 'mqa-biases', 'gpt2', 'qk_norm', 'gemma'])
 def test_fusing_lays_out_the_same_parameters_for_fewer_products(overrides):
   """`fuse` sets kernels='xla_fused' and gives the same logits; `unfuse` gives back exactly the
   parameters; each kv head's query heads, key and value sit side by side in `wqkv`."""
@@ -276,7 +278,7 @@ def test_fusing_lays_out_the_same_parameters_for_fewer_products(overrides):
   plain = model.params['layer_1']['attn']
   np.testing.assert_array_equal(attn['wqkv'][:, K - 1, :G], plain['wq'][:, (K - 1) * G:K * G])
   np.testing.assert_array_equal(attn['wqkv'][:, K - 1, G + 1], plain['wv'][:, K - 1])
-  gated = config.mlp == 'gated_silu'
+  gated = config.mlp in ('gated_silu', 'gated_gelu')
   assert ('w_gate_in' in mlp) == gated and ('w_gate' in mlp) is False
   tokens_BxT = jax.random.randint(jax.random.key(1), (2, 7), 0, VOCAB)
   np.testing.assert_allclose(_logits(fused.config, fused.params, tokens_BxT),

@@ -10,7 +10,9 @@ import dataclasses
 import jax.numpy as jnp
 
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
-_MLP_KINDS = ('gated_silu', 'gelu')
+_MLP_KINDS = ('gated_silu', 'gated_gelu', 'gelu')
+# The MLPs with a gate and an input product (the gate through SiLU, or GELU's tanh form: Gemma).
+GATED_MLPS = ('gated_silu', 'gated_gelu')
 _NORMS = ('rms', 'layer')
 _POSITIONS = ('rope', 'learned')
 _ROPE_SCALINGS = ('linear', 'llama3')
@@ -52,9 +54,10 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-  """Decoder-only transformer: RoPE, pre-norm RMSNorm, MHA/GQA/MQA, gated-SiLU or GELU MLP;
-  optionally q/k/v biases (Qwen2), query and key norms (Qwen3), and GPT-2's LayerNorm, learned
-  positions and biases on every other projection."""
+  """Decoder-only transformer: RoPE, pre-norm RMSNorm, MHA/GQA/MQA, gated-SiLU, gated-GELU or
+  GELU MLP; optionally q/k/v biases (Qwen2), query and key norms (Qwen3), embeddings scaled by
+  sqrt(d_model) (Gemma), and GPT-2's LayerNorm, learned positions and biases on every other
+  projection."""
 
   vocab_size: int
   d_model: int
@@ -74,6 +77,7 @@ class TransformerConfig:
   # RMSNorms of each query and key head over its dims (a scale of head_dim each, shared by the
   # heads), after the projection and before the rotation (Qwen3).
   qk_norm: bool = False
+  embed_scale: bool = False  # Token embeddings times sqrt(d_model), in `dtype` (Gemma).
   dense_bias: bool = False  # Biases on the attention output and both MLP products (GPT-2).
   norm: str = 'rms'  # 'rms' or 'layer' (LayerNorm with a bias, GPT-2).
   position: str = 'rope'  # 'rope' (rotary) or 'learned' (a table of max_seq_len rows, GPT-2).

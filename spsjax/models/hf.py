@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints in and out: Llama-family, Qwen2, Qwen3, Phi-3 and GPT-2 directories
-as `Model`s, and Llama directories back.
+"""Hugging Face checkpoints in and out: Llama-family, Qwen2, Qwen3, Phi-3, Gemma and GPT-2
+directories as `Model`s, and Llama directories back.
 
 A checkpoint directory holds `config.json` and safetensors weights: `model.safetensors`, or shards
 listed by `model.safetensors.index.json`. `load` maps the config to a `TransformerConfig`, refusing
@@ -13,7 +13,8 @@ process builds only its own devices' shards). `save_llama` writes a model as a
 Layouts. HF linear weights are [out, in]; ours are [in, out] with heads split:
 q_proj [N H, D] -> wq [D, N, H]; k_proj, v_proj [K H, D] -> [D, K, H]; o_proj [D, N H] ->
 wo [N, H, D]; gate_proj, up_proj [F, D] -> w_gate, w_in [D, F]; down_proj [D, F] -> w_out [F, D];
-lm_head [V, D] -> head [D, V]; Qwen3's q_norm, k_norm [H] -> q_norm, k_norm. Both use the
+lm_head [V, D] -> head [D, V]; Qwen3's q_norm, k_norm [H] -> q_norm, k_norm; Gemma's norms
+scale by 1 + weight, which is stored as our scale. Both use the
 half-split rotary convention (rotate_half), so q and k need no permutation. GPT-2's Conv1D
 weights are already [in, out]: c_attn [D, 3 D] splits into wq, wk, wv; c_proj, c_fc and the
 MLP's c_proj map to wo, w_in and w_out; biases, LayerNorm biases and the position table (wpe) map
@@ -41,7 +42,7 @@ from spsjax.models.packing import unfuse, unpack
 CONFIG = 'config.json'
 WEIGHTS = 'model.safetensors'
 INDEX = 'model.safetensors.index.json'
-LLAMA_TYPES = ('llama', 'mistral', 'qwen2', 'qwen3', 'phi3')
+LLAMA_TYPES = ('llama', 'mistral', 'qwen2', 'qwen3', 'phi3', 'gemma')
 MODEL_TYPES = LLAMA_TYPES + ('gpt2',)
 
 
@@ -118,7 +119,7 @@ def _rope_scaling_json(scaling: RopeScaling | None) -> dict:
 
 
 def config_from_hf(hf: dict, dtype: str = 'float32') -> TransformerConfig:
-  """Our config for a Llama, Mistral, Qwen2, Qwen3, Phi-3 or GPT-2 `config.json` (a dict).
+  """Our config for a Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma or GPT-2 `config.json` (a dict).
 
   A sliding attention window (Mistral 7B v0.1, Phi-3, Qwen's `use_sliding_window`) caps
   `max_seq_len` at the window: every earlier position then lies inside a query's window, so the
@@ -129,7 +130,11 @@ def config_from_hf(hf: dict, dtype: str = 'float32') -> TransformerConfig:
                                 f'supported: {list(MODEL_TYPES)}.')
   if model_type == 'gpt2':
     return _gpt2_config(hf, dtype)
-  _refuse(hf, 'hidden_act', ('silu',), 'the gated MLP is SiLU-gated')
+  if model_type == 'gemma':  # transformers reads Gemma's legacy 'gelu' as the tanh form too.
+    _refuse(dict(hidden_act=hf.get('hidden_activation') or hf.get('hidden_act')), 'hidden_act',
+            ('gelu', 'gelu_pytorch_tanh'), "Gemma's gated MLP is GELU's tanh form")
+  else:
+    _refuse(hf, 'hidden_act', ('silu',), 'the gated MLP is SiLU-gated')
   _refuse(hf, 'mlp_bias', (None, False), 'the MLP has no biases')
   _refuse(hf, 'attention_bias', (None, False), 'q/k/v biases only come with Qwen2, o_proj has none')
   window = hf.get('sliding_window')
@@ -153,9 +158,11 @@ def config_from_hf(hf: dict, dtype: str = 'float32') -> TransformerConfig:
       vocab_size=hf['vocab_size'], d_model=hf['hidden_size'], num_layers=hf['num_hidden_layers'],
       num_heads=num_heads, num_kv_heads=None if num_kv_heads == num_heads else num_kv_heads,
       d_ff=hf['intermediate_size'], max_seq_len=max_seq_len, dtype=dtype, head_dim=head_dim,
-      mlp='gated_silu', tie_embeddings=bool(hf.get('tie_word_embeddings', False)),
+      mlp='gated_gelu' if model_type == 'gemma' else 'gated_silu',
+      tie_embeddings=bool(hf.get('tie_word_embeddings', model_type == 'gemma')),
       rope_base=rope_base, rope_scaling=rope_scaling, norm_eps=float(hf['rms_norm_eps']),
-      qkv_bias=model_type == 'qwen2', qk_norm=model_type == 'qwen3')
+      qkv_bias=model_type == 'qwen2', qk_norm=model_type == 'qwen3',
+      embed_scale=model_type == 'gemma')
 
 
 def _gpt2_config(hf: dict, dtype: str) -> TransformerConfig:
@@ -206,6 +213,8 @@ def _layout(config: TransformerConfig, model_type: str = 'llama'
   c_attn, Phi-3's qkv_proj and gate_up_proj)."""
   if config.gpt2_style:
     return _gpt2_layout(config)
+  if model_type == 'gemma':
+    return _gemma_layout(config)
   return _phi3_layout(config) if model_type == 'phi3' else _llama_layout(config)
 
 
@@ -269,6 +278,17 @@ def _phi3_layout(config: TransformerConfig) -> dict[str, tuple[Entry, ...]]:
         ((ours, 'attn', 'wv'), _rows((N + K) * H, M, M, (D, K, H))))
     out[hf + 'mlp.gate_up_proj.weight'] = (((ours, 'mlp', 'w_gate'), _rows(0, F, 2 * F, (D, F))),
                                            ((ours, 'mlp', 'w_in'), _rows(F, 2 * F, 2 * F, (D, F))))
+  return out
+
+
+def _gemma_layout(config: TransformerConfig) -> dict[str, tuple[Entry, ...]]:
+  """Llama's, but each RMSNorm scales by 1 + its stored weight (float32, as transformers adds
+  it)."""
+  one_plus = lambda w: np.float32(1.0) + w.astype(np.float32)
+  out = _llama_layout(config)
+  for name, ((ours, _),) in list(out.items()):
+    if name.endswith(('norm.weight', 'layernorm.weight')):
+      out[name] = ((ours, one_plus),)
   return out
 
 
@@ -375,10 +395,12 @@ def load(path: str, *, mesh: Mesh | None = None, rules: sharding.Rules = shardin
 def hf_config(config: TransformerConfig, **extra) -> dict:
   """The `LlamaForCausalLM` config.json of a model (gated SiLU MLP, RMSNorm, rotary, no
   biases); `extra` adds fields such as token ids."""
-  if config.mlp != 'gated_silu' or config.qkv_bias or config.qk_norm or config.gpt2_style:
-    raise UnsupportedCheckpoint(f'Only a gated-SiLU model without biases or query and key norms '
-                                f'exports as Llama; this one has mlp={config.mlp!r}, '
-                                f'qkv_bias={config.qkv_bias}, qk_norm={config.qk_norm}, '
+  if (config.mlp != 'gated_silu' or config.qkv_bias or config.qk_norm or config.embed_scale
+      or config.gpt2_style):
+    raise UnsupportedCheckpoint(f'Only a gated-SiLU model without biases, query and key norms or '
+                                f'scaled embeddings exports as Llama; this one has '
+                                f'mlp={config.mlp!r}, qkv_bias={config.qkv_bias}, '
+                                f'qk_norm={config.qk_norm}, embed_scale={config.embed_scale}, '
                                 f'GPT-2 options {config.gpt2_style}.')
   return dict(
       architectures=['LlamaForCausalLM'], model_type='llama', vocab_size=config.vocab_size,

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from spsjax import native
 from spsjax.models import feature_head
 from spsjax.models.api import Model
-from spsjax.models.config import TransformerConfig
+from spsjax.models.config import GATED_MLPS, TransformerConfig
 
 WEIGHT_DTYPES = native.WEIGHT_DTYPES
 
@@ -58,7 +58,7 @@ def _with_kernels(model: Model, kernels: str, params: dict) -> Model:
 
 def _pack_mlp(config: TransformerConfig, pack, mlp: dict) -> dict:
   mlp = dict(mlp)
-  if config.mlp == 'gated_silu':
+  if config.mlp in GATED_MLPS:
     w_gate_in_Dx2xF = jnp.stack([mlp.pop('w_gate'), mlp.pop('w_in')], axis=1)
     mlp['w_gate_in'] = pack(w_gate_in_Dx2xF)
   else:
@@ -69,7 +69,7 @@ def _pack_mlp(config: TransformerConfig, pack, mlp: dict) -> dict:
 
 def _unpack_mlp(config: TransformerConfig, mlp: dict) -> dict:
   mlp = dict(mlp)
-  if config.mlp == 'gated_silu':
+  if config.mlp in GATED_MLPS:
     w_gate_in_Dx2xF = native.unpack(mlp.pop('w_gate_in'))
     mlp.update(w_gate=w_gate_in_Dx2xF[:, 0], w_in=w_gate_in_Dx2xF[:, 1])
   else:
@@ -233,7 +233,7 @@ def _fuse_layer(config: TransformerConfig, layer: dict) -> dict:
   wq_DxKxGxH = attn.pop('wq').reshape(D, K, N // K, H)
   attn['wqkv'] = jnp.concatenate(
       [wq_DxKxGxH, attn.pop('wk')[:, :, None], attn.pop('wv')[:, :, None]], axis=2)
-  if config.mlp == 'gated_silu':
+  if config.mlp in GATED_MLPS:
     mlp['w_gate_in'] = jnp.stack([mlp.pop('w_gate'), mlp.pop('w_in')], axis=1)
   return dict(layer, attn=attn, mlp=mlp)
 
@@ -246,7 +246,7 @@ def _unfuse_layer(config: TransformerConfig, layer: dict) -> dict:
   wqkv_DxKxCxH = attn.pop('wqkv')
   attn.update(wq=wqkv_DxKxCxH[:, :, :G].reshape(D, N, H), wk=wqkv_DxKxCxH[:, :, G],
               wv=wqkv_DxKxCxH[:, :, G + 1])
-  if config.mlp == 'gated_silu':
+  if config.mlp in GATED_MLPS:
     w_gate_in_Dx2xF = mlp.pop('w_gate_in')
     mlp.update(w_gate=w_gate_in_Dx2xF[:, 0], w_in=w_gate_in_Dx2xF[:, 1])
   return dict(layer, attn=attn, mlp=mlp)

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from spsjax import native
 from spsjax.models import rope
-from spsjax.models.config import TransformerConfig
+from spsjax.models.config import GATED_MLPS, TransformerConfig
 
 
 def _param(module, name, shape, names, fan_in, dtype, zeros=False):
@@ -258,8 +258,8 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
-  """Gated SiLU or GELU MLP; like `Attention`, takes the stream and its norm (and `counts_B`),
-  returns the stream."""
+  """Gated SiLU, gated GELU or GELU MLP; like `Attention`, takes the stream and its norm (and
+  `counts_B`), returns the stream."""
   config: TransformerConfig
 
   @nn.compact
@@ -272,13 +272,19 @@ class Mlp(nn.Module):
                                       counts=counts_B)
       return native.matmul(gate_in_BxTx2xF, _packed(self, 'w_out'), gated=True,
                            residual=x_BxTxD, counts=counts_B).astype(dt)
+    if packed and c.mlp == 'gated_gelu':  # The gating by XLA's ops between the two products.
+      gate_in_BxTx2xF = native.matmul(x_BxTxD, _packed(self, 'w_gate_in'), norm=norm.fused,
+                                      counts=counts_B).astype(dt)
+      h_BxTxF = jax.nn.gelu(gate_in_BxTx2xF[:, :, 0]) * gate_in_BxTx2xF[:, :, 1]
+      return native.matmul(h_BxTxF, _packed(self, 'w_out'), residual=x_BxTxD,
+                           counts=counts_B).astype(dt)
     if packed:  # GELU.
       h_BxTxF = jax.nn.gelu(native.matmul(x_BxTxD, _packed(self, 'w_in'), norm=norm.fused,
                                           counts=counts_B).astype(dt))
       return native.matmul(h_BxTxF, _packed(self, 'w_out'), residual=x_BxTxD,
                            counts=counts_B).astype(dt)
     h_BxTxD = norm(x_BxTxD)
-    if c.kernels == 'xla_fused' and c.mlp == 'gated_silu':  # One product, gate then input.
+    if c.kernels == 'xla_fused' and c.mlp in GATED_MLPS:  # One product, gate then input.
       w_gate_in = _param(self, 'w_gate_in', (D, 2, F), ('embed', None, 'mlp'), D, dt)
       w_out = _param(self, 'w_out', (F, D), ('mlp', 'embed'), F, dt)
       gate_in_BxTx2xF = project(c, 'BTD,DCF->BTCF', h_BxTxD, w_gate_in)
@@ -289,13 +295,14 @@ class Mlp(nn.Module):
       gate_BxTxF, h_BxTxF = None, project(c, 'BTD,DF->BTF', h_BxTxD, w_in)
     if c.dense_bias:
       h_BxTxF = h_BxTxF + _param(self, 'b_in', (F,), ('mlp',), 1, dt, zeros=True)[None, None]
-    if c.mlp == 'gated_silu':
+    if c.mlp in GATED_MLPS:
       if gate_BxTxF is None:
         w_gate = _param(self, 'w_gate', (D, F), ('embed', 'mlp'), D, dt)
         # Gate and input as two products, not one stacked tensor: stacking made training's
         # backward pass pad, add and transpose [B, T, 2, F] (a tenth of a reference step).
         gate_BxTxF = project(c, 'BTD,DF->BTF', h_BxTxD, w_gate)
-      h_BxTxF = native.silu_gate(gate_BxTxF, h_BxTxF)
+      h_BxTxF = (native.silu_gate(gate_BxTxF, h_BxTxF) if c.mlp == 'gated_silu'
+                 else jax.nn.gelu(gate_BxTxF) * h_BxTxF)
     else:
       h_BxTxF = jax.nn.gelu(h_BxTxF)
     out_BxTxD = project(c, 'BTF,FD->BTD', h_BxTxF, w_out)
@@ -383,10 +390,14 @@ class Transformer(nn.Module):
 
 def embed(config: TransformerConfig, embedding_VxD: jax.Array, tokens_BxT: jax.Array) -> jax.Array:
   """The rows of the embedding table for `tokens` (a packed model copies them on the calling
-  thread: `native.take_rows`)."""
+  thread: `native.take_rows`), times sqrt(d_model) in the model's dtype with `embed_scale`."""
   if config.kernels == 'native':
-    return native.take_rows(embedding_VxD, tokens_BxT)
-  return jnp.take(embedding_VxD, tokens_BxT, axis=0)
+    x_BxTxD = native.take_rows(embedding_VxD, tokens_BxT)
+  else:
+    x_BxTxD = jnp.take(embedding_VxD, tokens_BxT, axis=0)
+  if config.embed_scale:
+    x_BxTxD = x_BxTxD * jnp.asarray(config.d_model**0.5, config.jnp_dtype)
+  return x_BxTxD
 
 
 def _output(config: TransformerConfig, final_norm: RMSNorm, embedding_VxD, head, x_BxTxD,
