@@ -124,7 +124,8 @@ setuptools.setup(
         'sacrebleu>=2.4',  # chrF of the code_completion task.
         'scipy>=1.13',  # Table 1's paired t-test (also a dependency of jax).
         'matplotlib>=3.11',
-        'safetensors>=0.8.0',  # Hugging Face checkpoints (spsjax/models/hf.py), read with numpy.
+        'safetensors>=0.8.0',  # Hugging Face checkpoints (spsjax/models/hf.py) are written with it.
+        'ml_dtypes>=0.7.0',  # bfloat16 checkpoints read as numpy arrays (also a dependency of jax).
         'tokenizers>=0.23.3',  # Hugging Face tokenizer.json.
     ],
     extras_require={

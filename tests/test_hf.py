@@ -264,6 +264,26 @@ def test_a_sliding_window_caps_the_length(tmp_path):
                           max_new_tokens=6, sampling=GREEDY)
 
 
+@pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])
+def test_half_precision_checkpoints_load_exactly(tmp_path, dtype):
+  """Most checkpoints on the Hub are bfloat16, which safetensors' numpy reader refuses: the loader
+  parses the files itself; a half-precision copy of a fixture loads as its weights rounded."""
+  from safetensors.flax import save_file  # pylint: disable=g-import-not-at-top
+  path = tmp_path / 'qwen3'
+  shutil.copytree(os.path.join(FIXTURES, 'qwen3'), path)
+  read, parse = hf._tensors, hf._safetensors  # pylint: disable=protected-access
+  stored = {name: jnp.asarray(w, dtype) for name, w in read(str(path))}
+  save_file(stored, str(path / 'model.safetensors'))
+  want = jax.tree.map(lambda x: np.asarray(jnp.asarray(x, dtype), np.float32),
+                      hf.load(os.path.join(FIXTURES, 'qwen3')).params)
+  jax.tree.map(np.testing.assert_array_equal, hf.load(str(path)).params, want)
+  as_bf16 = hf.load(str(path), dtype='bfloat16')
+  assert as_bf16.params['embedding'].dtype == jnp.bfloat16
+  header = json.dumps({'w': {'dtype': 'C64', 'shape': [1], 'data_offsets': [0, 8]}}).encode()
+  with pytest.raises(hf.UnsupportedCheckpoint, match='tensor w has dtype C64'):
+    list(parse(len(header).to_bytes(8, 'little') + header + bytes(8), 'x'))
+
+
 def test_a_directory_without_a_checkpoint_is_a_clear_error(tmp_path):
   with pytest.raises(FileNotFoundError, match='no config.json'):
     hf.load(str(tmp_path))

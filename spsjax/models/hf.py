@@ -29,10 +29,10 @@ import os
 from collections.abc import Iterator
 
 import jax
+import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh
 import safetensors.numpy
-from safetensors import safe_open
 
 from spsjax import sharding, storage
 from spsjax.models.api import Model, param_shapes, param_shardings
@@ -191,17 +191,40 @@ def _weight_files(path: str) -> list[str]:
   raise FileNotFoundError(f'{path}: no {WEIGHTS} and no {INDEX}.')
 
 
+# safetensors' dtype names -> numpy dtypes (ml_dtypes' for the ones numpy lacks: bfloat16, the
+# float8s, which safetensors' own numpy reader refuses).
+_DTYPES = {'F64': np.float64, 'F32': np.float32, 'F16': np.float16,
+           'BF16': ml_dtypes.bfloat16, 'F8_E4M3': ml_dtypes.float8_e4m3fn,
+           'F8_E5M2': ml_dtypes.float8_e5m2, 'I64': np.int64, 'I32': np.int32, 'I16': np.int16,
+           'I8': np.int8, 'U8': np.uint8, 'BOOL': np.bool_}
+
+
+def _safetensors(buffer, where: str) -> Iterator[tuple[str, np.ndarray]]:
+  """The tensors of a safetensors file held in `buffer` (bytes, or a read-only memory map), as
+  views of it: an 8-byte little-endian header size, a JSON header of {name: dtype, shape,
+  data_offsets}, then the data."""
+  size = int.from_bytes(bytes(buffer[:8]), 'little')
+  header = json.loads(bytes(buffer[8:8 + size]))
+  for name, entry in header.items():
+    if name == '__metadata__':
+      continue
+    if entry['dtype'] not in _DTYPES:
+      raise UnsupportedCheckpoint(f'{where}: tensor {name} has dtype {entry["dtype"]}; '
+                                  f'supported: {sorted(_DTYPES)}.')
+    start, stop = (8 + size + offset for offset in entry['data_offsets'])
+    yield name, np.frombuffer(buffer[start:stop], _DTYPES[entry['dtype']]).reshape(entry['shape'])
+
+
 def _tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
-  """Every tensor of the checkpoint: one at a time from a local file (safetensors maps it); from
-  a URI, a file's bytes are read whole first."""
+  """Every tensor of the checkpoint, in any of safetensors' dtypes (bfloat16 included: most
+  checkpoints on the Hub): one at a time from a local file (mapped); from a URI, a file's bytes
+  are read whole first."""
   for name in _weight_files(path):
     file = storage.path(path) / name
     if storage.is_uri(file):
-      yield from safetensors.numpy.load(file.read_bytes()).items()
-      continue
-    with safe_open(os.fspath(file), framework='numpy') as f:
-      for key in f.keys():
-        yield key, f.get_tensor(key)
+      yield from _safetensors(memoryview(file.read_bytes()), str(file))
+    else:
+      yield from _safetensors(np.memmap(os.fspath(file), np.uint8, mode='r'), str(file))
 
 
 Entry = tuple[tuple[str, ...], object]  # Our parameter path, HF array -> our array.
