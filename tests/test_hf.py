@@ -332,6 +332,29 @@ def test_tokenizer_json_behind_the_binaries_interface():
     HFTokenizer.load(os.path.join(FIXTURES, 'export'))
 
 
+def test_prompts_start_with_what_the_tokenizer_puts_before_a_text(tmp_path):
+  """A post-processor's BOS (Llama's, Gemma's: transformers' tokenizer adds it by default) heads
+  every prompt and survives a cut; the fixtures' tokenizer has none."""
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  from spsjax.data import prompts  # pylint: disable=g-import-not-at-top
+  from spsjax.data.hf_tokenizer import HFTokenizer  # pylint: disable=g-import-not-at-top
+  assert HFTokenizer.load(os.path.join(FIXTURES, 'qwen2')).prompt_prefix == ()
+  path = _copy_with(tmp_path, 'qwen2')
+  raw = tokenizers.Tokenizer.from_file(os.path.join(path, 'tokenizer.json'))
+  raw.post_processor = tokenizers.processors.TemplateProcessing(
+      single='<unk> $A', special_tokens=[('<unk>', 2)])
+  raw.save(os.path.join(path, 'tokenizer.json'))
+  tok = HFTokenizer.load(path)
+  assert tok.prompt_prefix == (2,)
+  out, lengths = prompts.encode_prompts(tok, ['ab', 'abcdef'], max_len=4, bucket=4)
+  assert lengths.tolist() == [3, 4]
+  assert out[0, :3].tolist() == [2] + tok.encode('ab')
+  assert out[1].tolist() == [2] + tok.encode('abcdef')[-3:]  # The prefix stays; the text's end.
+  assert tok.decode(out[1]) == 'def'
+  with pytest.raises(ValueError, match='no room after the prompt prefix'):
+    prompts.encode_prompts(tok, ['ab'], max_len=1)
+
+
 def test_tokenizer_eos_ids_are_what_generate_stops_at(tmp_path):
   """generation_config.json's eos ids (an instruct model's end of turn and end of text), else
   config.json's, else tokenizer_config.json's eos_token; the first is `eos_id`."""

@@ -6,8 +6,10 @@ are those transformers' `generate` stops at: `eos_token_id` of `generation_confi
 the tokenizer's `eos_token` in `tokenizer_config.json`; none if nothing names one (generation
 then runs to max_new_tokens). `eos_ids` are all of them (what the binaries pass the samplers),
 `eos_id` the first. The pad id is `pad_token_id`, else the eos id, else 0. `encode` adds no
-special tokens (prompts are plain text, as with our own tokenizer); `decode` drops special
-tokens. `to_bytes` is the tokenizer.json text: two tokenizers are the same if their bytes are.
+special tokens; `prompt_prefix` holds those the tokenizer's post-processor puts before a text
+(Llama's and Gemma's BOS, which transformers' tokenizer adds by default and Gemma needs), which
+`data.prompts` puts before every prompt; `decode` drops special tokens. `to_bytes` is the
+tokenizer.json text: two tokenizers are the same if their bytes are.
 """
 
 import json
@@ -38,6 +40,11 @@ class HFTokenizer:
     self._eos_ids = () if eos_id is None else tuple(
         int(i) for i in (eos_id if isinstance(eos_id, (list, tuple)) else [eos_id]))
     self._pad_id = pad_id if pad_id is not None else (self.eos_id if self._eos_ids else 0)
+    probe = 'x = 1'
+    plain = self._tok.encode(probe, add_special_tokens=False).ids
+    full = self._tok.encode(probe, add_special_tokens=True).ids
+    starts = [i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain]
+    self._prompt_prefix = tuple(full[:starts[0]]) if starts else ()
 
   @classmethod
   def load(cls, directory: str) -> 'HFTokenizer':
@@ -76,6 +83,10 @@ class HFTokenizer:
   @property
   def pad_id(self) -> int:
     return self._pad_id
+
+  @property
+  def prompt_prefix(self) -> tuple[int, ...]:
+    return self._prompt_prefix
 
   def encode(self, text: str) -> list[int]:
     return self._tok.encode(text, add_special_tokens=False).ids

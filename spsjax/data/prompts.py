@@ -1,7 +1,9 @@
 """Text prompts -> the samplers' input convention: right-padded `int32[B, P]` plus lengths.
 
-Invariant: row b holds the ids of prompt b in positions [0, lengths[b]) and `pad_id` after them;
-a prompt longer than `max_len` keeps its last `max_len` ids (the end is what the model continues).
+Invariant: row b holds the ids of prompt b in positions [0, lengths[b]) and `pad_id` after them:
+the tokenizer's `prompt_prefix` (a Hugging Face tokenizer's BOS), then the text's ids. A prompt
+longer than `max_len` keeps its prefix and the last ids of its text (the end is what the model
+continues).
 P is the longest row rounded up to a multiple of `bucket`, so prompts of similar lengths share one
 compiled program.
 
@@ -23,12 +25,15 @@ def encode_prompts(tok: Tokenizer, texts: list[str], *, max_len: int | None = No
   """(prompts int32[B, P], lengths int32[B]) for `texts`; see the module docstring."""
   if not texts:
     raise ValueError('No prompts.')
+  prefix = list(tok.prompt_prefix)
   ids = [tok.encode(t) for t in texts]
   empty = [i for i, x in enumerate(ids) if not x]
   if empty:
     raise ValueError(f'Prompts {empty} encode to no tokens; every prompt needs at least one.')
-  if max_len is not None:
-    ids = [x[-max_len:] for x in ids]
+  if max_len is not None and max_len <= len(prefix):
+    raise ValueError(f'max_len={max_len} leaves no room after the prompt prefix {prefix}.')
+  keep = None if max_len is None else max_len - len(prefix)
+  ids = [prefix + (x if keep is None else x[-keep:]) for x in ids]
   lengths = np.array([len(x) for x in ids], np.int32)
   width = -(-int(lengths.max()) // bucket) * bucket
   prompts = np.full((len(ids), width), tok.pad_id, np.int32)
@@ -62,7 +67,8 @@ def prompt_room(max_seq_lens: Sequence[tuple[str, int]], max_new_tokens: int,
 
 def cut_note(tok: Tokenizer, texts: Sequence[str], room: Room) -> str | None:
   """What `encode_prompts(..., max_len=room.positions)` cuts, as a NOTE line, or None."""
-  cut = [(row, n) for row, n in enumerate(len(tok.encode(t)) for t in texts) if n > room.positions]
+  lengths = (len(tok.prompt_prefix) + len(tok.encode(t)) for t in texts)
+  cut = [(row, n) for row, n in enumerate(lengths) if n > room.positions]
   if not cut:
     return None
   rows = ', '.join(f'row {row} from {n}' for row, n in cut[:4]) + (', ...' if cut[4:] else '')

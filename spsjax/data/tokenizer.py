@@ -86,6 +86,11 @@ class Tokenizer:
     return self._sp.eos_id()
 
   @property
+  def prompt_prefix(self) -> tuple[int, ...]:
+    """Ids put before every prompt (`HFTokenizer`'s interface): none, this model has no BOS."""
+    return ()
+
+  @property
   def eos_ids(self) -> tuple[int, ...]:
     """The ids a sampler stops after (`HFTokenizer`'s interface): the one eos."""
     return (self.eos_id,)
