@@ -284,6 +284,16 @@ def test_half_precision_checkpoints_load_exactly(tmp_path, dtype):
     list(parse(len(header).to_bytes(8, 'little') + header + bytes(8), 'x'))
 
 
+def test_a_truncated_weights_file_is_refused_by_tensor(tmp_path):
+  path = _copy_with(tmp_path, 'qwen3')
+  weights = os.path.join(path, 'model.safetensors')
+  data = open(weights, 'rb').read()
+  with open(weights, 'wb') as f:
+    f.write(data[:-100])
+  with pytest.raises(hf.UnsupportedCheckpoint, match="do not hold F32"):
+    hf.load(path)
+
+
 def test_a_directory_without_a_checkpoint_is_a_clear_error(tmp_path):
   with pytest.raises(FileNotFoundError, match='no config.json'):
     hf.load(str(tmp_path))

@@ -25,6 +25,7 @@ logits are transformers' (tests/test_hf.py against fixtures transformers wrote).
 """
 
 import json
+import math
 import os
 from collections.abc import Iterator
 
@@ -212,7 +213,12 @@ def _safetensors(buffer, where: str) -> Iterator[tuple[str, np.ndarray]]:
       raise UnsupportedCheckpoint(f'{where}: tensor {name} has dtype {entry["dtype"]}; '
                                   f'supported: {sorted(_DTYPES)}.')
     start, stop = (8 + size + offset for offset in entry['data_offsets'])
-    yield name, np.frombuffer(buffer[start:stop], _DTYPES[entry['dtype']]).reshape(entry['shape'])
+    dtype = np.dtype(_DTYPES[entry['dtype']])
+    if not start <= stop <= len(buffer) or stop - start != dtype.itemsize * math.prod(
+        entry['shape']):
+      raise UnsupportedCheckpoint(f'{where}: tensor {name}\'s bytes [{start}, {stop}) do not hold '
+                                  f'{entry["dtype"]}{entry["shape"]} in a file of {len(buffer)}.')
+    yield name, np.frombuffer(buffer[start:stop], dtype).reshape(entry['shape'])
 
 
 def _tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
