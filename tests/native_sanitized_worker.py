@@ -250,6 +250,12 @@ ATTENTION_CASES = [
       for H in (4, 6, 8, 12, 14, 16, 18, 24, 32, 34, 46, 48, 50, 62, 64, 66)],
     ('T x G = 4096 queries, long', 1, 600, 1, 8, 2, 512, [88], None),
     ('T x G = 4096 queries, 64 groups', 1, 70, 1, 64, 4, 64, [6], None),
+    # Sliding windows (the kernel starts reading at the first query's window) and soft-capping.
+    ('window of 1', 3, 37, 2, 3, 66, 1, [0, 17, 36], None, dict(window=1)),
+    ('window, whole rows', 2, 100, 2, 3, 20, 3, [97, 7], [3, 2], dict(window=5, softcap=3.0)),
+    ('window, prefill in query blocks', 2, 40, 2, 1, 8, 37, [0, 3], [37, 20],
+     dict(window=9, softcap=0.5)),
+    ('window past every position', 1, 33, 1, 2, 34, 3, [30], None, dict(window=1000)),
 ]
 
 _libm = ctypes.CDLL(ctypes.util.find_library('m'))
@@ -263,10 +269,10 @@ def _inverse_frequencies(half):
                    for i in range(half)], np.float32)
 
 
-def attention_reference(qkv, keys, values, starts, counts):
+def attention_reference(qkv, keys, values, starts, counts, window=None, softcap=None):
   """(outputs [B, T, K, G, H], keys, values) in float64 from float32 angles (position * the
   inverse frequency, as the model defines them); padding positions' outputs 0, their slots as
-  they were."""
+  they were; a query sees the last `window` slots up to its own, scores softcapped."""
   B, T, M, H = qkv.shape
   K = keys.shape[2]
   N, half = M - 2 * K, H // 2
@@ -290,36 +296,41 @@ def attention_reference(qkv, keys, values, starts, counts):
     v_cache[b, positions] = x[:, N + K:]
     for t in range(used):
       n = starts[b] + t + 1
-      scores = np.einsum('kgh,skh->kgs', q[t], k_cache[b, :n])
+      first = max(0, n - window) if window else 0
+      scores = np.einsum('kgh,skh->kgs', q[t], k_cache[b, first:n])
+      if softcap:
+        scores = softcap * np.tanh(scores / softcap)
       p = np.exp(scores - scores.max(axis=-1, keepdims=True))
       p /= p.sum(axis=-1, keepdims=True)
-      out[b, t] = np.einsum('kgs,skh->kgh', p, v_cache[b, :n])
+      out[b, t] = np.einsum('kgs,skh->kgh', p, v_cache[b, first:n])
   return out, k_cache, v_cache
 
 
-@functools.partial(jax.jit, static_argnames='isas')
-def _attentions(cases, isas):
+@functools.partial(jax.jit, static_argnames=('isas', 'options'))
+def _attentions(cases, isas, options):
   return [{isa: native.cached_attention(qkv, keys, values, starts,
                                         rope_freqs=_inverse_frequencies(qkv.shape[-1] // 2),
-                                        counts_B=counts, isa=isa) for isa in isas}
-          for qkv, keys, values, starts, counts in cases]
+                                        counts_B=counts, isa=isa, **dict(option)) for isa in isas}
+          for (qkv, keys, values, starts, counts), option in zip(cases, options, strict=True)]
 
 
 def attention(isas):
   rng = np.random.default_rng(1)
   cases = []
-  for _, B, S, K, G, H, T, starts, counts in ATTENTION_CASES:
+  for _, B, S, K, G, H, T, starts, counts, *_ in ATTENTION_CASES:
     assert T * G <= native.attention.MAX_KERNEL_QUERIES
     cases.append((grid_normal(rng, (B, T, K * G + 2 * K, H), 1.0),
                   grid_normal(rng, (B, S, K, H), 1.0), grid_normal(rng, (B, S, K, H), 1.0),
                   np.array(starts, np.int32),
                   None if counts is None else np.array(counts, np.int32)))
-  results = _attentions(cases, tuple(isas))
+  options = [case[9] if len(case) > 9 else {} for case in ATTENTION_CASES]
+  results = _attentions(cases, tuple(isas), tuple(tuple(sorted(o.items())) for o in options))
   for case, (qkv, keys, values, starts, counts), by_isa in zip(ATTENTION_CASES, cases, results,
                                                               strict=True):
     name, B, S, _, _, _, T = case[:7]
     assert all(start + T <= S for start in starts)
-    want_out, want_k, want_v = attention_reference(qkv, keys, values, starts, counts)
+    want_out, want_k, want_v = attention_reference(qkv, keys, values, starts, counts,
+                                                   **(case[9] if len(case) > 9 else {}))
     for isa, (out, k_cache, v_cache) in by_isa.items():
       label = f'attention {name} {isa}'
       out, k_cache, v_cache = (np.asarray(a) for a in (out, k_cache, v_cache))

@@ -62,7 +62,23 @@ def test_configs_map_every_field(loaded):
   assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.dims_per_head == 16 and not qwen.qk_norm
   assert loaded['qwen3'].params['layer_1']['attn']['k_norm'].shape == (16,)
   phi3 = loaded['phi3'].config
-  assert phi3.max_seq_len == 32 and not phi3.tie_embeddings  # Capped at its sliding window.
+  assert (phi3.max_seq_len, phi3.sliding_window, phi3.global_layers) == (64, 32, ())
+  assert not phi3.tie_embeddings
+  assert loaded['mistral_window'].config.sliding_window == 4 and mistral.sliding_window is None
+  gemma2, gemma3 = loaded['gemma2'].config, loaded['gemma3'].config
+  assert (gemma2.sliding_window, gemma2.global_layers, gemma2.attn_softcap, gemma2.logit_softcap,
+          gemma2.query_scale, gemma2.post_norms, gemma2.qk_norm) == (5, (1,), 2.0, 8.0, 0.5, True,
+                                                                    False)
+  assert (gemma3.sliding_window, gemma3.global_layers, gemma3.local_rope_base, gemma3.rope_base,
+          gemma3.rope_scaling, gemma3.query_scale, gemma3.attn_softcap, gemma3.qk_norm) == (
+              4, (2,), 100.0, 50_000.0, models.RopeScaling('linear', 2.0), None, None, True)
+  stored = dict(hf._tensors(os.path.join(FIXTURES, 'gemma2')))  # pylint: disable=protected-access
+  layer = loaded['gemma2'].params['layer_1']
+  for theirs, ours in (('post_attention_layernorm', 'attn_post_norm'),
+                       ('pre_feedforward_layernorm', 'mlp_norm'),
+                       ('post_feedforward_layernorm', 'mlp_post_norm')):
+    np.testing.assert_array_equal(layer[ours]['scale'],
+                                  1 + stored[f'model.layers.1.{theirs}.weight'])
   gemma = loaded['gemma'].config
   assert (gemma.mlp, gemma.embed_scale, gemma.tie_embeddings, gemma.kv_heads) == (
       'gated_gelu', True, True, 1)
@@ -105,7 +121,8 @@ def test_logits_equal_transformers_full_cached_and_packed(loaded, name):
                                         ('mistral', 'gpt2'), ('gpt2', None),
                                         ('llama_rope_llama3', 'mistral_rope_linear'),
                                         ('qwen3', 'qwen2'), ('phi3', 'mistral'),
-                                        ('gemma', 'qwen3')])
+                                        ('gemma', 'qwen3'), ('mistral_window', 'gemma3'),
+                                        ('gemma2', 'mistral_window'), ('gemma3', 'gemma2')])
 def test_greedy_ars_and_sps_equal_transformers_generate(loaded, name, draft):
   model, want = loaded[name], _expected(name)
   assert want['margin'] >= fixtures.MIN_MARGIN  # No argmax is closer than float noise.
@@ -154,12 +171,19 @@ def _copy_with(tmp_path, name, **changes):
     ('llama_rope_llama3', dict(rope_parameters={'rope_type': 'llama3', 'factor': 8.0}),
      "llama3 rope scaling without ['low_freq_factor', 'high_freq_factor']"),
     ('llama_tied_mqa', dict(partial_rotary_factor=0.5), 'partial_rotary_factor=0.5'),
-    ('llama_tied_mqa', dict(rope_parameters={'full_attention': {'rope_type': 'default'}}),
+    ('llama_tied_mqa', dict(rope_parameters={'chunked_attention': {'rope_type': 'default'}}),
      'rope_parameters per layer type'),
+    ('gemma3', dict(rope_parameters={'full_attention': {'rope_type': 'default'},
+                                     'sliding_attention': {'rope_type': 'linear', 'factor': 2.0}}),
+     'scaled rope parameters of the sliding layers'),
+    ('gemma3', dict(model_type='gemma3'), "Gemma 3's image and text model"),
+    ('gemma3', dict(use_bidirectional_attention=True), 'use_bidirectional_attention=True'),
+    ('gemma2', dict(layer_types=['sliding_attention', 'full_attention']),
+     'for 3 layers is not supported'),
     ('llama_tied_mqa', dict(layer_types=['full_attention', 'chunked_attention']),
-     "layer_types=['chunked_attention', 'full_attention'] is not supported"),
+     "layer_types=['chunked_attention', 'full_attention'] for 1 layers is not supported"),
     ('qwen3', dict(layer_types=['full_attention', 'sliding_attention']),
-     "layer_types=['full_attention', 'sliding_attention'] is not supported"),
+     "layer_types=['full_attention', 'sliding_attention'] for 2 layers is not supported"),
     ('phi3', dict(num_key_value_heads=4), 'self_attn.qkv_proj.weight has shape (96, 48)'),
     ('gemma', dict(hidden_act='relu'), "hidden_act='relu' is not supported"),
     ('llama_tied_mqa', dict(hidden_act='gelu'), "hidden_act='gelu' is not supported"),
@@ -247,21 +271,69 @@ def test_qwen3_0_6b_maps_every_field():
       rope_base=1_000_000.0, norm_eps=1e-6, qk_norm=True)
 
 
-def test_a_sliding_window_caps_the_length(tmp_path):
-  """A window longer than every sequence changes nothing (Mistral 7B v0.1 has 4096), so the model
-  loads with max_seq_len at the window and computes transformers' logits; Qwen's window counts
-  only with use_sliding_window; a sampler refuses a sequence past it."""
-  mistral = hf.load(_copy_with(tmp_path, 'mistral', sliding_window=16))
-  assert mistral.config.max_seq_len == 16
-  want = _expected('mistral')
-  _check_logits(_logits(mistral.config, mistral.params, jnp.asarray(want['prompts'])), want,
-                'mistral with a sliding window of 16')
+# Gemma-2-2b's and Gemma-3-1b's config.json as the Hub has them (no layer_types, rope_parameters).
+GEMMA_2_2B = {
+    'architectures': ['Gemma2ForCausalLM'], 'attention_bias': False, 'attention_dropout': 0.0,
+    'attn_logit_softcapping': 50.0, 'bos_token_id': 2, 'cache_implementation': 'hybrid',
+    'eos_token_id': [1, 107], 'final_logit_softcapping': 30.0, 'head_dim': 256,
+    'hidden_act': 'gelu_pytorch_tanh', 'hidden_activation': 'gelu_pytorch_tanh',
+    'hidden_size': 2304, 'initializer_range': 0.02, 'intermediate_size': 9216,
+    'max_position_embeddings': 8192, 'model_type': 'gemma2', 'num_attention_heads': 8,
+    'num_hidden_layers': 26, 'num_key_value_heads': 4, 'pad_token_id': 0,
+    'query_pre_attn_scalar': 256, 'rms_norm_eps': 1e-06, 'rope_theta': 10000.0,
+    'sliding_window': 4096, 'torch_dtype': 'float32', 'use_cache': True, 'vocab_size': 256000}
+GEMMA_3_1B = {
+    'architectures': ['Gemma3ForCausalLM'], 'attention_bias': False, 'attention_dropout': 0.0,
+    'attn_logit_softcapping': None, 'bos_token_id': 2, 'cache_implementation': 'hybrid',
+    'eos_token_id': [1, 106], 'final_logit_softcapping': None, 'head_dim': 256,
+    'hidden_activation': 'gelu_pytorch_tanh', 'hidden_size': 1152, 'initializer_range': 0.02,
+    'intermediate_size': 6912, 'max_position_embeddings': 32768, 'model_type': 'gemma3_text',
+    'num_attention_heads': 4, 'num_hidden_layers': 26, 'num_key_value_heads': 1,
+    'pad_token_id': 0, 'query_pre_attn_scalar': 256, 'rms_norm_eps': 1e-06,
+    'rope_local_base_freq': 10000, 'rope_scaling': None, 'rope_theta': 1000000,
+    'sliding_window': 512, 'sliding_window_pattern': 6, 'torch_dtype': 'bfloat16',
+    'use_cache': True, 'vocab_size': 262144}
+
+
+def test_gemma_hub_configs_map_every_field():
+  """Without layer_types the windows sit where transformers puts them: Gemma 2's on every other
+  layer from the first, Gemma 3's on all but every sliding_window_pattern-th."""
+  common = dict(mlp='gated_gelu', tie_embeddings=True, embed_scale=True, post_norms=True,
+                norm_eps=1e-6, head_dim=256)
+  assert hf.config_from_hf(GEMMA_2_2B) == models.TransformerConfig(
+      vocab_size=256000, d_model=2304, num_layers=26, num_heads=8, num_kv_heads=4, d_ff=9216,
+      max_seq_len=8192, sliding_window=4096, global_layers=tuple(range(1, 26, 2)),
+      attn_softcap=50.0, logit_softcap=30.0, **common)
+  assert hf.config_from_hf(GEMMA_3_1B) == models.TransformerConfig(
+      vocab_size=262144, d_model=1152, num_layers=26, num_heads=4, num_kv_heads=1, d_ff=6912,
+      max_seq_len=32768, rope_base=1e6, sliding_window=512, global_layers=(5, 11, 17, 23),
+      local_rope_base=10_000.0, qk_norm=True, **common)
+  bare = {k: v for k, v in GEMMA_2_2B.items() if 'softcapping' not in k}
+  assert hf.config_from_hf(bare) == hf.config_from_hf(GEMMA_2_2B)  # transformers' defaults.
+  with pytest.raises(hf.UnsupportedCheckpoint, match='export'):
+    hf.hf_config(hf.config_from_hf(GEMMA_2_2B))
+
+
+def test_sliding_windows_sit_where_transformers_puts_them():
+  """Every layer (Mistral 7B v0.1's 4096, Phi-3's), from max_window_layers on with Qwen's
+  use_sliding_window (none without it), or where layer_types say; the fixture's window changes
+  transformers' logits, so the check of `test_logits_equal_transformers_full_cached_and_packed`
+  on it can fail."""
+  mistral = dict(hf.read_config(os.path.join(FIXTURES, 'mistral')), sliding_window=4096)
+  assert (hf.config_from_hf(mistral).sliding_window,
+          hf.config_from_hf(mistral).global_layers) == (4096, ())
   qwen = dict(hf.read_config(os.path.join(FIXTURES, 'qwen2')), sliding_window=8)
-  assert hf.config_from_hf(qwen).max_seq_len == 64
-  assert hf.config_from_hf(dict(qwen, use_sliding_window=True)).max_seq_len == 8
-  with pytest.raises(ValueError, match=r'exceeds the model max_seq_len \(16\)'):
-    autoregressive_sample(mistral, want['prompts'], want['lengths'], jax.random.key(0),
-                          max_new_tokens=6, sampling=GREEDY)
+  qwen.pop('layer_types', None)
+  assert hf.config_from_hf(qwen).sliding_window is None
+  windowed = hf.config_from_hf(dict(qwen, use_sliding_window=True, max_window_layers=1))
+  assert (windowed.sliding_window, windowed.global_layers) == (8, (0,))
+  plain, windowed = _expected('mistral_window'), hf.load(os.path.join(FIXTURES, 'mistral_window'))
+  unwindowed = dataclasses.replace(windowed.config, sliding_window=None)
+  got = np.asarray(_logits(unwindowed, windowed.params, jnp.asarray(plain['prompts'])))
+  b = int(np.argmax(plain['lengths']))
+  n = plain['lengths'][b]
+  assert np.abs(got[b, :n] - plain['logits'][b, :n]).max() > 100 * RTOL * np.abs(
+      plain['logits'][b, :n]).max()
 
 
 @pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])

@@ -41,6 +41,45 @@ def _decoding(config, params, layout):
   return model.config, model.params
 
 
+# Gemma 2's options: sliding windows on layer 0 (layer 1 global), soft-capped scores and logits,
+# another score scale, post-norms. Gemma 3's: its windows, query and key norms, a rotary base of
+# its own on the sliding layers (the global ones scaled).
+GEMMA2 = dict(mlp='gated_gelu', embed_scale=True, post_norms=True, sliding_window=3,
+              global_layers=(1,), query_scale=0.2, attn_softcap=1.5, logit_softcap=4.0)
+GEMMA3 = dict(mlp='gated_gelu', embed_scale=True, post_norms=True, qk_norm=True, sliding_window=4,
+              global_layers=(1,), local_rope_base=100.0,
+              rope_scaling=models.RopeScaling('linear', 2.0))
+
+
+@pytest.mark.parametrize('overrides', [GEMMA2, GEMMA3, dict(sliding_window=5)],
+                         ids=['gemma2', 'gemma3', 'window-all-layers'])
+@pytest.mark.parametrize('chunk', [1, 5])
+@pytest.mark.parametrize('layout', LAYOUTS)
+def test_windows_and_caps_decode_the_reference(overrides, chunk, layout):
+  """Sliding windows, soft-capping and post-norms: a cached decode far past the windows gives
+  the full forward's logits; post-norm scales away from 1; the window changes the logits."""
+  config = _config(2, **overrides)
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: x * 1.7 if 'post_norm' in jax.tree_util.keystr(path) else x,
+      models.init_params(config, jax.random.key(0)))
+  tokens_BxL = jax.random.randint(jax.random.key(1), (2, 24), 0, VOCAB)
+  reference_BxLxV = np.asarray(_logits(config, params, tokens_BxL))
+  unwindowed = dataclasses.replace(config, sliding_window=None, global_layers=(),
+                                   local_rope_base=None)
+  assert not np.allclose(_logits(unwindowed, params, tokens_BxL)[:, 8:], reference_BxLxV[:, 8:],
+                         atol=1e-3)
+  config, params = _decoding(config, params, layout)
+  lengths = np.array([2, 6])
+  _, cache = _prefill(config, params, tokens_BxL[:, :6], jnp.asarray(lengths), capacity=24)
+  while lengths.max() + chunk <= 24:
+    chunk_BxT = np.stack([np.asarray(tokens_BxL[b, l:l + chunk]) for b, l in enumerate(lengths)])
+    out_BxTxV, cache = _extend(config, params, cache, jnp.asarray(chunk_BxT))
+    for b, l in enumerate(lengths):
+      np.testing.assert_allclose(out_BxTxV[b], reference_BxLxV[b, l:l + chunk], rtol=1e-5,
+                                 atol=1e-5, err_msg=f'row {b} at {l}')
+    lengths = lengths + chunk
+
+
 # Every head layout one position at a time; scoring 5 positions with GQA and MQA. Fused: GQA one
 # at a time, MQA five (its layout differs from the plain one's in the kv grouping only).
 @pytest.mark.parametrize('num_kv_heads,chunk,layout', [
@@ -96,8 +135,8 @@ def test_rollback_is_moving_lengths(layout):
 @pytest.mark.parametrize('overrides', [
     {}, dict(tie_embeddings=False, mlp='gelu'),
     dict(qk_norm=True, rope_scaling=models.RopeScaling('llama3', 8.0, original_max_len=16)),
-    dict(mlp='gated_gelu', embed_scale=True)],
-                         ids=['plain', 'gelu', 'qk_norm-llama3_rope', 'gemma'])
+    dict(mlp='gated_gelu', embed_scale=True), GEMMA2, GEMMA3],
+                         ids=['plain', 'gelu', 'qk_norm-llama3_rope', 'gemma', 'gemma2', 'gemma3'])
 @pytest.mark.parametrize('layout', LAYOUTS)
 def test_logits_at_selects_positions_per_row(overrides, layout):
   """prefill(last_only) and extend(logits_at) give the selected rows of the full logits, and the
@@ -139,6 +178,17 @@ def test_config_validation():
     _config(2, dtype='bfloat16', kernels='native')
   with pytest.raises(ValueError, match='qk_norm'):
     _config(2, qk_norm=True, norm='layer')
+  with pytest.raises(ValueError, match='sliding_window must be'):
+    _config(2, sliding_window=0)
+  with pytest.raises(ValueError, match='global_layers'):
+    _config(2, sliding_window=4, global_layers=(2,))  # 2 layers: 0 and 1.
+  with pytest.raises(ValueError, match='global_layers'):
+    _config(2, global_layers=(1,))  # No window.
+  with pytest.raises(ValueError, match='local_rope_base'):
+    _config(2, local_rope_base=10.0)
+  with pytest.raises(ValueError, match='attn_softcap'):
+    _config(2, attn_softcap=0.0)
+  assert _config(2, sliding_window=4, global_layers=[1]).global_layers == (1,)  # From JSON.
 
 
 def test_rope_scalings_rescale_the_frequencies():

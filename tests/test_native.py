@@ -450,6 +450,56 @@ def test_cached_attention_skips_padding_positions(isa, T):
       np.testing.assert_array_equal(got[b, start + count:], before[b, start + count:])
 
 
+def _windowed_attention(qkv, keys, values, starts, freqs, scale, window, softcap):
+  """numpy: the attention outputs of `attention.reference`'s rotated queries and written caches,
+  query by query over the slots its window keeps, scores capped: the options' meaning written
+  out, independent of `attend`'s masks."""
+  B, T, _, H = qkv.shape
+  K = keys.shape[2]
+  _, keys, values = jax.tree.map(np.asarray, attention.reference(qkv, keys, values, starts, freqs))
+  positions = np.asarray(starts)[:, None] + np.arange(T)[None]
+  q = np.asarray(attention.rope(jnp.asarray(qkv[:, :, :-2 * K]), jnp.asarray(positions), freqs))
+  G = q.shape[2] // K
+  out = np.zeros((B, T, K, G, H), np.float32)
+  for b, t, n in np.ndindex(B, T, K * G):
+    p = positions[b, t]
+    seen = np.arange(max(0, p - window + 1) if window else 0, p + 1)
+    scores = keys[b, seen, n // G].astype(np.float64) @ q[b, t, n] * scale
+    if softcap:
+      scores = softcap * np.tanh(scores / softcap)
+    probs = np.exp(scores - scores.max())
+    out[b, t, n // G, n % G] = probs / probs.sum() @ values[b, seen, n // G]
+  return out
+
+
+@pytest.mark.parametrize('isa', ISAS)
+@pytest.mark.parametrize('T', [1, 5, 20])
+def test_cached_attention_window_softcap_and_scale(isa, T):
+  """A sliding window (1, shorter than the cache in use, longer than every position), Gemma 2's
+  soft-capped scores and a scale other than 1 / sqrt(H): XLA's ops and the kernel against the
+  options written out (`_windowed_attention`). One position goes a row at a time, 20 a kv head
+  at a time in blocks of 16."""
+  B, S, K, G, H = 4, 48, 2, 3, 16
+  keys, values = _normal(0, (B, S, K, H)), _normal(1, (B, S, K, H))
+  qkv = _normal(2, (B, T, K * G + 2 * K, H), scale=3.0)
+  starts = np.array([0, 7, S - T, 19], np.int32)
+  for window, softcap, scale in ((1, None, None), (6, 2.0, 0.3), (9, None, 0.5),
+                                 (200, 5.0, None)):
+    options = dict(scale=scale, window=window, softcap=softcap)
+    want = _windowed_attention(qkv, keys, values, starts, _freqs(qkv), scale or H**-0.5, window,
+                               softcap)
+    for path in ('xla', 'kernel'):
+      kernel = attention._kernel  # pylint: disable=protected-access
+      call = attention.reference if path == 'xla' else functools.partial(
+          kernel, isa=isa, counts_B=np.zeros((0,), np.int32))
+      got, _, _ = jax.jit(lambda *a, call=call: call(*a[:4], freqs_H2=_freqs(qkv), **options))(
+          qkv, keys, values, starts)
+      np.testing.assert_allclose(got, want, rtol=5e-5, atol=5e-5,
+                                 err_msg=f'{path}, window {window}, softcap {softcap}')
+  with pytest.raises(ValueError, match='window must be'):
+    attention.cached_attention(qkv, keys, values, starts, rope_freqs=_freqs(qkv), window=0)
+
+
 def test_cached_attention_writes_in_place_or_copies():
   """Donated caches are written in place; kept ones are copied first and stay unchanged."""
   B, S, K, G, H = 2, 16, 2, 2, 8

@@ -8,8 +8,9 @@ over the layers' parameters and caches stacked on a leading axis; its logits are
 model's up to rounding. `scanned_program` is its loop of one-position steps, as
 `decode.extend_program` is the model's.
 
-Only XLA's path of rotary models without learned positions (the native CPU kernels read packed
-per-layer weights). Stacking copies the parameters once, outside the timed programs.
+Only XLA's path of rotary models without learned positions whose layers all attend alike (the
+native CPU kernels read packed per-layer weights; `global_layers` differ from the others).
+Stacking copies the parameters once, outside the timed programs.
 """
 
 import jax
@@ -29,6 +30,9 @@ def stack_layers(config: models.TransformerConfig, params) -> tuple[dict, dict]:
 def scanned_extend(config, others, stacked, k_LxBxSxKxH, v_LxBxSxKxH, lengths_B, tokens_BxT):
   """`models.extend` with the layers scanned: (float32[B, T, V], keys, values), the caches
   stacked like the layers."""
+  if config.global_layers:
+    raise ValueError('Scanned layers compute alike: a model with global_layers '
+                     f'{config.global_layers} among sliding ones runs unrolled.')
   T = tokens_BxT.shape[1]
   positions_BxT = lengths_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
 

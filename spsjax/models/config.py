@@ -56,8 +56,9 @@ class RopeScaling:
 class TransformerConfig:
   """Decoder-only transformer: RoPE, pre-norm RMSNorm, MHA/GQA/MQA, gated-SiLU, gated-GELU or
   GELU MLP; optionally q/k/v biases (Qwen2), query and key norms (Qwen3), embeddings scaled by
-  sqrt(d_model) (Gemma), and GPT-2's LayerNorm, learned positions and biases on every other
-  projection."""
+  sqrt(d_model) (Gemma), sliding windows on some or all layers (Mistral, Gemma 2 and 3), soft-capped
+  scores and logits, post-norms and another score scale (Gemma 2), and GPT-2's LayerNorm, learned
+  positions and biases on every other projection."""
 
   vocab_size: int
   d_model: int
@@ -78,6 +79,22 @@ class TransformerConfig:
   # heads), after the projection and before the rotation (Qwen3).
   qk_norm: bool = False
   embed_scale: bool = False  # Token embeddings times sqrt(d_model), in `dtype` (Gemma).
+  # A sliding attention window (Mistral, Phi-3, Gemma 2's and 3's local layers): a query sees its
+  # own position and the window - 1 before it, on every layer but `global_layers`, whose queries
+  # see every earlier position. None: every layer attends globally.
+  sliding_window: int | None = None
+  global_layers: tuple[int, ...] = ()  # A list (a checkpoint's JSON) becomes a tuple.
+  # The rotary base of the sliding layers (Gemma 3's local base), unscaled; the global layers
+  # keep rope_base and rope_scaling. None: rope_base and rope_scaling on every layer.
+  local_rope_base: float | None = None
+  query_scale: float | None = None  # Scores are q.k times this; None: head_dim ** -0.5.
+  # Soft-capping (Gemma 2): attention scores x (after the scale), then the output logits, become
+  # cap tanh(x / cap). None: no capping.
+  attn_softcap: float | None = None
+  logit_softcap: float | None = None
+  # RMSNorms of the attention's and the MLP's outputs before each residual add, besides the
+  # pre-norms (Gemma 2 and 3): scales `attn_post_norm` and `mlp_post_norm` of each layer.
+  post_norms: bool = False
   dense_bias: bool = False  # Biases on the attention output and both MLP products (GPT-2).
   norm: str = 'rms'  # 'rms' or 'layer' (LayerNorm with a bias, GPT-2).
   position: str = 'rope'  # 'rope' (rotary) or 'learned' (a table of max_seq_len rows, GPT-2).
@@ -104,6 +121,22 @@ class TransformerConfig:
                                           or self.position != 'rope'):
       raise ValueError(f'rope_scaling must be a RopeScaling (or its dict) of a rotary model, got '
                        f'{self.rope_scaling!r} with position {self.position!r}.')
+    object.__setattr__(self, 'global_layers', tuple(self.global_layers))
+    if self.sliding_window is not None and self.sliding_window < 1:
+      raise ValueError(f'sliding_window must be >= 1 (or None), got {self.sliding_window}.')
+    if self.global_layers and (self.sliding_window is None or list(self.global_layers) != sorted(
+        set(self.global_layers)) or not 0 <= self.global_layers[0] <= self.global_layers[-1]
+                               < self.num_layers):
+      raise ValueError(f'global_layers must be increasing layer indices in [0, num_layers='
+                       f'{self.num_layers}) of a model with a sliding_window, got '
+                       f'{self.global_layers} with window {self.sliding_window}.')
+    if self.local_rope_base is not None and (self.sliding_window is None
+                                             or self.position != 'rope'):
+      raise ValueError('local_rope_base is the rotary base of sliding layers: it needs a '
+                       'sliding_window and rotary positions.')
+    for name in ('query_scale', 'attn_softcap', 'logit_softcap', 'local_rope_base'):
+      if getattr(self, name) is not None and not getattr(self, name) > 0:
+        raise ValueError(f'{name} must be > 0 (or None), got {getattr(self, name)}.')
     for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'max_seq_len'):
       if getattr(self, name) < 1:
         raise ValueError(f'TransformerConfig.{name} must be >= 1, got {getattr(self, name)}.')
@@ -137,6 +170,10 @@ class TransformerConfig:
     if self.kernels == 'native' and (self.dtype != 'float32' or self.gpt2_style):
       raise ValueError(f'The native kernels compute float32 models without GPT-2 options; this '
                        f'one has dtype {self.dtype}, GPT-2 options {self.gpt2_style}.')
+
+  def window(self, layer: int) -> int | None:
+    """Layer `layer`'s sliding window, None where it attends globally."""
+    return None if layer in self.global_layers else self.sliding_window
 
   @property
   def kv_heads(self) -> int:

@@ -44,8 +44,9 @@ KINDS = ('feature', 'heads')
 
 def head_config(target: TransformerConfig, num_layers: int = 1) -> TransformerConfig:
   """A head's config for `target`: its width, heads, MLP and vocabulary, `num_layers` blocks
-  (or heads), XLA's kernels."""
-  return dataclasses.replace(target, num_layers=num_layers, kernels='xla')
+  (or heads), XLA's kernels, attention over every earlier position (no sliding window)."""
+  return dataclasses.replace(target, num_layers=num_layers, kernels='xla', sliding_window=None,
+                             global_layers=(), local_rope_base=None)
 
 
 class _Fuse(nn.Module):

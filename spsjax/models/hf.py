@@ -1,11 +1,11 @@
-"""Hugging Face checkpoints in and out: Llama-family, Qwen2, Qwen3, Phi-3, Gemma and GPT-2
-directories as `Model`s, and Llama directories back.
+"""Hugging Face checkpoints in and out: Llama-family, Qwen2, Qwen3, Phi-3, Gemma (1, 2 and 3's
+text models) and GPT-2 directories as `Model`s, and Llama directories back.
 
 A checkpoint directory holds `config.json` and safetensors weights: `model.safetensors`, or shards
 listed by `model.safetensors.index.json`. `load` maps the config to a `TransformerConfig`, refusing
 by name every field whose value would make a different model than ours computes (rope scalings
 other than linear and Llama 3's, attention other than full or sliding, biases we do not have,
-other activations; a sliding window caps max_seq_len, `config_from_hf`), reads each tensor with
+other activations: `config_from_hf`), reads each tensor with
 numpy, puts it into our layout and onto the mesh by the rules table one tensor at a time (each
 process builds only its own devices' shards). `save_llama` writes a model as a
 `LlamaForCausalLM` directory.
@@ -13,8 +13,9 @@ process builds only its own devices' shards). `save_llama` writes a model as a
 Layouts. HF linear weights are [out, in]; ours are [in, out] with heads split:
 q_proj [N H, D] -> wq [D, N, H]; k_proj, v_proj [K H, D] -> [D, K, H]; o_proj [D, N H] ->
 wo [N, H, D]; gate_proj, up_proj [F, D] -> w_gate, w_in [D, F]; down_proj [D, F] -> w_out [F, D];
-lm_head [V, D] -> head [D, V]; Qwen3's q_norm, k_norm [H] -> q_norm, k_norm; Gemma's norms
-scale by 1 + weight, which is stored as our scale. Both use the
+lm_head [V, D] -> head [D, V]; Qwen3's (and Gemma 3's) q_norm, k_norm [H] -> q_norm, k_norm;
+Gemma's norms scale by 1 + weight, which is stored as our scale, and Gemma 2's and 3's four a
+layer are attn_norm, attn_post_norm, mlp_norm, mlp_post_norm. Both use the
 half-split rotary convention (rotate_half), so q and k need no permutation. GPT-2's Conv1D
 weights are already [in, out]: c_attn [D, 3 D] splits into wq, wk, wv; c_proj, c_fc and the
 MLP's c_proj map to wo, w_in and w_out; biases, LayerNorm biases and the position table (wpe) map
@@ -43,7 +44,8 @@ from spsjax.models.packing import unfuse, unpack
 CONFIG = 'config.json'
 WEIGHTS = 'model.safetensors'
 INDEX = 'model.safetensors.index.json'
-LLAMA_TYPES = ('llama', 'mistral', 'qwen2', 'qwen3', 'phi3', 'gemma')
+GEMMA_TYPES = ('gemma', 'gemma2', 'gemma3_text')
+LLAMA_TYPES = ('llama', 'mistral', 'qwen2', 'qwen3', 'phi3') + GEMMA_TYPES
 MODEL_TYPES = LLAMA_TYPES + ('gpt2',)
 
 
@@ -74,17 +76,36 @@ _ROPE_SCALING_FIELDS = {
 }
 
 
+def _local_rope_base(hf: dict) -> float | None:
+  """The sliding layers' own rotary base (Gemma 3: `rope_local_base_freq`, or transformers 5's
+  `rope_parameters['sliding_attention']`, which must be unscaled), None where they have none."""
+  params = hf.get('rope_parameters') or {}
+  local = params.get('sliding_attention')
+  if isinstance(local, dict):
+    if local.get('rope_type', local.get('type', 'default')) != 'default':
+      raise UnsupportedCheckpoint(f'{CONFIG}: scaled rope parameters of the sliding layers '
+                                  f'({local}) are not supported.')
+    return float(local.get('rope_theta', 10_000.0))
+  base = hf.get('rope_local_base_freq', 10_000.0 if hf.get('model_type') == 'gemma3_text'
+                else None)
+  return None if base is None else float(base)
+
+
 def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
   """The rotary base and scaling, from `rope_theta` and `rope_scaling` (Llama 3.1 and 3.2 on the
-  Hub) or from `rope_parameters` (transformers 5 writes that); as in transformers, llama3's
+  Hub) or from `rope_parameters` (transformers 5 writes that; per layer type, the global layers'
+  `full_attention` entry: the sliding ones' is `_local_rope_base`); as in transformers, llama3's
   `original_max_position_embeddings` is the config's own where it has one, then the scaling's,
   then `max_position_embeddings`. Scalings other than 'linear' and 'llama3' ('dynamic' changes
-  with the length; 'yarn' and 'longrope' also scale the attention), per-layer parameters and
-  partial rotations are refused."""
+  with the length; 'yarn' and 'longrope' also scale the attention), parameters of other layer
+  types and partial rotations are refused."""
   params = hf.get('rope_parameters') or {}
   if any(isinstance(value, dict) for value in params.values()):
-    raise UnsupportedCheckpoint(f'{CONFIG}: rope_parameters per layer type '
-                                f'({sorted(params)}) are not supported.')
+    if set(params) - {'full_attention', 'sliding_attention'}:
+      raise UnsupportedCheckpoint(f'{CONFIG}: rope_parameters per layer type '
+                                  f'({sorted(params)}) are not supported (full_attention and '
+                                  f'sliding_attention are).')
+    params = params.get('full_attention') or {}
   scaling = params if params.get('rope_type', params.get('type', 'default')) != 'default' else (
       hf.get('rope_scaling') or {})
   kind = scaling.get('rope_type', scaling.get('type', 'default'))
@@ -96,7 +117,8 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
       raise UnsupportedCheckpoint(f'{CONFIG}: partial_rotary_factor='
                                   f'{where["partial_rotary_factor"]!r} is not supported (every '
                                   f'head dim is rotated).')
-  base = float(params.get('rope_theta', hf.get('rope_theta', 10_000.0)))
+  default = 1_000_000.0 if hf.get('model_type') == 'gemma3_text' else 10_000.0
+  base = float(params.get('rope_theta', hf.get('rope_theta', default)))
   if kind == 'default':
     return base, None
   original = 'original_max_position_embeddings'
@@ -119,51 +141,88 @@ def _rope_scaling_json(scaling: RopeScaling | None) -> dict:
       theirs: getattr(scaling, ours) for ours, theirs in fields.items()}))
 
 
-def config_from_hf(hf: dict, dtype: str = 'float32') -> TransformerConfig:
-  """Our config for a Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma or GPT-2 `config.json` (a dict).
+def _layer_kinds(hf: dict, model_type: str) -> tuple[int | None, tuple[int, ...]]:
+  """(the sliding window, the layers that attend globally): from `layer_types` where the config
+  has them (transformers 5 writes them), else as transformers places the window: every layer
+  (Mistral, Phi-3), every other one from the first (Gemma 2), all but every
+  `sliding_window_pattern`-th (Gemma 3), the layers from `max_window_layers` on with
+  `use_sliding_window` (Qwen)."""
+  window = hf.get('sliding_window', 4096 if model_type in ('gemma2', 'gemma3_text') else None)
+  L = hf['num_hidden_layers']
+  kinds = hf.get('layer_types')
+  if model_type in ('qwen2', 'qwen3') and not hf.get('use_sliding_window'):
+    window = None  # Qwen's window applies only with use_sliding_window.
+  if kinds is None and window is not None:
+    sliding = {
+        'gemma2': lambda i: i % 2 == 0,
+        'gemma3_text': lambda i: (i + 1) % hf.get('sliding_window_pattern', 6) != 0,
+        'qwen2': lambda i: i >= hf.get('max_window_layers', 0),
+        'qwen3': lambda i: i >= hf.get('max_window_layers', 0),
+    }.get(model_type, lambda i: True)
+    kinds = ['sliding_attention' if sliding(i) else 'full_attention' for i in range(L)]
+  kinds = list(kinds or ['full_attention'] * L)
+  if set(kinds) - {'full_attention', 'sliding_attention'} or len(kinds) != L or (
+      'sliding_attention' in kinds and window is None):
+    raise UnsupportedCheckpoint(f'{CONFIG}: layer_types={sorted(set(kinds))} for {L} layers is '
+                                f'not supported (full attention, or sliding attention with a '
+                                f'sliding_window).')
+  if 'sliding_attention' not in kinds:
+    return None, ()
+  return int(window), tuple(i for i, kind in enumerate(kinds) if kind == 'full_attention')
 
-  A sliding attention window (Mistral 7B v0.1, Phi-3, Qwen's `use_sliding_window`) caps
-  `max_seq_len` at the window: every earlier position then lies inside a query's window, so the
-  global attention we compute is the model's up to there, and longer sequences are refused."""
+
+def config_from_hf(hf: dict, dtype: str = 'float32') -> TransformerConfig:
+  """Our config for a Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma (1, 2, 3's text models) or GPT-2
+  `config.json` (a dict). Sliding windows are the model's, on its layers (`_layer_kinds`)."""
   model_type = hf.get('model_type')
+  if model_type == 'gemma3':
+    raise UnsupportedCheckpoint(f'{CONFIG}: model_type=\'gemma3\' is Gemma 3\'s image and text '
+                                f'model; its text-only checkpoints (gemma3_text: Gemma 3 1B, '
+                                f'Gemma3ForCausalLM) are supported.')
   if model_type not in MODEL_TYPES:
     raise UnsupportedCheckpoint(f'{CONFIG}: model_type={model_type!r} is not supported; '
                                 f'supported: {list(MODEL_TYPES)}.')
   if model_type == 'gpt2':
     return _gpt2_config(hf, dtype)
-  if model_type == 'gemma':  # transformers reads Gemma's legacy 'gelu' as the tanh form too.
+  gemma = model_type in GEMMA_TYPES
+  if gemma:  # transformers reads Gemma's legacy 'gelu' as the tanh form too.
     _refuse(dict(hidden_act=hf.get('hidden_activation') or hf.get('hidden_act')), 'hidden_act',
             ('gelu', 'gelu_pytorch_tanh'), "Gemma's gated MLP is GELU's tanh form")
   else:
     _refuse(hf, 'hidden_act', ('silu',), 'the gated MLP is SiLU-gated')
   _refuse(hf, 'mlp_bias', (None, False), 'the MLP has no biases')
   _refuse(hf, 'attention_bias', (None, False), 'q/k/v biases only come with Qwen2, o_proj has none')
-  window = hf.get('sliding_window')
-  if model_type in ('qwen2', 'qwen3') and not hf.get('use_sliding_window'):
-    window = None  # Qwen's window applies only with use_sliding_window.
-  kinds = set(hf.get('layer_types') or ())
-  if kinds - {'full_attention', 'sliding_attention'} or ('sliding_attention' in kinds
-                                                         and window is None):
-    raise UnsupportedCheckpoint(f'{CONFIG}: layer_types={sorted(kinds)} is not supported (full '
-                                f'attention, or sliding attention with a sliding_window).')
-  max_seq_len = hf['max_position_embeddings']
-  if window is not None:
-    max_seq_len = min(max_seq_len, int(window))
+  window, global_layers = _layer_kinds(hf, model_type)
   rope_base, rope_scaling = _rope(hf)
+  local_rope_base = _local_rope_base(hf) if window is not None else None
   num_heads = hf['num_attention_heads']
   num_kv_heads = hf.get('num_key_value_heads') or num_heads
   head_dim = hf.get('head_dim')
   if head_dim == hf['hidden_size'] // num_heads:
     head_dim = None
+  dims_per_head = head_dim or hf['hidden_size'] // num_heads
+  query_scalar, caps = None, {}
+  if model_type in ('gemma2', 'gemma3_text'):  # transformers' defaults where a field is absent.
+    _refuse(hf, 'use_bidirectional_attention', (None, False), 'attention is causal')
+    query_scalar = hf.get('query_pre_attn_scalar', 256)
+    defaults = (50.0, 30.0) if model_type == 'gemma2' else (None, None)
+    caps = {ours: hf.get(theirs, default) for ours, theirs, default in zip(
+        ('attn_softcap', 'logit_softcap'),
+        ('attn_logit_softcapping', 'final_logit_softcapping'), defaults)}
+    caps = {ours: None if cap is None else float(cap) for ours, cap in caps.items()}
   return TransformerConfig(
       vocab_size=hf['vocab_size'], d_model=hf['hidden_size'], num_layers=hf['num_hidden_layers'],
       num_heads=num_heads, num_kv_heads=None if num_kv_heads == num_heads else num_kv_heads,
-      d_ff=hf['intermediate_size'], max_seq_len=max_seq_len, dtype=dtype, head_dim=head_dim,
-      mlp='gated_gelu' if model_type == 'gemma' else 'gated_silu',
-      tie_embeddings=bool(hf.get('tie_word_embeddings', model_type == 'gemma')),
+      d_ff=hf['intermediate_size'], max_seq_len=hf['max_position_embeddings'], dtype=dtype,
+      head_dim=head_dim, mlp='gated_gelu' if gemma else 'gated_silu',
+      tie_embeddings=bool(hf.get('tie_word_embeddings', gemma)),
       rope_base=rope_base, rope_scaling=rope_scaling, norm_eps=float(hf['rms_norm_eps']),
-      qkv_bias=model_type == 'qwen2', qk_norm=model_type == 'qwen3',
-      embed_scale=model_type == 'gemma')
+      qkv_bias=model_type == 'qwen2', qk_norm=model_type in ('qwen3', 'gemma3_text'),
+      embed_scale=gemma, sliding_window=window, global_layers=global_layers,
+      local_rope_base=local_rope_base,
+      query_scale=(None if query_scalar is None or query_scalar == dims_per_head
+                   else float(query_scalar)**-0.5),
+      post_norms=model_type in ('gemma2', 'gemma3_text'), **caps)
 
 
 def _gpt2_config(hf: dict, dtype: str) -> TransformerConfig:
@@ -242,7 +301,7 @@ def _layout(config: TransformerConfig, model_type: str = 'llama'
   c_attn, Phi-3's qkv_proj and gate_up_proj)."""
   if config.gpt2_style:
     return _gpt2_layout(config)
-  if model_type == 'gemma':
+  if model_type in GEMMA_TYPES:
     return _gemma_layout(config)
   return _phi3_layout(config) if model_type == 'phi3' else _llama_layout(config)
 
@@ -312,9 +371,17 @@ def _phi3_layout(config: TransformerConfig) -> dict[str, tuple[Entry, ...]]:
 
 def _gemma_layout(config: TransformerConfig) -> dict[str, tuple[Entry, ...]]:
   """Llama's, but each RMSNorm scales by 1 + its stored weight (float32, as transformers adds
-  it)."""
+  it); with post-norms (Gemma 2 and 3) post_attention_layernorm norms the attention's output and
+  pre_ / post_feedforward_layernorm the MLP's input and output."""
   one_plus = lambda w: np.float32(1.0) + w.astype(np.float32)
   out = _llama_layout(config)
+  if config.post_norms:
+    for i in range(config.num_layers):
+      hf, ours = f'model.layers.{i}.', f'layer_{i}'
+      out.update({
+          hf + 'post_attention_layernorm.weight': (((ours, 'attn_post_norm', 'scale'), None),),
+          hf + 'pre_feedforward_layernorm.weight': (((ours, 'mlp_norm', 'scale'), None),),
+          hf + 'post_feedforward_layernorm.weight': (((ours, 'mlp_post_norm', 'scale'), None),)})
   for name, ((ours, _),) in list(out.items()):
     if name.endswith(('norm.weight', 'layernorm.weight')):
       out[name] = ((ours, one_plus),)
@@ -424,13 +491,15 @@ def load(path: str, *, mesh: Mesh | None = None, rules: sharding.Rules = shardin
 def hf_config(config: TransformerConfig, **extra) -> dict:
   """The `LlamaForCausalLM` config.json of a model (gated SiLU MLP, RMSNorm, rotary, no
   biases); `extra` adds fields such as token ids."""
-  if (config.mlp != 'gated_silu' or config.qkv_bias or config.qk_norm or config.embed_scale
-      or config.gpt2_style):
-    raise UnsupportedCheckpoint(f'Only a gated-SiLU model without biases, query and key norms or '
-                                f'scaled embeddings exports as Llama; this one has '
-                                f'mlp={config.mlp!r}, qkv_bias={config.qkv_bias}, '
-                                f'qk_norm={config.qk_norm}, embed_scale={config.embed_scale}, '
-                                f'GPT-2 options {config.gpt2_style}.')
+  others = {name: getattr(config, name) for name in (
+      'qkv_bias', 'qk_norm', 'embed_scale', 'sliding_window', 'query_scale', 'attn_softcap',
+      'logit_softcap', 'post_norms') if getattr(config, name)}
+  if config.mlp != 'gated_silu' or others or config.gpt2_style:
+    raise UnsupportedCheckpoint(f'Only a gated-SiLU model without biases, query and key norms, '
+                                f'scaled embeddings, sliding windows or Gemma 2\'s options '
+                                f'exports as Llama; this one has mlp={config.mlp!r}, '
+                                + ''.join(f'{name}={value!r}, ' for name, value in others.items())
+                                + f'GPT-2 options {config.gpt2_style}.')
   return dict(
       architectures=['LlamaForCausalLM'], model_type='llama', vocab_size=config.vocab_size,
       hidden_size=config.d_model, intermediate_size=config.ff_dim,

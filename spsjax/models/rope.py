@@ -21,8 +21,12 @@ from spsjax import native
 from spsjax.models.config import TransformerConfig
 
 
-def frequencies(config: TransformerConfig) -> jax.Array:
-  """float32[H / 2]: the rotary frequencies of `config` (module docstring)."""
+def frequencies(config: TransformerConfig, layer: int | None = None) -> jax.Array:
+  """float32[H / 2]: the rotary frequencies of `config` (module docstring); a sliding layer
+  `layer` of a model with a `local_rope_base` (Gemma 3) rotates by that base's, unscaled."""
+  if (layer is not None and config.local_rope_base is not None
+      and config.window(layer) is not None):
+    return native.rope_frequencies(config.dims_per_head, config.local_rope_base)
   freqs_H2 = native.rope_frequencies(config.dims_per_head, config.rope_base)
   scaling = config.rope_scaling
   if scaling is None:

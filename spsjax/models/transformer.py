@@ -158,13 +158,18 @@ class Attention(nn.Module):
   compute them). After `keep_BxL`, the kept positions that are real count (`_kept_counts`).
   A stream of more positions than `positions_BxT` has (`single_row` 'stream': a single row carried
   as two) gives the extra ones no keys, values or attention: they get zero attention output.
+  Layer `layer`'s window and rotary frequencies are the config's for it; `post_norm` (Gemma 2's)
+  norms the output before the residual add.
   """
   config: TransformerConfig
+  layer: int = 0
 
   @nn.compact
   def __call__(self, x_BxTxD, norm: RMSNorm, positions_BxT, layer_cache, keep_BxL=None,
-               counts_B=None):
+               counts_B=None, post_norm: RMSNorm | None = None):
     c = self.config
+    freqs_H2 = rope.frequencies(c, self.layer)
+    options = dict(scale=c.query_scale, window=c.window(self.layer), softcap=c.attn_softcap)
     D, N, K, H, dt = c.d_model, c.num_heads, c.kv_heads, c.dims_per_head, c.jnp_dtype
     packed = c.kernels == 'native'
     B, rows = x_BxTxD.shape[:2]
@@ -203,8 +208,8 @@ class Attention(nn.Module):
         qkv_BxTxMxH = jnp.concatenate([*norm_qk(q_BxTxNxH, k_BxTxKxH), v_BxTxKxH], axis=2)
       cache_k, cache_v, starts_B = layer_cache
       out_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH = native.cached_attention(
-          qkv_BxTxMxH, cache_k, cache_v, starts_B, rope_freqs=rope.frequencies(c),
-          counts_B=counts_B)
+          qkv_BxTxMxH, cache_k, cache_v, starts_B, rope_freqs=freqs_H2, counts_B=counts_B,
+          **options)
       out_BxTxKxGxH = out_BxTxKxGxH.astype(dt)
     else:
       if packed:  # A full causal pass: XLA's attention after the packed product.
@@ -226,7 +231,6 @@ class Attention(nn.Module):
       if c.qk_norm:
         q_BxTxNxH, k_BxTxKxH = norm_qk(q_BxTxNxH, k_BxTxKxH)
       if c.position == 'rope':
-        freqs_H2 = rope.frequencies(c)
         q_BxTxNxH = native.rope(q_BxTxNxH, positions_BxT, freqs_H2)
         k_BxTxKxH = native.rope(k_BxTxKxH, positions_BxT, freqs_H2)
       q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, N // K, H)
@@ -239,7 +243,7 @@ class Attention(nn.Module):
         key_pos_BxS = jnp.broadcast_to(jnp.arange(keys_BxSxKxH.shape[1]),
                                        keys_BxSxKxH.shape[:2])
       out_BxTxKxGxH = native.attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT,
-                                    key_pos_BxS)
+                                    key_pos_BxS, **options)
     # One contracting dim of N * H: wo is then only reshaped. With (N, H) contracted as two dims,
     # XLA's CPU layout assignment transposes wo instead of the small activation, a copy of the
     # weight on every call that it does not hoist out of the decode loop.
@@ -248,41 +252,39 @@ class Attention(nn.Module):
       out_BxTxF, x_BxTxD = (jnp.take_along_axis(a, keep_BxL[:, :, None], axis=1)
                             for a in (out_BxTxF, x_BxTxD))
       counts_B = _kept_counts(keep_BxL, counts_B)
-    if not packed:
-      x_BxTxD = x_BxTxD + project(c, 'BTF,FD->BTD', out_BxTxF, wo.reshape(N * H, D))
-      if c.dense_bias:
-        x_BxTxD = x_BxTxD + _param(self, 'bo', (D,), ('embed',), 1, dt, zeros=True)[None, None]
-    else:
-      x_BxTxD = native.matmul(out_BxTxF, wo, residual=x_BxTxD, counts=counts_B).astype(dt)
-    return x_BxTxD, (keys_BxSxKxH, values_BxSxKxH)
+    if packed:
+      return (_packed_output(x_BxTxD, out_BxTxF, wo, post_norm, counts_B, dt),
+              (keys_BxSxKxH, values_BxSxKxH))
+    out_BxTxD = project(c, 'BTF,FD->BTD', out_BxTxF, wo.reshape(N * H, D))
+    if c.dense_bias:
+      out_BxTxD = out_BxTxD + _param(self, 'bo', (D,), ('embed',), 1, dt, zeros=True)[None, None]
+    return _residual(x_BxTxD, out_BxTxD, post_norm), (keys_BxSxKxH, values_BxSxKxH)
 
 
 class Mlp(nn.Module):
   """Gated SiLU, gated GELU or GELU MLP; like `Attention`, takes the stream and its norm (and
-  `counts_B`), returns the stream."""
+  `counts_B`, `post_norm`), returns the stream."""
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD, norm: RMSNorm, counts_B=None):
+  def __call__(self, x_BxTxD, norm: RMSNorm, counts_B=None, post_norm: RMSNorm | None = None):
     c = self.config
     D, F, dt = c.d_model, c.ff_dim, c.jnp_dtype
     packed = c.kernels == 'native'
     if packed and c.mlp == 'gated_silu':  # One product for the gate and the input.
       gate_in_BxTx2xF = native.matmul(x_BxTxD, _packed(self, 'w_gate_in'), norm=norm.fused,
                                       counts=counts_B)
-      return native.matmul(gate_in_BxTx2xF, _packed(self, 'w_out'), gated=True,
-                           residual=x_BxTxD, counts=counts_B).astype(dt)
+      return _packed_output(x_BxTxD, gate_in_BxTx2xF, _packed(self, 'w_out'), post_norm,
+                            counts_B, dt, gated=True)
     if packed and c.mlp == 'gated_gelu':  # The gating by XLA's ops between the two products.
       gate_in_BxTx2xF = native.matmul(x_BxTxD, _packed(self, 'w_gate_in'), norm=norm.fused,
                                       counts=counts_B).astype(dt)
       h_BxTxF = jax.nn.gelu(gate_in_BxTx2xF[:, :, 0]) * gate_in_BxTx2xF[:, :, 1]
-      return native.matmul(h_BxTxF, _packed(self, 'w_out'), residual=x_BxTxD,
-                           counts=counts_B).astype(dt)
+      return _packed_output(x_BxTxD, h_BxTxF, _packed(self, 'w_out'), post_norm, counts_B, dt)
     if packed:  # GELU.
       h_BxTxF = jax.nn.gelu(native.matmul(x_BxTxD, _packed(self, 'w_in'), norm=norm.fused,
                                           counts=counts_B).astype(dt))
-      return native.matmul(h_BxTxF, _packed(self, 'w_out'), residual=x_BxTxD,
-                           counts=counts_B).astype(dt)
+      return _packed_output(x_BxTxD, h_BxTxF, _packed(self, 'w_out'), post_norm, counts_B, dt)
     h_BxTxD = norm(x_BxTxD)
     if c.kernels == 'xla_fused' and c.mlp in GATED_MLPS:  # One product, gate then input.
       w_gate_in = _param(self, 'w_gate_in', (D, 2, F), ('embed', None, 'mlp'), D, dt)
@@ -308,20 +310,40 @@ class Mlp(nn.Module):
     out_BxTxD = project(c, 'BTF,FD->BTD', h_BxTxF, w_out)
     if c.dense_bias:
       out_BxTxD = out_BxTxD + _param(self, 'b_out', (D,), ('embed',), 1, dt, zeros=True)[None, None]
-    return x_BxTxD + out_BxTxD
+    return _residual(x_BxTxD, out_BxTxD, post_norm)
+
+
+def _residual(x_BxTxD, out_BxTxD, post_norm: RMSNorm | None) -> jax.Array:
+  """The stream plus a block's output, the output normed first where the model has post-norms."""
+  return x_BxTxD + (out_BxTxD if post_norm is None else post_norm(out_BxTxD))
+
+
+def _packed_output(x_BxTxD, h_BxTxF, w: native.PackedWeight, post_norm: RMSNorm | None,
+                   counts_B, dtype, **options) -> jax.Array:
+  """A block's output product on the packed kernels and its residual add: in the kernel, or with
+  a post-norm by XLA's ops after it (`options`: `native.matmul`'s, e.g. `gated`)."""
+  if post_norm is None:
+    return native.matmul(h_BxTxF, w, residual=x_BxTxD, counts=counts_B, **options).astype(dtype)
+  out_BxTxD = native.matmul(h_BxTxF, w, counts=counts_B, **options).astype(dtype)
+  return _residual(x_BxTxD, out_BxTxD, post_norm)
 
 
 class Block(nn.Module):
+  """Layer `layer`: attention and MLP, each pre-normed (and post-normed: `post_norms`)."""
   config: TransformerConfig
+  layer: int = 0
 
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, layer_cache, keep_BxL=None, counts_B=None):
-    x_BxTxD, new_kv = Attention(self.config, name='attn')(
-        x_BxTxD, RMSNorm(self.config, name='attn_norm'), positions_BxT, layer_cache, keep_BxL,
-        counts_B)
-    x_BxTxD = Mlp(self.config, name='mlp')(
-        x_BxTxD, RMSNorm(self.config, name='mlp_norm'),
-        counts_B if keep_BxL is None else _kept_counts(keep_BxL, counts_B))
+    c = self.config
+    post_norm = lambda name: RMSNorm(c, name=name) if c.post_norms else None
+    x_BxTxD, new_kv = Attention(c, self.layer, name='attn')(
+        x_BxTxD, RMSNorm(c, name='attn_norm'), positions_BxT, layer_cache, keep_BxL, counts_B,
+        post_norm('attn_post_norm'))
+    x_BxTxD = Mlp(c, name='mlp')(
+        x_BxTxD, RMSNorm(c, name='mlp_norm'),
+        counts_B if keep_BxL is None else _kept_counts(keep_BxL, counts_B),
+        post_norm('mlp_post_norm'))
     return x_BxTxD, new_kv
 
 
@@ -365,8 +387,8 @@ class Transformer(nn.Module):
       layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.lengths)
       # x is then [B, L, D]; features are wanted at every position.
       keep_BxL = logits_at_BxL if i == c.num_layers - 1 and not (features or streams) else None
-      x_BxTxD, (k, v) = Block(c, name=f'layer_{i}')(x_BxTxD, positions_BxT, layer_cache,
-                                                   keep_BxL, counts_B)
+      x_BxTxD, (k, v) = Block(c, i, name=f'layer_{i}')(x_BxTxD, positions_BxT, layer_cache,
+                                                      keep_BxL, counts_B)
       new_k.append(k)
       new_v.append(v)
     kv = (tuple(new_k), tuple(new_v))
@@ -403,14 +425,19 @@ def embed(config: TransformerConfig, embedding_VxD: jax.Array, tokens_BxT: jax.A
 def _output(config: TransformerConfig, final_norm: RMSNorm, embedding_VxD, head, x_BxTxD,
             counts_B=None) -> jax.Array:
   """The output layer: float32 logits of the final norm of x through the head (`head`: packed,
-  [D, V], or None for the tied table); a packed head skips rows past `counts_B`."""
+  [D, V], or None for the tied table), soft-capped where the model caps them; a packed head
+  skips rows past `counts_B`."""
   if config.kernels == 'native':
-    return native.matmul(x_BxTxD, head, norm=final_norm.fused, counts=counts_B)
-  x_BxTxD = final_norm(x_BxTxD)
-  if head is None:
-    return project(config, 'BTD,VD->BTV', x_BxTxD, embedding_VxD,
-                   preferred_element_type=jnp.float32)
-  return project(config, 'BTD,DV->BTV', x_BxTxD, head, preferred_element_type=jnp.float32)
+    logits_BxTxV = native.matmul(x_BxTxD, head, norm=final_norm.fused, counts=counts_B)
+  elif head is None:
+    logits_BxTxV = project(config, 'BTD,VD->BTV', final_norm(x_BxTxD), embedding_VxD,
+                           preferred_element_type=jnp.float32)
+  else:
+    logits_BxTxV = project(config, 'BTD,DV->BTV', final_norm(x_BxTxD), head,
+                           preferred_element_type=jnp.float32)
+  if config.logit_softcap is not None:
+    logits_BxTxV = config.logit_softcap * jnp.tanh(logits_BxTxV / config.logit_softcap)
+  return logits_BxTxV
 
 
 def output_logits(config: TransformerConfig, params, x_BxTxD: jax.Array,

@@ -4,7 +4,8 @@
 after the q/k/v product: for every row b, the T new positions starts[b] + t get the rotary
 embedding (`rope`) on their queries and keys, their keys and values are written into the cache
 at those slots (`write_rows`), and every query attends over the slots [0, starts[b] + t] (the
-causal mask of a cached call): softmax(q k^T / sqrt(H)) v. The kernel (`decode_attention.cc`)
+causal mask of a cached call; a sliding window and Gemma 2's soft-capping of the scores are
+options): softmax(q k^T / sqrt(H)) v. The kernel (`decode_attention.cc`)
 does it in one call that reads only the slots in use and writes the cache in place, where XLA's
 ops are a rotation, two cache writes and dots that read (and on XLA:CPU transpose) the whole
 cache, five dispatches per layer. Its numbers are the reference's (`reference`, the model's own
@@ -65,9 +66,13 @@ def write_rows(cache_BxSxNxH: jax.Array, new_BxTxNxH: jax.Array, starts_B: jax.A
   return jax.vmap(one_row)(cache_BxSxNxH, new_BxTxNxH, starts_B)
 
 
-def attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT, key_positions_BxS):
-  """XLA ops: each query at `positions` sees the keys at `key_positions` up to its own; scores in
-  float32. The model's attention on every path but the kernel's.
+def attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT, key_positions_BxS, *,
+           scale=None, window=None, softcap=None):
+  """XLA ops: each query at `positions` sees the keys at `key_positions` up to its own, and with
+  a `window` only those after its position - window (a sliding window: its own position and the
+  window - 1 before it); scores in float32, q.k times `scale` (None: 1 / sqrt(H)), with a
+  `softcap` then softcap tanh(score / softcap) (Gemma 2). The model's attention on every path but
+  the kernel's.
 
   The scores keep the products' natural order, S last ([B, K, T, G, S]: query dims before key
   dims, so jnp.einsum keeps q as the left operand): XLA:GPU then makes the softmax over S one
@@ -76,8 +81,13 @@ def attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT, key_positio
   """
   H = keys_BxSxKxH.shape[3]
   mask_BxTxS = key_positions_BxS[:, None, :] <= positions_BxT[:, :, None]
+  if window is not None:
+    mask_BxTxS &= key_positions_BxS[:, None, :] > positions_BxT[:, :, None] - window
   scores_BxKxTxGxS = jnp.einsum('BTKGH,BSKH->BKTGS', q_BxTxKxGxH, keys_BxSxKxH,
-                                preferred_element_type=jnp.float32) * H**-0.5
+                                preferred_element_type=jnp.float32) * (
+                                    H**-0.5 if scale is None else scale)
+  if softcap is not None:
+    scores_BxKxTxGxS = softcap * jnp.tanh(scores_BxKxTxGxS / softcap)
   scores_BxKxTxGxS = jnp.where(mask_BxTxS[:, None, :, None], scores_BxKxTxGxS,
                                jnp.finfo(jnp.float32).min)
   probs_BxKxTxGxS = jax.nn.softmax(scores_BxKxTxGxS, axis=-1).astype(values_BxSxKxH.dtype)
@@ -90,9 +100,9 @@ def _split(qkv_BxTxMxH, K):
   return jnp.split(qkv_BxTxMxH, [N, N + K], axis=2)
 
 
-def reference(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, freqs_H2):
+def reference(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, freqs_H2, **options):
   """XLA ops: what `cached_attention` computes, as the model's own rotation, writes and
-  attention."""
+  attention (`options`: `attend`'s scale, window and softcap)."""
   B, T, _, H = qkv_BxTxMxH.shape
   K = keys_BxSxKxH.shape[2]
   q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = _split(qkv_BxTxMxH, K)
@@ -101,11 +111,12 @@ def reference(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, freqs_H2):
   values_BxSxKxH = write_rows(values_BxSxKxH, v_BxTxKxH, starts_B)
   q_BxTxKxGxH = rope(q_BxTxNxH, positions_BxT, freqs_H2).reshape(B, T, K, -1, H)
   slots_BxS = jnp.broadcast_to(jnp.arange(keys_BxSxKxH.shape[1]), keys_BxSxKxH.shape[:2])
-  out = attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT, slots_BxS)
+  out = attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT, slots_BxS, **options)
   return out, keys_BxSxKxH, values_BxSxKxH
 
 
-def _kernel(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, counts_B, freqs_H2, isa):
+def _kernel(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, counts_B, freqs_H2, isa, *,
+            scale=None, window=None, softcap=None):
   B, T, M, H = qkv_BxTxMxH.shape
   K = keys_BxSxKxH.shape[2]
   out = jax.ShapeDtypeStruct((B, T, K, (M - 2 * K) // K, H), jnp.float32)
@@ -113,7 +124,8 @@ def _kernel(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, counts_B, freqs
   return jax.ffi.ffi_call('spsjax_cached_attention', (out, cache, cache),
                           vmap_method='sequential', input_output_aliases={1: 1, 2: 2})(
       qkv_BxTxMxH.astype(jnp.float32), keys_BxSxKxH, values_BxSxKxH, starts_B.astype(jnp.int32),
-      counts_B, freqs_H2, scale=np.float32(H**-0.5),
+      counts_B, freqs_H2, scale=np.float32(H**-0.5 if scale is None else scale),
+      window=np.int64(window or 0), softcap=np.float32(softcap or 0.0),
       isa=np.int32(library.isa_code(isa)))
 
 
@@ -128,12 +140,14 @@ def use_kernel(qkv_BxTxMxH, keys_BxSxKxH) -> bool:
 
 def cached_attention(qkv_BxTxMxH: jax.Array, keys_BxSxKxH: jax.Array, values_BxSxKxH: jax.Array,
                      starts_B: jax.Array, *, rope_freqs: jax.Array,
-                     counts_B: jax.Array | None = None,
+                     counts_B: jax.Array | None = None, scale: float | None = None,
+                     window: int | None = None, softcap: float | None = None,
                      isa: str = 'best') -> tuple[jax.Array, jax.Array, jax.Array]:
   """(attention outputs [B, T, K, G, H], keys, values with this call's slots written); module
   docstring. qkv holds N = K G query heads, then K key and K value heads, before the rotation by
   `rope_freqs` (float32[H / 2], `rope_frequencies` or a model's rescaled ones); the caller keeps
-  starts + T <= S.
+  starts + T <= S. `scale`, `window` and `softcap` as in `attend` (the kernel reads no slot
+  before a window).
 
   `counts_B` (a prefill of right-padded prompts): row b's positions t >= counts[b] are padding;
   their outputs and cache slots (at or past the row's length) are left unspecified. The kernel
@@ -152,9 +166,12 @@ def cached_attention(qkv_BxTxMxH: jax.Array, keys_BxSxKxH: jax.Array, values_BxS
   if rope_freqs.shape != (H // 2,):
     raise ValueError(f'rope_freqs of shape {rope_freqs.shape} for heads of {H} dims: want '
                      f'({H // 2},).')
+  if window is not None and window < 1 or softcap is not None and not softcap > 0:
+    raise ValueError(f'window must be >= 1 and softcap > 0 (or None), got {window}, {softcap}.')
+  options = dict(scale=scale, window=window, softcap=softcap)
   operands = (qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, counts_B.astype(jnp.int32),
               rope_freqs)
-  xla = lambda ops: reference(*ops[:4], ops[5])
+  xla = lambda ops: reference(*ops[:4], ops[5], **options)
   if not use_kernel(qkv_BxTxMxH, keys_BxSxKxH):
     return xla(operands)
-  return library.on_cpu(operands, lambda ops: _kernel(*ops, isa), xla)
+  return library.on_cpu(operands, lambda ops: _kernel(*ops, isa, **options), xla)

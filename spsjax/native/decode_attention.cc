@@ -8,11 +8,13 @@
 // keys and values into slots starts[b] + t, and lets the queries attend to the slots [0,
 // starts[b] + T), each only up to its own position. With counts [B] (a prefill of right-padded
 // prompts) row b takes its first counts[b] positions only: the padding is neither written nor
-// attended from, and its outputs are zeros. The caches come back as outputs aliased to the
-// inputs (the call writes T slots in place; if XLA gave distinct buffers the cache is copied
-// first). Unlike XLA's dots over the whole cache, it reads only the slots in use and never
-// transposes the cache; unlike separate XLA ops for the rotation and the writes, it costs one
-// dispatch. Compiled for AVX-512, AVX2 and the baseline like packed_matmul.cc.
+// attended from, and its outputs are zeros. With window > 0 a query sees only the last `window`
+// slots up to its own (a sliding window: the slots before are not read); with softcap > 0 its
+// scores x become softcap tanh(x / softcap) before the softmax. The caches come back as outputs
+// aliased to the inputs (the call writes T slots in place; if XLA gave distinct buffers the cache
+// is copied first). Unlike XLA's dots over the whole cache, it reads only the slots in use and
+// never transposes the cache; unlike separate XLA ops for the rotation and the writes, it costs
+// one dispatch. Compiled for AVX-512, AVX2 and the baseline like packed_matmul.cc.
 
 #include <algorithm>
 #include <cmath>
@@ -28,9 +30,9 @@ namespace ffi = xla::ffi;
 namespace {
 
 // AttendHead (one kv head) and AttendRow (all of a row's): (q, keys, values, slot stride, J, G, H,
-// S, start, scores, out).
+// S, start, window, softcap, scores, out).
 using AttendFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t,
-                          int64_t, int64_t, int64_t, float*, float*);
+                          int64_t, int64_t, int64_t, int64_t, float, float*, float*);
 
 #define SPSJAX_KERNEL_FILE "decode_attention_kernel.inc"
 #include "variants.inc"
@@ -67,7 +69,7 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
                                ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> counts,
                                ffi::Buffer<ffi::F32> freqs, ffi::ResultBuffer<ffi::F32> out,
                                ffi::ResultBuffer<ffi::F32> keys, ffi::ResultBuffer<ffi::F32> values,
-                               float scale, int32_t isa) {
+                               float scale, int64_t window, float softcap, int32_t isa) {
   const auto x_dims = qkv.dimensions();
   const auto k_dims = keys_in.dimensions();
   if (x_dims.size() != 4 || k_dims.size() != 4 || !SameDims(values_in.dimensions(), k_dims) ||
@@ -96,6 +98,9 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
     return ffi::Error::InvalidArgument("cached_attention: counts must be [B] or empty.");
   }
   const int32_t* counts_data = counts.element_count() == 0 ? nullptr : counts.typed_data();
+  if (window < 0 || !(softcap >= 0.0f)) {
+    return ffi::Error::InvalidArgument("cached_attention: want window >= 0 and softcap >= 0.");
+  }
   if (static_cast<int64_t>(freqs.element_count()) != half) {
     return ffi::Error::InvalidArgument("cached_attention: freqs must be [H / 2].");
   }
@@ -176,7 +181,7 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
       const int64_t offset = (b * S * K + k0) * H;  // Slot 0 of row b, head k0.
       if (used > 0) {
         kernel(q_rows.data(), k_data + offset, v_data + offset, K * H, queries, G, H, S, start,
-               scores.data(), out_rows.data());
+               window, softcap, scores.data(), out_rows.data());
       }
       for (int64_t h = 0; h < heads; ++h) {
         for (int64_t t = 0; t < T; ++t) {
@@ -212,4 +217,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxCachedAttention, CachedAttentionImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("softcap")
                                   .Attr<int32_t>("isa"));
