@@ -96,6 +96,10 @@ def test_configs_map_every_field(loaded):
       'layer', 'learned', 'gelu', True, True)
   assert gpt2.ff_dim == 4 * 48 and gpt2.norm_eps == 1e-5 and gpt2.tie_embeddings
   assert loaded['gpt2'].params['position_embedding'].shape == (64, 48)
+  neox = loaded['gpt_neox'].config
+  assert (neox.norm, neox.mlp, neox.rope_dims, neox.rotary_dims, neox.parallel_residual,
+          neox.rope_base, neox.qkv_bias, neox.dense_bias, neox.tie_embeddings) == (
+              'layer', 'gelu_exact', 4, 4, True, 500.0, True, True, False)
 
 
 @pytest.mark.parametrize('name', NAMES)
@@ -122,7 +126,8 @@ def test_logits_equal_transformers_full_cached_and_packed(loaded, name):
                                         ('llama_rope_llama3', 'mistral_rope_linear'),
                                         ('qwen3', 'qwen2'), ('phi3', 'mistral'),
                                         ('gemma', 'qwen3'), ('mistral_window', 'gemma3'),
-                                        ('gemma2', 'mistral_window'), ('gemma3', 'gemma2')])
+                                        ('gemma2', 'mistral_window'), ('gemma3', 'gemma2'),
+                                        ('gpt_neox', 'gpt2')])
 def test_greedy_ars_and_sps_equal_transformers_generate(loaded, name, draft):
   model, want = loaded[name], _expected(name)
   assert want['margin'] >= fixtures.MIN_MARGIN  # No argmax is closer than float noise.
@@ -188,13 +193,17 @@ def _copy_with(tmp_path, name, **changes):
     ('gemma', dict(hidden_act='relu'), "hidden_act='relu' is not supported"),
     ('llama_tied_mqa', dict(hidden_act='gelu'), "hidden_act='gelu' is not supported"),
     ('llama_tied_mqa', dict(attention_bias=True), 'attention_bias=True is not supported'),
-    ('llama_tied_mqa', dict(model_type='gpt_neox'), "model_type='gpt_neox' is not supported"),
+    ('llama_tied_mqa', dict(model_type='falcon'), "model_type='falcon' is not supported"),
     ('llama_tied_mqa', dict(num_key_value_heads=2), 'has shape (16, 48), which does not give'),
     ('llama_gqa', dict(num_hidden_layers=3), "missing tensors ['model.layers.2."),
     ('gpt2', dict(activation_function='gelu'), "activation_function='gelu' is not supported"),
     ('gpt2', dict(scale_attn_by_inverse_layer_idx=True),
      'scale_attn_by_inverse_layer_idx=True is not supported'),
     ('gpt2', dict(n_inner=64), 'tensor transformer.h.0.mlp.c_fc.'),
+    ('gpt_neox', dict(rope_parameters={'rope_type': 'linear', 'factor': 2.0}),
+     "rope scaling of a GPT-NeoX model ('linear'"),
+    ('gpt_neox', dict(hidden_act='relu'), "hidden_act='relu' is not supported"),
+    ('gpt_neox', dict(intermediate_size=64), 'which does not give layer_0/mlp/w_'),
 ])
 def test_unsupported_or_inconsistent_checkpoints_are_refused_by_name(tmp_path, name, changes,
                                                                      message):
@@ -312,6 +321,27 @@ def test_gemma_hub_configs_map_every_field():
   assert hf.config_from_hf(bare) == hf.config_from_hf(GEMMA_2_2B)  # transformers' defaults.
   with pytest.raises(hf.UnsupportedCheckpoint, match='export'):
     hf.hf_config(hf.config_from_hf(GEMMA_2_2B))
+
+
+# Pythia-70m's config.json as the Hub has it (transformers 4.24's names: rotary_pct,
+# rotary_emb_base).
+PYTHIA_70M = {
+    'architectures': ['GPTNeoXForCausalLM'], 'bos_token_id': 0, 'eos_token_id': 0,
+    'hidden_act': 'gelu', 'hidden_size': 512, 'initializer_range': 0.02,
+    'intermediate_size': 2048, 'layer_norm_eps': 1e-05, 'max_position_embeddings': 2048,
+    'model_type': 'gpt_neox', 'num_attention_heads': 8, 'num_hidden_layers': 6,
+    'rotary_emb_base': 10000, 'rotary_pct': 0.25, 'tie_word_embeddings': False,
+    'torch_dtype': 'float16', 'transformers_version': '4.24.0', 'use_cache': True,
+    'use_parallel_residual': True, 'vocab_size': 50304}
+
+
+def test_pythia_70m_maps_every_field():
+  assert hf.config_from_hf(PYTHIA_70M) == models.TransformerConfig(
+      vocab_size=50304, d_model=512, num_layers=6, num_heads=8, d_ff=2048, max_seq_len=2048,
+      mlp='gelu_exact', tie_embeddings=False, norm_eps=1e-5, qkv_bias=True, dense_bias=True,
+      norm='layer', rope_dims=16, parallel_residual=True)
+  sequential = hf.config_from_hf(dict(PYTHIA_70M, use_parallel_residual=False, rotary_pct=1.0))
+  assert not sequential.parallel_residual and sequential.rope_dims is None
 
 
 def test_sliding_windows_sit_where_transformers_puts_them():

@@ -37,7 +37,7 @@ LAYOUTS = ['xla', 'fused', 'packed']
 def _decoding(config, params, layout):
   """(config, params) of the model as the cached path runs it, in `layout`."""
   model = models.Model(config, params)
-  model = {'xla': model, 'fused': models.fuse(model), 'packed': models.pack(model)}[layout]
+  model = {'xla': lambda m: m, 'fused': models.fuse, 'packed': models.pack}[layout](model)
   return model.config, model.params
 
 
@@ -78,6 +78,41 @@ def test_windows_and_caps_decode_the_reference(overrides, chunk, layout):
       np.testing.assert_allclose(out_BxTxV[b], reference_BxLxV[b, l:l + chunk], rtol=1e-5,
                                  atol=1e-5, err_msg=f'row {b} at {l}')
     lengths = lengths + chunk
+
+
+# GPT-NeoX's options: LayerNorm, biases, a quarter of each head rotated, a parallel block,
+# GELU (erf). XLA's layouts only: the CPU kernels implement none of them.
+NEOX = dict(norm='layer', qkv_bias=True, dense_bias=True, rope_dims=2, parallel_residual=True,
+            mlp='gelu_exact')
+
+
+@pytest.mark.parametrize('overrides', [NEOX, dict(NEOX, parallel_residual=False, rope_dims=6)])
+@pytest.mark.parametrize('layout', ['xla', 'fused'])
+def test_neox_options_decode_the_reference(overrides, layout):
+  """Cached calls of 1 and 3 positions, and logits at chosen positions, give the full forward's
+  logits; the options change them (so the check can fail); packing refuses them."""
+  config = _config(None, **overrides)
+  params = models.init_params(config, jax.random.key(0))
+  params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(1), x.shape), params)
+  tokens_BxL = jax.random.randint(jax.random.key(2), (2, 12), 0, VOCAB)
+  reference_BxLxV = np.asarray(_logits(config, params, tokens_BxL))
+  for plain in (dataclasses.replace(config, rope_dims=None),
+                dataclasses.replace(config, parallel_residual=not config.parallel_residual),
+                dataclasses.replace(config, mlp='gelu')):
+    assert not np.allclose(_logits(plain, params, tokens_BxL), reference_BxLxV, atol=1e-4)
+  decode_config, decode_params = _decoding(config, params, layout)
+  _, cache = _prefill(decode_config, decode_params, tokens_BxL[:, :4], jnp.array([2, 4]),
+                      capacity=12)
+  out_Bx1xV, cache = _extend(decode_config, decode_params, cache, tokens_BxL[:, 2:3])
+  np.testing.assert_allclose(out_Bx1xV[0, 0], reference_BxLxV[0, 2], rtol=1e-5, atol=1e-5)
+  cache = cache.with_lengths(jnp.array([3, 4]))
+  chunk_Bx3 = jnp.stack([tokens_BxL[0, 3:6], tokens_BxL[1, 4:7]])
+  out_Bx2xV, _ = _extend(decode_config, decode_params, cache, chunk_Bx3,
+                         jnp.array([[0, 2], [1, 2]], jnp.int32))
+  np.testing.assert_allclose(out_Bx2xV[0], reference_BxLxV[0, [3, 5]], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(out_Bx2xV[1], reference_BxLxV[1, [5, 6]], rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match='GPT'):
+    models.pack(models.Model(config, params))
 
 
 # Every head layout one position at a time; scoring 5 positions with GQA and MQA. Fused: GQA one
@@ -189,6 +224,10 @@ def test_config_validation():
   with pytest.raises(ValueError, match='attn_softcap'):
     _config(2, attn_softcap=0.0)
   assert _config(2, sliding_window=4, global_layers=[1]).global_layers == (1,)  # From JSON.
+  with pytest.raises(ValueError, match='must be even'):
+    _config(2, rope_dims=3)
+  with pytest.raises(ValueError, match='rope_dims must be'):
+    _config(2, rope_dims=10)  # Heads of 8 dims.
 
 
 def test_rope_scalings_rescale_the_frequencies():

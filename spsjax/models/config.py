@@ -10,7 +10,8 @@ import dataclasses
 import jax.numpy as jnp
 
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
-_MLP_KINDS = ('gated_silu', 'gated_gelu', 'gelu')
+# 'gelu' is GELU's tanh form (GPT-2's), 'gelu_exact' its erf form (GPT-NeoX's).
+_MLP_KINDS = ('gated_silu', 'gated_gelu', 'gelu', 'gelu_exact')
 # The MLPs with a gate and an input product (the gate through SiLU, or GELU's tanh form: Gemma).
 GATED_MLPS = ('gated_silu', 'gated_gelu')
 _NORMS = ('rms', 'layer')
@@ -57,8 +58,9 @@ class TransformerConfig:
   """Decoder-only transformer: RoPE, pre-norm RMSNorm, MHA/GQA/MQA, gated-SiLU, gated-GELU or
   GELU MLP; optionally q/k/v biases (Qwen2), query and key norms (Qwen3), embeddings scaled by
   sqrt(d_model) (Gemma), sliding windows on some or all layers (Mistral, Gemma 2 and 3), soft-capped
-  scores and logits, post-norms and another score scale (Gemma 2), and GPT-2's LayerNorm, learned
-  positions and biases on every other projection."""
+  scores and logits, post-norms and another score scale (Gemma 2), GPT-2's LayerNorm, learned
+  positions and biases on every other projection, and GPT-NeoX's partial rotation and parallel
+  block."""
 
   vocab_size: int
   d_model: int
@@ -97,6 +99,12 @@ class TransformerConfig:
   post_norms: bool = False
   dense_bias: bool = False  # Biases on the attention output and both MLP products (GPT-2).
   norm: str = 'rms'  # 'rms' or 'layer' (LayerNorm with a bias, GPT-2).
+  # The head dims the rotation covers, the first ones of each head (GPT-NeoX's partial rotary:
+  # a quarter of them), at frequencies base^(-i / (rope_dims / 2)); None: every dim.
+  rope_dims: int | None = None
+  # GPT-NeoX's parallel block: x + attention(attn_norm(x)) + mlp(mlp_norm(x)), the MLP reading
+  # the block's input rather than the attention's output.
+  parallel_residual: bool = False
   position: str = 'rope'  # 'rope' (rotary) or 'learned' (a table of max_seq_len rows, GPT-2).
   # What computes the projections and the cached attention: 'xla' (XLA's ops on the parameters
   # `init_params` makes), 'xla_fused' (XLA's ops on weights fused for decoding by `models.fuse`:
@@ -149,8 +157,13 @@ class TransformerConfig:
     if self.head_dim is None and self.d_model % self.num_heads:
       raise ValueError(
           f'd_model={self.d_model} is not divisible by num_heads={self.num_heads}; set head_dim.')
-    if self.dims_per_head % 2 and self.position == 'rope':
-      raise ValueError(f'head_dim must be even for rotary embeddings, got {self.dims_per_head}.')
+    if self.rotary_dims % 2 and self.position == 'rope':
+      raise ValueError(f'The rotated dims (head_dim, or rope_dims) must be even, got '
+                       f'{self.rotary_dims}.')
+    if self.rope_dims is not None and (self.position != 'rope'
+                                       or not 2 <= self.rope_dims <= self.dims_per_head):
+      raise ValueError(f'rope_dims must be in [2, head_dim={self.dims_per_head}] on a rotary '
+                       f'model, got {self.rope_dims}.')
     if self.dtype not in _DTYPES:
       raise ValueError(f'dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}.')
     if self.mlp not in _MLP_KINDS:
@@ -168,8 +181,9 @@ class TransformerConfig:
     if self.qk_norm and self.norm != 'rms':
       raise ValueError('qk_norm is an RMSNorm of queries and keys: it needs norm=\'rms\'.')
     if self.kernels == 'native' and (self.dtype != 'float32' or self.gpt2_style):
-      raise ValueError(f'The native kernels compute float32 models without GPT-2 options; this '
-                       f'one has dtype {self.dtype}, GPT-2 options {self.gpt2_style}.')
+      raise ValueError(f'The native kernels compute float32 models without GPT-2 or GPT-NeoX '
+                       f'options; this one has dtype {self.dtype}, such options '
+                       f'{self.gpt2_style}.')
 
   def window(self, layer: int) -> int | None:
     """Layer `layer`'s sliding window, None where it attends globally."""
@@ -184,13 +198,20 @@ class TransformerConfig:
     return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
 
   @property
+  def rotary_dims(self) -> int:
+    """The head dims the rotation covers (`rope_dims`, or all)."""
+    return self.dims_per_head if self.rope_dims is None else self.rope_dims
+
+  @property
   def ff_dim(self) -> int:
     return self.d_ff or 4 * self.d_model
 
   @property
   def gpt2_style(self) -> bool:
-    """Whether any GPT-2 option is on (the CPU kernels implement none of them)."""
-    return self.norm != 'rms' or self.position != 'rope' or self.dense_bias
+    """Whether any option of GPT-2's or GPT-NeoX's is on (the CPU kernels implement none of
+    them: LayerNorm, learned positions, dense biases, partial rotation, a parallel block)."""
+    return (self.norm != 'rms' or self.position != 'rope' or self.dense_bias
+            or self.rope_dims is not None or self.parallel_residual)
 
   @property
   def jnp_dtype(self):

@@ -1,5 +1,5 @@
 """Hugging Face checkpoints in and out: Llama-family, Qwen2, Qwen3, Phi-3, Gemma (1, 2 and 3's
-text models) and GPT-2 directories as `Model`s, and Llama directories back.
+text models), GPT-2 and GPT-NeoX (Pythia) directories as `Model`s, and Llama directories back.
 
 A checkpoint directory holds `config.json` and safetensors weights: `model.safetensors`, or shards
 listed by `model.safetensors.index.json`. `load` maps the config to a `TransformerConfig`, refusing
@@ -19,7 +19,8 @@ layer are attn_norm, attn_post_norm, mlp_norm, mlp_post_norm. Both use the
 half-split rotary convention (rotate_half), so q and k need no permutation. GPT-2's Conv1D
 weights are already [in, out]: c_attn [D, 3 D] splits into wq, wk, wv; c_proj, c_fc and the
 MLP's c_proj map to wo, w_in and w_out; biases, LayerNorm biases and the position table (wpe) map
-to the model's GPT-2 options (`TransformerConfig.norm`, `position`, `dense_bias`).
+to the model's GPT-2 options (`TransformerConfig.norm`, `position`, `dense_bias`). GPT-NeoX's
+query_key_value [N 3 H, D] holds each head's q, k and v in turn (`_neox_layout`).
 
 Invariant: `load(save_llama(model))` has exactly `model`'s parameters, and a loaded model's
 logits are transformers' (tests/test_hf.py against fixtures transformers wrote).
@@ -46,7 +47,7 @@ WEIGHTS = 'model.safetensors'
 INDEX = 'model.safetensors.index.json'
 GEMMA_TYPES = ('gemma', 'gemma2', 'gemma3_text')
 LLAMA_TYPES = ('llama', 'mistral', 'qwen2', 'qwen3', 'phi3') + GEMMA_TYPES
-MODEL_TYPES = LLAMA_TYPES + ('gpt2',)
+MODEL_TYPES = LLAMA_TYPES + ('gpt2', 'gpt_neox')
 
 
 class UnsupportedCheckpoint(ValueError):
@@ -184,6 +185,8 @@ def config_from_hf(hf: dict, dtype: str = 'float32') -> TransformerConfig:
                                 f'supported: {list(MODEL_TYPES)}.')
   if model_type == 'gpt2':
     return _gpt2_config(hf, dtype)
+  if model_type == 'gpt_neox':
+    return _neox_config(hf, dtype)
   gemma = model_type in GEMMA_TYPES
   if gemma:  # transformers reads Gemma's legacy 'gelu' as the tanh form too.
     _refuse(dict(hidden_act=hf.get('hidden_activation') or hf.get('hidden_act')), 'hidden_act',
@@ -239,6 +242,33 @@ def _gpt2_config(hf: dict, dtype: str) -> TransformerConfig:
       tie_embeddings=bool(hf.get('tie_word_embeddings', True)),
       norm_eps=float(hf.get('layer_norm_epsilon', 1e-5)), qkv_bias=True, dense_bias=True,
       norm='layer', position='learned')
+
+
+def _neox_config(hf: dict, dtype: str) -> TransformerConfig:
+  """GPT-NeoX (Pythia): LayerNorm, biases everywhere, GELU (erf, or its tanh form), a rotation of
+  the first `rotary_pct` / `partial_rotary_factor` of each head's dims (transformers' default a
+  quarter), attention and MLP in parallel (`use_parallel_residual`, default on)."""
+  _refuse(hf, 'hidden_act', ('gelu', 'gelu_new', 'gelu_pytorch_tanh'),
+          "GPT-NeoX's MLP is GELU (erf) or its tanh form")
+  _refuse(hf, 'attention_bias', (None, True), 'GPT-NeoX has biases on every product')
+  params = hf.get('rope_parameters') or {}
+  kind = params.get('rope_type', params.get('type', 'default'))
+  if kind != 'default' or hf.get('rope_scaling'):
+    raise UnsupportedCheckpoint(f'{CONFIG}: rope scaling of a GPT-NeoX model ({kind!r}, '
+                                f'{hf.get("rope_scaling")}) is not supported.')
+  d_model, num_heads = hf['hidden_size'], hf['num_attention_heads']
+  head_dim = d_model // num_heads
+  rotated = int(head_dim * params.get('partial_rotary_factor', hf.get('rotary_pct', 0.25)))
+  return TransformerConfig(
+      vocab_size=hf['vocab_size'], d_model=d_model, num_layers=hf['num_hidden_layers'],
+      num_heads=num_heads, d_ff=hf['intermediate_size'],
+      max_seq_len=hf['max_position_embeddings'], dtype=dtype,
+      mlp='gelu_exact' if hf.get('hidden_act', 'gelu') == 'gelu' else 'gelu',
+      tie_embeddings=bool(hf.get('tie_word_embeddings', False)),
+      rope_base=float(params.get('rope_theta', hf.get('rotary_emb_base', 10_000.0))),
+      norm_eps=float(hf.get('layer_norm_eps', 1e-5)), qkv_bias=True, dense_bias=True,
+      norm='layer', rope_dims=None if rotated == head_dim else rotated,
+      parallel_residual=bool(hf.get('use_parallel_residual', True)))
 
 
 def _weight_files(path: str) -> list[str]:
@@ -299,6 +329,8 @@ def _layout(config: TransformerConfig, model_type: str = 'llama'
             ) -> dict[str, tuple[Entry, ...]]:
   """HF tensor name -> the parameters it fills (one, or several from a fused tensor: GPT-2's
   c_attn, Phi-3's qkv_proj and gate_up_proj)."""
+  if model_type == 'gpt_neox':
+    return _neox_layout(config)
   if config.gpt2_style:
     return _gpt2_layout(config)
   if model_type in GEMMA_TYPES:
@@ -419,10 +451,45 @@ def _gpt2_layout(config: TransformerConfig) -> dict[str, tuple[Entry, ...]]:
   return out
 
 
+def _neox_layout(config: TransformerConfig) -> dict[str, tuple[Entry, ...]]:
+  """GPT-NeoX's names: query_key_value [N 3 H, D] holds each head's query, key and value in turn
+  (and its bias [N 3 H] alike); the rest are [out, in] linears with biases and LayerNorms."""
+  D, N, H = config.d_model, config.num_heads, config.dims_per_head
+  same = lambda w: w
+  qkv = lambda j: (lambda w: w.reshape(N, 3, H, D)[:, j].transpose(2, 0, 1))
+  bias = lambda j: (lambda b: b.reshape(N, 3, H)[:, j])
+  out = {'gpt_neox.embed_in.weight': ((('embedding',), same),),
+         'gpt_neox.final_layer_norm.weight': ((('final_norm', 'scale'), same),),
+         'gpt_neox.final_layer_norm.bias': ((('final_norm', 'bias'), same),)}
+  if not config.tie_embeddings:
+    out['embed_out.weight'] = ((('head',), lambda w: w.T),)
+  for i in range(config.num_layers):
+    hf, ours = f'gpt_neox.layers.{i}.', f'layer_{i}'
+    out.update({
+        hf + 'input_layernorm.weight': (((ours, 'attn_norm', 'scale'), same),),
+        hf + 'input_layernorm.bias': (((ours, 'attn_norm', 'bias'), same),),
+        hf + 'post_attention_layernorm.weight': (((ours, 'mlp_norm', 'scale'), same),),
+        hf + 'post_attention_layernorm.bias': (((ours, 'mlp_norm', 'bias'), same),),
+        hf + 'attention.query_key_value.weight': tuple(
+            ((ours, 'attn', w), qkv(j)) for j, w in enumerate(('wq', 'wk', 'wv'))),
+        hf + 'attention.query_key_value.bias': tuple(
+            ((ours, 'attn', b), bias(j)) for j, b in enumerate(('bq', 'bk', 'bv'))),
+        hf + 'attention.dense.weight': (((ours, 'attn', 'wo'), lambda w: w.T.reshape(N, H, D)),),
+        hf + 'attention.dense.bias': (((ours, 'attn', 'bo'), same),),
+        hf + 'mlp.dense_h_to_4h.weight': (((ours, 'mlp', 'w_in'), lambda w: w.T),),
+        hf + 'mlp.dense_h_to_4h.bias': (((ours, 'mlp', 'b_in'), same),),
+        hf + 'mlp.dense_4h_to_h.weight': (((ours, 'mlp', 'w_out'), lambda w: w.T),),
+        hf + 'mlp.dense_4h_to_h.bias': (((ours, 'mlp', 'b_out'), same),),
+    })
+  return out
+
+
 def _hf_name(name: str, config: TransformerConfig) -> str | None:
   """The layout's name for a tensor, or None for one that carries nothing of the model
-  (GPT-2's causal-mask buffers, old checkpoints' rotary frequencies)."""
+  (GPT-2's and GPT-NeoX's causal-mask buffers, old checkpoints' rotary frequencies)."""
   if name.endswith(('attn.bias', 'attn.masked_bias')) and '.c_attn' not in name:
+    return None
+  if name.endswith(('.attention.bias', '.attention.masked_bias')):
     return None
   if name.endswith('rotary_emb.inv_freq'):
     return None
@@ -499,7 +566,7 @@ def hf_config(config: TransformerConfig, **extra) -> dict:
                                 f'scaled embeddings, sliding windows or Gemma 2\'s options '
                                 f'exports as Llama; this one has mlp={config.mlp!r}, '
                                 + ''.join(f'{name}={value!r}, ' for name, value in others.items())
-                                + f'GPT-2 options {config.gpt2_style}.')
+                                + f'GPT-2 or GPT-NeoX options {config.gpt2_style}.')
   return dict(
       architectures=['LlamaForCausalLM'], model_type='llama', vocab_size=config.vocab_size,
       hidden_size=config.d_model, intermediate_size=config.ff_dim,

@@ -1,4 +1,5 @@
-"""A model's rotary frequencies: the one float32[H / 2] array every path rotates by.
+"""A model's rotary frequencies: the one float32[R / 2] array every path rotates by (R the rotated
+dims of a head: all H of them, or GPT-NeoX's first `rope_dims`).
 
 `frequencies(config)` is base^(-i / half) for i < half (`native.rope_frequencies`), rescaled as
 `config.rope_scaling` says (`RopeScaling`), with Hugging Face's definitions of each `rope_type`
@@ -22,12 +23,13 @@ from spsjax.models.config import TransformerConfig
 
 
 def frequencies(config: TransformerConfig, layer: int | None = None) -> jax.Array:
-  """float32[H / 2]: the rotary frequencies of `config` (module docstring); a sliding layer
+  """float32[R / 2], R the rotated dims (`rotary_dims`: H, or GPT-NeoX's part of it): the rotary
+  frequencies of `config` (module docstring); a sliding layer
   `layer` of a model with a `local_rope_base` (Gemma 3) rotates by that base's, unscaled."""
   if (layer is not None and config.local_rope_base is not None
       and config.window(layer) is not None):
-    return native.rope_frequencies(config.dims_per_head, config.local_rope_base)
-  freqs_H2 = native.rope_frequencies(config.dims_per_head, config.rope_base)
+    return native.rope_frequencies(config.rotary_dims, config.local_rope_base)
+  freqs_H2 = native.rope_frequencies(config.rotary_dims, config.rope_base)
   scaling = config.rope_scaling
   if scaling is None:
     return freqs_H2

@@ -30,6 +30,8 @@ Invariant: a cached call at row offsets `lengths` computes exactly what the full
 computes at those positions (up to float reassociation).
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -72,6 +74,16 @@ def project(config: TransformerConfig, spec: str, x_BxTx_, w, **kwargs) -> jax.A
   if x_BxTx_.shape[0] * x_BxTx_.shape[1] != 1 or not _pads_single_row(config):
     return jnp.einsum(spec, x_BxTx_, w, **kwargs)
   return jnp.einsum(spec, _pad_rows(x_BxTx_, 2), w, **kwargs)[:, :1]
+
+
+def _rotate(config: TransformerConfig, x_BxTxNxH, positions_BxT, freqs_R2) -> jax.Array:
+  """The rotary embedding of x's heads, on their first `rotary_dims` dims only (GPT-NeoX's
+  partial rotation) where the config says so."""
+  R = config.rotary_dims
+  if R == x_BxTxNxH.shape[-1]:
+    return native.rope(x_BxTxNxH, positions_BxT, freqs_R2)
+  return jnp.concatenate([native.rope(x_BxTxNxH[..., :R], positions_BxT, freqs_R2),
+                          x_BxTxNxH[..., R:]], axis=-1)
 
 
 def _kept_counts(keep_BxL: jax.Array, counts_B: jax.Array | None) -> jax.Array | None:
@@ -231,8 +243,8 @@ class Attention(nn.Module):
       if c.qk_norm:
         q_BxTxNxH, k_BxTxKxH = norm_qk(q_BxTxNxH, k_BxTxKxH)
       if c.position == 'rope':
-        q_BxTxNxH = native.rope(q_BxTxNxH, positions_BxT, freqs_H2)
-        k_BxTxKxH = native.rope(k_BxTxKxH, positions_BxT, freqs_H2)
+        q_BxTxNxH, k_BxTxKxH = (_rotate(c, x, positions_BxT, freqs_H2)
+                                for x in (q_BxTxNxH, k_BxTxKxH))
       q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, N // K, H)
       if layer_cache is None:  # Full causal pass: keys are the new positions themselves.
         keys_BxSxKxH, values_BxSxKxH, key_pos_BxS = k_BxTxKxH, v_BxTxKxH, positions_BxT
@@ -262,12 +274,14 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
-  """Gated SiLU, gated GELU or GELU MLP; like `Attention`, takes the stream and its norm (and
-  `counts_B`, `post_norm`), returns the stream."""
+  """Gated SiLU, gated GELU or GELU (tanh or erf) MLP; like `Attention`, takes the stream and its
+  norm (and `counts_B`, `post_norm`), returns the stream with the output added; on XLA's path
+  `residual_BxTxD` is the stream it is added to instead (a parallel block's attention output)."""
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x_BxTxD, norm: RMSNorm, counts_B=None, post_norm: RMSNorm | None = None):
+  def __call__(self, x_BxTxD, norm: RMSNorm, counts_B=None, post_norm: RMSNorm | None = None,
+               residual_BxTxD=None):
     c = self.config
     D, F, dt = c.d_model, c.ff_dim, c.jnp_dtype
     packed = c.kernels == 'native'
@@ -281,9 +295,10 @@ class Mlp(nn.Module):
                                       counts=counts_B).astype(dt)
       h_BxTxF = jax.nn.gelu(gate_in_BxTx2xF[:, :, 0]) * gate_in_BxTx2xF[:, :, 1]
       return _packed_output(x_BxTxD, h_BxTxF, _packed(self, 'w_out'), post_norm, counts_B, dt)
+    gelu = functools.partial(jax.nn.gelu, approximate=c.mlp != 'gelu_exact')
     if packed:  # GELU.
-      h_BxTxF = jax.nn.gelu(native.matmul(x_BxTxD, _packed(self, 'w_in'), norm=norm.fused,
-                                          counts=counts_B).astype(dt))
+      h_BxTxF = gelu(native.matmul(x_BxTxD, _packed(self, 'w_in'), norm=norm.fused,
+                                   counts=counts_B).astype(dt))
       return _packed_output(x_BxTxD, h_BxTxF, _packed(self, 'w_out'), post_norm, counts_B, dt)
     h_BxTxD = norm(x_BxTxD)
     if c.kernels == 'xla_fused' and c.mlp in GATED_MLPS:  # One product, gate then input.
@@ -306,11 +321,11 @@ class Mlp(nn.Module):
       h_BxTxF = (native.silu_gate(gate_BxTxF, h_BxTxF) if c.mlp == 'gated_silu'
                  else jax.nn.gelu(gate_BxTxF) * h_BxTxF)
     else:
-      h_BxTxF = jax.nn.gelu(h_BxTxF)
+      h_BxTxF = gelu(h_BxTxF)
     out_BxTxD = project(c, 'BTF,FD->BTD', h_BxTxF, w_out)
     if c.dense_bias:
       out_BxTxD = out_BxTxD + _param(self, 'b_out', (D,), ('embed',), 1, dt, zeros=True)[None, None]
-    return _residual(x_BxTxD, out_BxTxD, post_norm)
+    return _residual(x_BxTxD if residual_BxTxD is None else residual_BxTxD, out_BxTxD, post_norm)
 
 
 def _residual(x_BxTxD, out_BxTxD, post_norm: RMSNorm | None) -> jax.Array:
@@ -329,7 +344,8 @@ def _packed_output(x_BxTxD, h_BxTxF, w: native.PackedWeight, post_norm: RMSNorm 
 
 
 class Block(nn.Module):
-  """Layer `layer`: attention and MLP, each pre-normed (and post-normed: `post_norms`)."""
+  """Layer `layer`: attention and MLP, each pre-normed (and post-normed: `post_norms`), in turn
+or in parallel (`parallel_residual`)."""
   config: TransformerConfig
   layer: int = 0
 
@@ -337,13 +353,19 @@ class Block(nn.Module):
   def __call__(self, x_BxTxD, positions_BxT, layer_cache, keep_BxL=None, counts_B=None):
     c = self.config
     post_norm = lambda name: RMSNorm(c, name=name) if c.post_norms else None
+    block_in_BxTxD = x_BxTxD
     x_BxTxD, new_kv = Attention(c, self.layer, name='attn')(
         x_BxTxD, RMSNorm(c, name='attn_norm'), positions_BxT, layer_cache, keep_BxL, counts_B,
         post_norm('attn_post_norm'))
-    x_BxTxD = Mlp(c, name='mlp')(
-        x_BxTxD, RMSNorm(c, name='mlp_norm'),
-        counts_B if keep_BxL is None else _kept_counts(keep_BxL, counts_B),
-        post_norm('mlp_post_norm'))
+    mlp_counts_B = counts_B if keep_BxL is None else _kept_counts(keep_BxL, counts_B)
+    if c.parallel_residual:  # The MLP reads the block's input (at the kept positions).
+      if keep_BxL is not None:
+        block_in_BxTxD = jnp.take_along_axis(block_in_BxTxD, keep_BxL[:, :, None], axis=1)
+      x_BxTxD = Mlp(c, name='mlp')(block_in_BxTxD, RMSNorm(c, name='mlp_norm'), mlp_counts_B,
+                                   post_norm('mlp_post_norm'), residual_BxTxD=x_BxTxD)
+    else:
+      x_BxTxD = Mlp(c, name='mlp')(x_BxTxD, RMSNorm(c, name='mlp_norm'), mlp_counts_B,
+                                   post_norm('mlp_post_norm'))
     return x_BxTxD, new_kv
 
 
