@@ -10,6 +10,7 @@ its docstring for why they are fixtures).
 """
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -185,8 +186,8 @@ def _copy_with(tmp_path, name, **changes):
     ('gemma3', dict(use_bidirectional_attention=True), 'use_bidirectional_attention=True'),
     ('gemma2', dict(layer_types=['sliding_attention', 'full_attention']),
      'for 3 layers is not supported'),
-    ('llama_tied_mqa', dict(layer_types=['full_attention', 'chunked_attention']),
-     "layer_types=['chunked_attention', 'full_attention'] for 1 layers is not supported"),
+    ('qwen2', dict(layer_types=['full_attention', 'chunked_attention']),
+     "layer_types=['chunked_attention', 'full_attention'] for 2 layers is not supported"),
     ('qwen3', dict(layer_types=['full_attention', 'sliding_attention']),
      "layer_types=['full_attention', 'sliding_attention'] for 2 layers is not supported"),
     ('phi3', dict(num_key_value_heads=4), 'self_attn.qkv_proj.weight has shape (96, 48)'),
@@ -319,8 +320,11 @@ def test_gemma_hub_configs_map_every_field():
       local_rope_base=10_000.0, qk_norm=True, **common)
   bare = {k: v for k, v in GEMMA_2_2B.items() if 'softcapping' not in k}
   assert hf.config_from_hf(bare) == hf.config_from_hf(GEMMA_2_2B)  # transformers' defaults.
-  with pytest.raises(hf.UnsupportedCheckpoint, match='export'):
-    hf.hf_config(hf.config_from_hf(GEMMA_2_2B))
+  for hub in (GEMMA_2_2B, GEMMA_3_1B):  # What `save` writes reads back as the same model.
+    config = hf.config_from_hf(hub)
+    assert hf.config_from_hf(hf.hf_config(config, hub['model_type'])) == config
+  with pytest.raises(hf.UnsupportedCheckpoint, match='attn_softcap=50.0'):
+    hf.hf_config(hf.config_from_hf(GEMMA_2_2B), 'gemma')
 
 
 # Pythia-70m's config.json as the Hub has it (transformers 4.24's names: rotary_pct,
@@ -427,6 +431,47 @@ def test_export_round_trips_and_is_what_transformers_computed(tmp_path):
     hf.save_llama(models.Model(
         models.TransformerConfig(vocab_size=8, d_model=8, num_layers=1, num_heads=2, mlp='gelu'),
         {}), str(tmp_path / 'gelu'))
+
+
+SAVED = ['llama_gqa', 'llama_tied_mqa', 'qwen2', 'mistral', 'llama_rope_llama3',
+         'mistral_rope_linear', 'qwen3', 'gemma', 'mistral_window', 'gemma2', 'gemma3']
+
+
+@pytest.mark.parametrize('name', SAVED)
+def test_save_writes_the_checkpoint_it_loaded(tmp_path, loaded, name):
+  """`save` as the fixture's model_type writes its tensors (Gemma's norms back as scale - 1, to
+  float32 rounding) and a config.json that loads as the same model, whose logits are
+  transformers'. (tests/fixtures/make_hf_fixtures.py checks that transformers loads each of
+  these directories to its own logits.)"""
+  model = loaded[name]
+  model_type = hf.read_config(os.path.join(FIXTURES, name))['model_type']
+  path = hf.save(models.for_decoding(model), str(tmp_path / name), model_type)
+  stored = dict(hf._tensors(os.path.join(FIXTURES, name)))  # pylint: disable=protected-access
+  written = dict(hf._tensors(path))  # pylint: disable=protected-access
+  tied_copy = {'lm_head.weight'} if model.config.tie_embeddings else set()
+  assert set(written) == set(stored) - tied_copy
+  for tensor, value in written.items():
+    np.testing.assert_allclose(value, stored[tensor], rtol=0, atol=1e-6, err_msg=tensor)
+  back = hf.load(path)
+  assert back.config == model.config
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-6), back.params,
+               model.params)
+  want = _expected(name)
+  _check_logits(_logits(back.config, back.params, jnp.asarray(want['prompts'])), want,
+                f'{name} saved and loaded again')
+
+
+def test_save_picks_the_plainest_type_and_refuses_what_it_cannot_write(tmp_path, loaded):
+  types = {name: hf.save_type(loaded[name].config) for name in SAVED}
+  assert types == dict(llama_gqa='llama', llama_tied_mqa='llama', qwen2='qwen2', mistral='llama',
+                       llama_rope_llama3='llama', mistral_rope_linear='llama', qwen3='qwen3',
+                       gemma='gemma', mistral_window='mistral', gemma2='gemma2',
+                       gemma3='gemma3_text')
+  for name in ('gpt2', 'gpt_neox', 'phi3'):
+    with pytest.raises(hf.UnsupportedCheckpoint, match='cannot express|read only'):
+      hf.save(loaded[name], str(tmp_path / name), 'phi3' if name == 'phi3' else None)
+  with pytest.raises(hf.UnsupportedCheckpoint, match=r'global_layers=\(1,\) \(read back: \(\)\)'):
+    hf.save(loaded['gemma2'], str(tmp_path / 'm'), 'mistral')  # Layer 1 is global.
 
 
 def test_tokenizer_json_behind_the_binaries_interface():

@@ -1,5 +1,6 @@
 """Hugging Face checkpoints in and out: Llama-family, Qwen2, Qwen3, Phi-3, Gemma (1, 2 and 3's
-text models), GPT-2 and GPT-NeoX (Pythia) directories as `Model`s, and Llama directories back.
+text models), GPT-2 and GPT-NeoX (Pythia) directories as `Model`s, and all but GPT-2, GPT-NeoX
+and Phi-3 back (`save`).
 
 A checkpoint directory holds `config.json` and safetensors weights: `model.safetensors`, or shards
 listed by `model.safetensors.index.json`. `load` maps the config to a `TransformerConfig`, refusing
@@ -7,8 +8,9 @@ by name every field whose value would make a different model than ours computes 
 other than linear and Llama 3's, attention other than full or sliding, biases we do not have,
 other activations: `config_from_hf`), reads each tensor with
 numpy, puts it into our layout and onto the mesh by the rules table one tensor at a time (each
-process builds only its own devices' shards). `save_llama` writes a model as a
-`LlamaForCausalLM` directory.
+process builds only its own devices' shards). `save` writes a model as a directory of the
+plainest type that has its options (`save_type`: Llama for our presets) or of a type asked for,
+refusing one whose config.json would not read back as the model (`hf_config`).
 
 Layouts. HF linear weights are [out, in]; ours are [in, out] with heads split:
 q_proj [N H, D] -> wq [D, N, H]; k_proj, v_proj [K H, D] -> [D, K, H]; o_proj [D, N H] ->
@@ -22,10 +24,12 @@ MLP's c_proj map to wo, w_in and w_out; biases, LayerNorm biases and the positio
 to the model's GPT-2 options (`TransformerConfig.norm`, `position`, `dense_bias`). GPT-NeoX's
 query_key_value [N 3 H, D] holds each head's q, k and v in turn (`_neox_layout`).
 
-Invariant: `load(save_llama(model))` has exactly `model`'s parameters, and a loaded model's
-logits are transformers' (tests/test_hf.py against fixtures transformers wrote).
+Invariant: `load(save(model))` has `model`'s parameters (exactly; Gemma's norm scales to float32
+rounding), and a loaded model's logits are transformers' (tests/test_hf.py against fixtures
+transformers wrote; the fixture script checks that transformers loads what `save` writes).
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -39,7 +43,7 @@ import safetensors.numpy
 
 from spsjax import sharding, storage
 from spsjax.models.api import Model, param_shapes, param_shardings
-from spsjax.models.config import RopeScaling, TransformerConfig
+from spsjax.models.config import COMPUTE_FIELDS, RopeScaling, TransformerConfig
 from spsjax.models.packing import unfuse, unpack
 
 CONFIG = 'config.json'
@@ -143,14 +147,17 @@ def _rope_scaling_json(scaling: RopeScaling | None) -> dict:
 
 
 def _layer_kinds(hf: dict, model_type: str) -> tuple[int | None, tuple[int, ...]]:
-  """(the sliding window, the layers that attend globally): from `layer_types` where the config
-  has them (transformers 5 writes them), else as transformers places the window: every layer
-  (Mistral, Phi-3), every other one from the first (Gemma 2), all but every
-  `sliding_window_pattern`-th (Gemma 3), the layers from `max_window_layers` on with
-  `use_sliding_window` (Qwen)."""
+  """(the sliding window, the layers that attend globally), as transformers places them: none for
+  Llama and Gemma 1, every layer for Mistral and Phi-3; for Qwen (with `use_sliding_window`),
+  Gemma 2 and 3 the layers `layer_types` name (transformers 5 writes them), else the layers from
+  `max_window_layers` on (Qwen), every other one from the first (Gemma 2), all but every
+  `sliding_window_pattern`-th (Gemma 3)."""
+  if model_type in ('llama', 'gemma'):
+    return None, ()  # transformers' Llama and Gemma attend globally whatever the config says.
   window = hf.get('sliding_window', 4096 if model_type in ('gemma2', 'gemma3_text') else None)
   L = hf['num_hidden_layers']
-  kinds = hf.get('layer_types')
+  # transformers' Mistral and Phi-3 slide on every layer, whatever layer_types say.
+  kinds = None if model_type in ('mistral', 'phi3') else hf.get('layer_types')
   if model_type in ('qwen2', 'qwen3') and not hf.get('use_sliding_window'):
     window = None  # Qwen's window applies only with use_sliding_window.
   if kinds is None and window is not None:
@@ -555,48 +562,126 @@ def load(path: str, *, mesh: Mesh | None = None, rules: sharding.Rules = shardin
   return Model(config, params)
 
 
-def hf_config(config: TransformerConfig, **extra) -> dict:
-  """The `LlamaForCausalLM` config.json of a model (gated SiLU MLP, RMSNorm, rotary, no
-  biases); `extra` adds fields such as token ids."""
-  others = {name: getattr(config, name) for name in (
-      'qkv_bias', 'qk_norm', 'embed_scale', 'sliding_window', 'query_scale', 'attn_softcap',
-      'logit_softcap', 'post_norms') if getattr(config, name)}
-  if config.mlp != 'gated_silu' or others or config.gpt2_style:
-    raise UnsupportedCheckpoint(f'Only a gated-SiLU model without biases, query and key norms, '
-                                f'scaled embeddings, sliding windows or Gemma 2\'s options '
-                                f'exports as Llama; this one has mlp={config.mlp!r}, '
-                                + ''.join(f'{name}={value!r}, ' for name, value in others.items())
-                                + f'GPT-2 or GPT-NeoX options {config.gpt2_style}.')
-  return dict(
-      architectures=['LlamaForCausalLM'], model_type='llama', vocab_size=config.vocab_size,
-      hidden_size=config.d_model, intermediate_size=config.ff_dim,
-      num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-      num_key_value_heads=config.kv_heads, head_dim=config.dims_per_head, hidden_act='silu',
-      max_position_embeddings=config.max_seq_len, rms_norm_eps=config.norm_eps,
-      rope_theta=config.rope_base, **_rope_scaling_json(config.rope_scaling),
-      tie_word_embeddings=config.tie_embeddings, attention_bias=False, mlp_bias=False,
-      torch_dtype='float32', **extra)
+# model_type -> its architecture, for the types `save` writes.
+SAVE_TYPES = {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM',
+              'qwen2': 'Qwen2ForCausalLM', 'qwen3': 'Qwen3ForCausalLM',
+              'gemma': 'GemmaForCausalLM', 'gemma2': 'Gemma2ForCausalLM',
+              'gemma3_text': 'Gemma3ForCausalLM'}
 
 
-def save_llama(model: Model, path: str, **extra) -> str:
-  """Writes `model` (unpacked and unfused, gathered to the host) as a Llama directory:
-  config.json and model.safetensors, in float32 whatever the model's dtype; `path` local or a
-  URI, written by process 0 (`storage`). Returns `path`."""
+def save_type(config: TransformerConfig) -> str:
+  """The model_type `save` writes a model as where none is asked: the plainest that has its
+  options (Llama without any)."""
+  if config.post_norms:
+    return 'gemma3_text' if config.qk_norm or config.local_rope_base is not None else 'gemma2'
+  if config.embed_scale or config.mlp == 'gated_gelu':
+    return 'gemma'
+  if config.qk_norm:
+    return 'qwen3'
+  if config.qkv_bias:
+    return 'qwen2'
+  return 'mistral' if config.sliding_window is not None else 'llama'
+
+
+def _rope_json(config: TransformerConfig, model_type: str) -> dict:
+  """config.json's rotary fields: rope_theta and rope_scaling (as the Hub writes them), or for
+  Gemma 3 transformers' rope_parameters per layer type."""
+  if model_type != 'gemma3_text':
+    return dict(rope_theta=config.rope_base, **_rope_scaling_json(config.rope_scaling))
+  full = dict(rope_type='default', rope_theta=config.rope_base)
+  if config.rope_scaling is not None:
+    full.update(_rope_scaling_json(config.rope_scaling)['rope_scaling'])
+  local = config.rope_base if config.local_rope_base is None else config.local_rope_base
+  return dict(rope_parameters=dict(full_attention=full, sliding_attention=dict(
+      rope_type='default', rope_theta=local)))
+
+
+def hf_config(config: TransformerConfig, model_type: str = 'llama', **extra) -> dict:
+  """The config.json of a model as `model_type` (one of SAVE_TYPES); `extra` adds fields such as
+  token ids. Raises UnsupportedCheckpoint where that type cannot express the model: the JSON
+  must read back (`config_from_hf`, which follows transformers) as exactly this config."""
+  if model_type not in SAVE_TYPES:
+    raise UnsupportedCheckpoint(f'save writes model_type one of {sorted(SAVE_TYPES)}, not '
+                                f'{model_type!r} (GPT-2, GPT-NeoX and Phi-3 are read only).')
+  gemma = model_type in GEMMA_TYPES
+  hf = dict(
+      architectures=[SAVE_TYPES[model_type]], model_type=model_type,
+      vocab_size=config.vocab_size, hidden_size=config.d_model,
+      intermediate_size=config.ff_dim, num_hidden_layers=config.num_layers,
+      num_attention_heads=config.num_heads, num_key_value_heads=config.kv_heads,
+      head_dim=config.dims_per_head, max_position_embeddings=config.max_seq_len,
+      rms_norm_eps=config.norm_eps, **_rope_json(config, model_type),
+      tie_word_embeddings=config.tie_embeddings, torch_dtype='float32')
+  hf.update(dict(hidden_activation='gelu_pytorch_tanh') if gemma else dict(hidden_act='silu'))
+  if model_type in ('llama', 'gemma'):
+    hf.update(attention_bias=False, mlp_bias=False)
+  if model_type not in ('llama', 'gemma'):
+    hf.update(sliding_window=config.sliding_window)
+  if model_type not in ('llama', 'gemma', 'mistral'):
+    hf.update(layer_types=['full_attention' if config.window(i) is None else 'sliding_attention'
+                           for i in range(config.num_layers)])
+  if model_type in ('qwen2', 'qwen3'):
+    hf.update(use_sliding_window=config.sliding_window is not None, max_window_layers=0)
+  if model_type in ('gemma2', 'gemma3_text'):
+    hf.update(query_pre_attn_scalar=(config.dims_per_head if config.query_scale is None
+                                     else round(config.query_scale**-2)),  # An int there.
+              attn_logit_softcapping=config.attn_softcap,
+              final_logit_softcapping=config.logit_softcap)
+  hf.update(extra)
+  try:
+    back = config_from_hf(hf, config.dtype)
+  except UnsupportedCheckpoint as error:
+    raise UnsupportedCheckpoint(f'model_type {model_type!r} cannot express this model: '
+                                f'{error}') from error
+  differ = [f'{field.name}={getattr(config, field.name)!r} (read back: '
+            f'{getattr(back, field.name)!r})' for field in dataclasses.fields(config)
+            if field.name not in COMPUTE_FIELDS
+            and getattr(config, field.name) != getattr(back, field.name)]
+  if differ:
+    raise UnsupportedCheckpoint(f'model_type {model_type!r} cannot express this model: '
+                                f'{", ".join(differ)}.')
+  return hf
+
+
+def _stored(name: str, value: np.ndarray, D: int, gemma: bool) -> np.ndarray:
+  """A parameter as the tensor `name` of a Llama-named checkpoint ([out, in] linears, flat q/k/v
+  biases, Gemma's norms as weight = scale - 1): the inverse of `_llama_layout`'s and
+  `_gemma_layout`'s conversions."""
+  if name.endswith(('q_proj.weight', 'k_proj.weight', 'v_proj.weight')):
+    return value.reshape(D, -1).T
+  if name.endswith('o_proj.weight'):
+    return value.reshape(-1, D).T
+  if name.endswith('_proj.weight') or name == 'lm_head.weight':
+    return value.T
+  if name.endswith('_proj.bias'):
+    return value.reshape(-1)
+  if gemma and name.endswith('norm.weight'):
+    return value - np.float32(1.0)
+  return value
+
+
+def save(model: Model, path: str, model_type: str | None = None, **extra) -> str:
+  """Writes `model` (unpacked and unfused, gathered to the host) as a Hugging Face directory of
+  `model_type` (None: `save_type`'s choice): config.json and model.safetensors, in float32
+  whatever the model's dtype; `path` local or a URI, written by process 0 (`storage`). Each
+  tensor is checked to load back as the parameter it came from. Returns `path`."""
   model = unfuse(unpack(model))
   config = model.config
-  hf = hf_config(config, **extra)
+  model_type = model_type or save_type(config)
+  hf = hf_config(config, model_type, **extra)
   tensors = {}
-  D = config.d_model
-  for name, ((ours, _),) in _layout(config).items():
+  for name, ((ours, convert),) in _layout(config, model_type).items():
     value = np.asarray(jax.device_get(_get(model.params, ours)), np.float32)
-    if name.endswith(('q_proj.weight', 'k_proj.weight', 'v_proj.weight')):
-      value = value.reshape(D, -1).T
-    elif name.endswith('o_proj.weight'):
-      value = value.reshape(-1, D).T
-    elif name.endswith(('_proj.weight',)) or name == 'lm_head.weight':
-      value = value.T
-    tensors[name] = np.ascontiguousarray(value)
+    stored = np.ascontiguousarray(_stored(name, value, config.d_model, model_type in GEMMA_TYPES))
+    np.testing.assert_allclose(convert(stored), value, rtol=1e-6, atol=0,
+                               err_msg=f'{name} would not load back as {"/".join(ours)}')
+    tensors[name] = stored
   storage.write_bytes(storage.join(path, WEIGHTS),
                       safetensors.numpy.save(tensors, metadata={'format': 'pt'}))
   storage.write_json(storage.join(path, CONFIG), hf, indent=1)
   return path
+
+
+def save_llama(model: Model, path: str, **extra) -> str:
+  """`save` as a Llama directory (a model with options Llama lacks is refused by name)."""
+  return save(model, path, 'llama', **extra)
