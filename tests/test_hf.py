@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from spsjax import models, sharding
-from spsjax.models import hf, presets
+from spsjax.models import hf, presets, rope
 from spsjax.sampling import SamplingConfig, autoregressive_sample, drafters, speculative_sample
 from tests.fixtures import make_hf_fixtures as fixtures
 
@@ -128,7 +128,7 @@ def test_logits_equal_transformers_full_cached_and_packed(loaded, name):
                                         ('qwen3', 'qwen2'), ('phi3', 'mistral'),
                                         ('gemma', 'qwen3'), ('mistral_window', 'gemma3'),
                                         ('gemma2', 'mistral_window'), ('gemma3', 'gemma2'),
-                                        ('gpt_neox', 'gpt2')])
+                                        ('gpt_neox', 'gpt2'), ('qwen2_yarn', 'qwen2')])
 def test_greedy_ars_and_sps_equal_transformers_generate(loaded, name, draft):
   model, want = loaded[name], _expected(name)
   assert want['margin'] >= fixtures.MIN_MARGIN  # No argmax is closer than float noise.
@@ -172,8 +172,8 @@ def _copy_with(tmp_path, name, **changes):
 @pytest.mark.parametrize('name,changes,message', [
     ('llama_tied_mqa', dict(rope_parameters={'rope_type': 'dynamic', 'factor': 2.0}),
      "rope scaling of type 'dynamic' is not supported"),
-    ('llama_tied_mqa', dict(rope_scaling={'type': 'yarn', 'factor': 4.0}),
-     "rope scaling of type 'yarn' is not supported"),
+    ('llama_tied_mqa', dict(rope_scaling={'type': 'longrope', 'factor': 4.0}),
+     "rope scaling of type 'longrope' is not supported"),
     ('llama_rope_llama3', dict(rope_parameters={'rope_type': 'llama3', 'factor': 8.0}),
      "llama3 rope scaling without ['low_freq_factor', 'high_freq_factor']"),
     ('llama_tied_mqa', dict(partial_rotary_factor=0.5), 'partial_rotary_factor=0.5'),
@@ -251,6 +251,27 @@ LLAMA_3_2_1B = {
                      'original_max_position_embeddings': 8192, 'rope_type': 'llama3'},
     'rope_theta': 500000.0, 'tie_word_embeddings': True, 'torch_dtype': 'bfloat16',
     'use_cache': True, 'vocab_size': 128256}
+
+
+def test_yarn_reads_as_transformers_resolves_it(loaded):
+  """The fixture's YaRN (its defaults filled in), and its attention factor; DeepSeek's mscale
+  pair and a missing factor resolved as transformers does. Without its scaling the fixture's
+  logits are far from transformers' (so the fixture's check can fail)."""
+  config = loaded['qwen2_yarn'].config
+  assert config.rope_scaling == models.RopeScaling('yarn', 4.0, original_max_len=64)
+  assert rope.attention_factor(config) == pytest.approx(0.1 * np.log(4.0) + 1)
+  hub = dict(hf.read_config(os.path.join(FIXTURES, 'qwen2_yarn')), rope_parameters=None,
+             rope_theta=500.0, rope_scaling=dict(type='yarn', original_max_position_embeddings=32,
+                                                 mscale=1.0, mscale_all_dim=0.5, truncate=False))
+  scaling = hf.config_from_hf(hub).rope_scaling
+  assert (scaling.factor, scaling.original_max_len, scaling.truncate) == (8.0, 32, False)
+  assert scaling.attention_factor == pytest.approx((0.1 * np.log(8) + 1) / (0.05 * np.log(8) + 1))
+  plain = dataclasses.replace(config, rope_scaling=None)
+  want = _expected('qwen2_yarn')
+  got = np.asarray(_logits(plain, loaded['qwen2_yarn'].params, jnp.asarray(want['prompts'])))
+  worst = max(np.abs(got[b, :n] - want['logits'][b, :n]).max() / np.abs(want['logits'][b, :n]).max()
+              for b, n in enumerate(want['lengths']))
+  assert worst > 100 * RTOL
 
 
 def test_llama_3_2_1b_is_the_llama1b_preset_with_its_rope_scaling():
@@ -434,7 +455,8 @@ def test_export_round_trips_and_is_what_transformers_computed(tmp_path):
 
 
 SAVED = ['llama_gqa', 'llama_tied_mqa', 'qwen2', 'mistral', 'llama_rope_llama3',
-         'mistral_rope_linear', 'qwen3', 'gemma', 'mistral_window', 'gemma2', 'gemma3']
+         'mistral_rope_linear', 'qwen3', 'gemma', 'mistral_window', 'gemma2', 'gemma3',
+         'qwen2_yarn']
 
 
 @pytest.mark.parametrize('name', SAVED)
@@ -466,7 +488,7 @@ def test_save_picks_the_plainest_type_and_refuses_what_it_cannot_write(tmp_path,
   assert types == dict(llama_gqa='llama', llama_tied_mqa='llama', qwen2='qwen2', mistral='llama',
                        llama_rope_llama3='llama', mistral_rope_linear='llama', qwen3='qwen3',
                        gemma='gemma', mistral_window='mistral', gemma2='gemma2',
-                       gemma3='gemma3_text')
+                       gemma3='gemma3_text', qwen2_yarn='qwen2')
   for name in ('gpt2', 'gpt_neox', 'phi3'):
     with pytest.raises(hf.UnsupportedCheckpoint, match='cannot express|read only'):
       hf.save(loaded[name], str(tmp_path / name), 'phi3' if name == 'phi3' else None)

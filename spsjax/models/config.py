@@ -16,7 +16,7 @@ _MLP_KINDS = ('gated_silu', 'gated_gelu', 'gelu', 'gelu_exact')
 GATED_MLPS = ('gated_silu', 'gated_gelu')
 _NORMS = ('rms', 'layer')
 _POSITIONS = ('rope', 'learned')
-_ROPE_SCALINGS = ('linear', 'llama3')
+_ROPE_SCALINGS = ('linear', 'llama3', 'yarn')
 KERNELS = ('xla', 'xla_fused', 'native')
 SINGLE_ROW = ('auto', 'padded', 'plain', 'stream')
 # How a placed model computes, not what it is: checkpoints do not store these fields.
@@ -31,20 +31,33 @@ class RopeScaling:
   'linear': every frequency divided by `factor` (positions interpolated). 'llama3' (Llama 3.1 and
   3.2): the frequencies whose wavelength is under original_max_len / high_freq_factor kept, those
   over original_max_len / low_freq_factor divided by `factor`, the ones between interpolated
-  smoothly. Neither changes the attention's temperature.
+  smoothly. Neither changes the attention's temperature. 'yarn' (YaRN: Qwen's long contexts): the
+  frequencies that turn more than beta_fast times over original_max_len kept, those turning
+  fewer than beta_slow times divided by `factor`, a linear ramp over the dims between; queries
+  and keys both scaled by `attention_factor` (None: 0.1 ln(factor) + 1, or 1 for factor <= 1).
   """
 
   kind: str
   factor: float
-  low_freq_factor: float = 1.0  # 'llama3' only, like the three below.
+  low_freq_factor: float = 1.0  # 'llama3' only, like high_freq_factor.
   high_freq_factor: float = 4.0
-  original_max_len: int = 8192
+  original_max_len: int = 8192  # 'llama3' and 'yarn'.
+  beta_fast: float = 32.0  # 'yarn' only, like the three below.
+  beta_slow: float = 1.0
+  attention_factor: float | None = None
+  truncate: bool = True  # Whether the ramp's ends are rounded to whole dims (transformers').
 
   def __post_init__(self):
     if self.kind not in _ROPE_SCALINGS:
       raise ValueError(f'RopeScaling.kind must be one of {_ROPE_SCALINGS}, got {self.kind!r}.')
     if not self.factor > 0:
       raise ValueError(f'RopeScaling.factor must be > 0, got {self.factor}.')
+    if self.kind == 'yarn' and not (self.beta_slow > 0 and self.beta_fast > 0
+                                    and self.original_max_len >= 1
+                                    and (self.attention_factor is None
+                                         or self.attention_factor > 0)):
+      raise ValueError(f'yarn rope scaling wants beta_fast, beta_slow, attention_factor > 0 and '
+                       f'original_max_len >= 1, got {self}.')
     if self.kind == 'llama3' and not (0 < self.low_freq_factor < self.high_freq_factor
                                       and self.original_max_len >= 1):
       raise ValueError(

@@ -5,7 +5,7 @@ and Phi-3 back (`save`).
 A checkpoint directory holds `config.json` and safetensors weights: `model.safetensors`, or shards
 listed by `model.safetensors.index.json`. `load` maps the config to a `TransformerConfig`, refusing
 by name every field whose value would make a different model than ours computes (rope scalings
-other than linear and Llama 3's, attention other than full or sliding, biases we do not have,
+other than linear, Llama 3's and YaRN, attention other than full or sliding, biases we do not have,
 other activations: `config_from_hf`), reads each tensor with
 numpy, puts it into our layout and onto the mesh by the rules table one tensor at a time (each
 process builds only its own devices' shards). `save` writes a model as a directory of the
@@ -78,7 +78,12 @@ _ROPE_SCALING_FIELDS = {
     'llama3': dict(factor='factor', low_freq_factor='low_freq_factor',
                    high_freq_factor='high_freq_factor',
                    original_max_len='original_max_position_embeddings'),
+    'yarn': dict(factor='factor', original_max_len='original_max_position_embeddings',
+                 beta_fast='beta_fast', beta_slow='beta_slow', attention_factor='attention_factor',
+                 truncate='truncate'),
 }
+# Fields a scaling may leave out (transformers' defaults: RopeScaling's).
+_ROPE_SCALING_OPTIONAL = ('beta_fast', 'beta_slow', 'attention_factor', 'truncate')
 
 
 def _local_rope_base(hf: dict) -> float | None:
@@ -101,9 +106,9 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
   Hub) or from `rope_parameters` (transformers 5 writes that; per layer type, the global layers'
   `full_attention` entry: the sliding ones' is `_local_rope_base`); as in transformers, llama3's
   `original_max_position_embeddings` is the config's own where it has one, then the scaling's,
-  then `max_position_embeddings`. Scalings other than 'linear' and 'llama3' ('dynamic' changes
-  with the length; 'yarn' and 'longrope' also scale the attention), parameters of other layer
-  types and partial rotations are refused."""
+  then `max_position_embeddings`. Scalings other than 'linear', 'llama3' and 'yarn' ('dynamic'
+  and 'longrope' change with the length), parameters of other layer types and partial rotations
+  are refused."""
   params = hf.get('rope_parameters') or {}
   if any(isinstance(value, dict) for value in params.values()):
     if set(params) - {'full_attention', 'sliding_attention'}:
@@ -129,12 +134,31 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
   original = 'original_max_position_embeddings'
   scaling = dict(scaling, **{original: hf.get(original, scaling.get(
       original, hf.get('max_position_embeddings')))})
+  if kind == 'yarn':
+    scaling = _yarn_fields(hf, scaling)
   missing = [theirs for theirs in _ROPE_SCALING_FIELDS[kind].values()
-             if scaling.get(theirs) is None]
+             if scaling.get(theirs) is None and theirs not in _ROPE_SCALING_OPTIONAL]
   if missing:
     raise UnsupportedCheckpoint(f'{CONFIG}: {kind} rope scaling without {missing}.')
   return base, RopeScaling(kind, **{ours: scaling[theirs]
-                                    for ours, theirs in _ROPE_SCALING_FIELDS[kind].items()})
+                                    for ours, theirs in _ROPE_SCALING_FIELDS[kind].items()
+                                    if scaling.get(theirs) is not None})
+
+
+def _yarn_fields(hf: dict, scaling: dict) -> dict:
+  """YaRN's fields as transformers resolves them: no factor means max_position_embeddings /
+  original_max_position_embeddings; no attention_factor with mscale and mscale_all_dim
+  (DeepSeek's) means their ratio of 0.1 m ln(factor) + 1; `truncate` where transformers reads it
+  (the scaling's own, else the config's)."""
+  scaling = dict(scaling)
+  original = scaling['original_max_position_embeddings']
+  if scaling.get('factor') is None and original:
+    scaling['factor'] = hf['max_position_embeddings'] / original
+  factor, mscale, mscale_all = (scaling.get(k) for k in ('factor', 'mscale', 'mscale_all_dim'))
+  if scaling.get('attention_factor') is None and mscale and mscale_all and factor:
+    m = lambda m: 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+    scaling['attention_factor'] = m(mscale) / m(mscale_all)
+  return scaling
 
 
 def _rope_scaling_json(scaling: RopeScaling | None) -> dict:
@@ -143,7 +167,8 @@ def _rope_scaling_json(scaling: RopeScaling | None) -> dict:
     return {}
   fields = _ROPE_SCALING_FIELDS[scaling.kind]
   return dict(rope_scaling=dict(rope_type=scaling.kind, **{
-      theirs: getattr(scaling, ours) for ours, theirs in fields.items()}))
+      theirs: getattr(scaling, ours) for ours, theirs in fields.items()
+      if getattr(scaling, ours) is not None}))
 
 
 def _layer_kinds(hf: dict, model_type: str) -> tuple[int | None, tuple[int, ...]]:

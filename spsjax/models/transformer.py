@@ -181,7 +181,9 @@ class Attention(nn.Module):
                counts_B=None, post_norm: RMSNorm | None = None):
     c = self.config
     freqs_H2 = rope.frequencies(c, self.layer)
-    options = dict(scale=c.query_scale, window=c.window(self.layer), softcap=c.attn_softcap)
+    # YaRN scales queries and keys alike: their scores by its square.
+    scale = (c.query_scale or c.dims_per_head**-0.5) * rope.attention_factor(c, self.layer)**2
+    options = dict(scale=scale, window=c.window(self.layer), softcap=c.attn_softcap)
     D, N, K, H, dt = c.d_model, c.num_heads, c.kv_heads, c.dims_per_head, c.jnp_dtype
     packed = c.kernels == 'native'
     B, rows = x_BxTxD.shape[:2]
