@@ -256,6 +256,9 @@ ATTENTION_CASES = [
     ('window, prefill in query blocks', 2, 40, 2, 1, 8, 37, [0, 3], [37, 20],
      dict(window=9, softcap=0.5)),
     ('window past every position', 1, 33, 1, 2, 34, 3, [30], None, dict(window=1000)),
+    # A part of each head rotated (GPT-NeoX), or none (GPT-2): `rotated` dims.
+    ('a part rotated', 2, 40, 2, 3, 34, 5, [0, 35], None, dict(rotated=10)),
+    ('none rotated', 2, 40, 1, 2, 18, 3, [7, 37], [3, 1], dict(rotated=0)),
 ]
 
 _libm = ctypes.CDLL(ctypes.util.find_library('m'))
@@ -269,13 +272,15 @@ def _inverse_frequencies(half):
                    for i in range(half)], np.float32)
 
 
-def attention_reference(qkv, keys, values, starts, counts, window=None, softcap=None):
+def attention_reference(qkv, keys, values, starts, counts, window=None, softcap=None,
+                        rotated=None):
   """(outputs [B, T, K, G, H], keys, values) in float64 from float32 angles (position * the
   inverse frequency, as the model defines them); padding positions' outputs 0, their slots as
-  they were; a query sees the last `window` slots up to its own, scores softcapped."""
+  they were; a query sees the last `window` slots up to its own, scores softcapped; the first
+  `rotated` dims of each head rotated (None: all)."""
   B, T, M, H = qkv.shape
   K = keys.shape[2]
-  N, half = M - 2 * K, H // 2
+  N, half = M - 2 * K, (H if rotated is None else rotated) // 2
   inv_freq = _inverse_frequencies(half)
   scale = float(np.float32(H**-0.5))
   out = np.zeros((B, T, K, N // K, H))
@@ -287,9 +292,10 @@ def attention_reference(qkv, keys, values, starts, counts, window=None, softcap=
     cos, sin = np.cos(angles)[:, None], np.sin(angles)[:, None]
     x = qkv[b, :used].astype(np.float64)
 
-    def rotate(v):
-      v1, v2 = v[..., :half], v[..., half:]
-      return np.concatenate([v1 * cos - v2 * sin, v2 * cos + v1 * sin], axis=-1)
+    def rotate(v):  # The first 2 half dims; the rest pass.
+      v1, v2 = v[..., :half], v[..., half:2 * half]
+      return np.concatenate([v1 * cos - v2 * sin, v2 * cos + v1 * sin, v[..., 2 * half:]],
+                            axis=-1)
 
     q = (rotate(x[:, :N]) * scale).reshape(used, K, N // K, H)
     k_cache[b, positions] = rotate(x[:, N:N + K])
@@ -308,10 +314,14 @@ def attention_reference(qkv, keys, values, starts, counts, window=None, softcap=
 
 @functools.partial(jax.jit, static_argnames=('isas', 'options'))
 def _attentions(cases, isas, options):
-  return [{isa: native.cached_attention(qkv, keys, values, starts,
-                                        rope_freqs=_inverse_frequencies(qkv.shape[-1] // 2),
-                                        counts_B=counts, isa=isa, **dict(option)) for isa in isas}
-          for (qkv, keys, values, starts, counts), option in zip(cases, options, strict=True)]
+  calls = []
+  for (qkv, keys, values, starts, counts), option in zip(cases, options, strict=True):
+    option = dict(option)
+    freqs = _inverse_frequencies(option.pop('rotated', qkv.shape[-1]) // 2)
+    calls.append({isa: native.cached_attention(qkv, keys, values, starts, rope_freqs=freqs,
+                                               counts_B=counts, isa=isa, **option)
+                  for isa in isas})
+  return calls
 
 
 def attention(isas):

@@ -1,6 +1,7 @@
-"""Hugging Face checkpoints: tiny random Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma and GPT-2
-models that transformers saved (two with rope scaling: Llama 3's and linear) load into spsjax and
-compute transformers' logits (full and cached paths, packed for the CPU kernels and sharded),
+"""Hugging Face checkpoints: tiny random Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma (1, 2, 3),
+GPT-2 and GPT-NeoX models that transformers saved (with rope scalings, sliding windows) load into
+spsjax and compute transformers' logits (full and cached paths, packed for the CPU kernels and
+sharded),
 greedy ArS and SpS give transformers' greedy `generate`, unsupported configs are refused by name,
 and an exported model (with Llama 3's rope scaling) is what transformers computed from the same
 export.
@@ -105,7 +106,7 @@ def test_configs_map_every_field(loaded):
 
 @pytest.mark.parametrize('name', NAMES)
 def test_logits_equal_transformers_full_cached_and_packed(loaded, name):
-  """Packed where the CPU kernels can run it (not GPT-2's options: `models.for_decoding`)."""
+  """Packed for the CPU kernels (`models.for_decoding`) too."""
   model, want = loaded[name], _expected(name)
   prompts, lengths = jnp.asarray(want['prompts']), jnp.asarray(want['lengths'])
   _check_logits(_logits(model.config, model.params, prompts), want, f'{name} full forward')

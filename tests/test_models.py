@@ -80,17 +80,18 @@ def test_windows_and_caps_decode_the_reference(overrides, chunk, layout):
     lengths = lengths + chunk
 
 
-# GPT-NeoX's options: LayerNorm, biases, a quarter of each head rotated, a parallel block,
-# GELU (erf). XLA's layouts only: the CPU kernels implement none of them.
+# GPT-NeoX's options: LayerNorm, biases, a part of each head rotated, a parallel block, GELU
+# (erf); GPT-2's: learned positions, GELU (tanh).
 NEOX = dict(norm='layer', qkv_bias=True, dense_bias=True, rope_dims=2, parallel_residual=True,
             mlp='gelu_exact')
+GPT2 = dict(norm='layer', qkv_bias=True, dense_bias=True, position='learned', mlp='gelu')
 
 
 @pytest.mark.parametrize('overrides', [NEOX, dict(NEOX, parallel_residual=False, rope_dims=6)])
-@pytest.mark.parametrize('layout', ['xla', 'fused'])
+@pytest.mark.parametrize('layout', LAYOUTS)
 def test_neox_options_decode_the_reference(overrides, layout):
   """Cached calls of 1 and 3 positions, and logits at chosen positions, give the full forward's
-  logits; the options change them (so the check can fail); packing refuses them."""
+  logits, packed for the CPU kernels too; the options change them (so the check can fail)."""
   config = _config(None, **overrides)
   params = models.init_params(config, jax.random.key(0))
   params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(1), x.shape), params)
@@ -111,8 +112,6 @@ def test_neox_options_decode_the_reference(overrides, layout):
                          jnp.array([[0, 2], [1, 2]], jnp.int32))
   np.testing.assert_allclose(out_Bx2xV[0], reference_BxLxV[0, [3, 5]], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(out_Bx2xV[1], reference_BxLxV[1, [5, 6]], rtol=1e-5, atol=1e-5)
-  with pytest.raises(ValueError, match='GPT'):
-    models.pack(models.Model(config, params))
 
 
 # Every head layout one position at a time; scoring 5 positions with GQA and MQA. Fused: GQA one
@@ -170,8 +169,9 @@ def test_rollback_is_moving_lengths(layout):
 @pytest.mark.parametrize('overrides', [
     {}, dict(tie_embeddings=False, mlp='gelu'),
     dict(qk_norm=True, rope_scaling=models.RopeScaling('llama3', 8.0, original_max_len=16)),
-    dict(mlp='gated_gelu', embed_scale=True), GEMMA2, GEMMA3],
-                         ids=['plain', 'gelu', 'qk_norm-llama3_rope', 'gemma', 'gemma2', 'gemma3'])
+    dict(mlp='gated_gelu', embed_scale=True), GEMMA2, GEMMA3, GPT2, NEOX],
+                         ids=['plain', 'gelu', 'qk_norm-llama3_rope', 'gemma', 'gemma2', 'gemma3',
+                              'gpt2', 'neox'])
 @pytest.mark.parametrize('layout', LAYOUTS)
 def test_logits_at_selects_positions_per_row(overrides, layout):
   """prefill(last_only) and extend(logits_at) give the selected rows of the full logits, and the
@@ -250,7 +250,9 @@ def test_rope_scalings_rescale_the_frequencies():
   between = ~short & ~long
   assert np.all((got[between] < plain[between]) & (got[between] > plain[between] / 8))
   with pytest.raises(ValueError, match='RopeScaling.kind'):
-    models.RopeScaling('yarn', 4.0)
+    models.RopeScaling('longrope', 4.0)
+  with pytest.raises(ValueError, match='yarn rope scaling wants'):
+    models.RopeScaling('yarn', 4.0, beta_slow=0.0)
   with pytest.raises(ValueError, match='low_freq_factor < high_freq_factor'):
     models.RopeScaling('llama3', 8.0, low_freq_factor=4.0, high_freq_factor=1.0)
   with pytest.raises(ValueError, match='rotary model'):
@@ -381,13 +383,12 @@ def test_fusing_lays_out_the_same_parameters_for_fewer_products(overrides):
     models.logits(config, fused.params, tokens_BxT)
   with pytest.raises(ValueError, match="laid out for 'xla'"):
     models.logits(fused.config, model.params, tokens_BxT)
-  if not config.gpt2_style:  # Packing a fused model packs its plain layout; not the reverse.
-    packed = models.pack(fused)
-    assert packed.config.kernels == 'native'
-    np.testing.assert_array_equal(models.unpack(packed).params['layer_0']['attn']['wk'],
-                                  model.params['layer_0']['attn']['wk'])
-    with pytest.raises(ValueError, match='unpack'):
-      models.fuse(packed)
+  packed = models.pack(fused)  # Packing a fused model packs its plain layout; not the reverse.
+  assert packed.config.kernels == 'native'
+  np.testing.assert_array_equal(models.unpack(packed).params['layer_0']['attn']['wk'],
+                                model.params['layer_0']['attn']['wk'])
+  with pytest.raises(ValueError, match='unpack'):
+    models.fuse(packed)
 
 
 @pytest.mark.parametrize('overrides', [dict(mlp='gelu'), dict(tie_embeddings=False),

@@ -500,6 +500,32 @@ def test_cached_attention_window_softcap_and_scale(isa, T):
     attention.cached_attention(qkv, keys, values, starts, rope_freqs=_freqs(qkv), window=0)
 
 
+@pytest.mark.parametrize('isa', ISAS)
+@pytest.mark.parametrize('rotated', [0, 4, 10])
+def test_cached_attention_rotates_a_part_or_none(isa, rotated):
+  """GPT-NeoX rotates the first dims of a head, GPT-2 none: XLA's rotation against numpy's, and
+  the kernel (queries and keys rotated, the rest passing) against XLA's ops."""
+  B, S, K, G, H, T = 3, 24, 2, 2, 16, 3
+  keys, values = _normal(0, (B, S, K, H)), _normal(1, (B, S, K, H))
+  qkv = _normal(2, (B, T, K * G + 2 * K, H), scale=3.0)
+  starts = np.array([0, 9, S - T], np.int32)
+  freqs = np.asarray(attention.rope_frequencies(max(rotated, 2), 500.0))[:rotated // 2]
+  positions = starts[:, None] + np.arange(T)[None]
+  half = rotated // 2
+  angles = positions[..., None, None] * freqs  # [B, T, 1, R / 2]
+  x = qkv.astype(np.float64)
+  want = x.copy()
+  want[..., :half] = x[..., :half] * np.cos(angles) - x[..., half:rotated] * np.sin(angles)
+  want[..., half:rotated] = x[..., half:rotated] * np.cos(angles) + x[..., :half] * np.sin(angles)
+  np.testing.assert_allclose(attention.rope(qkv, jnp.asarray(positions), freqs), want,
+                             rtol=1e-5, atol=1e-5)
+  kernel = attention._kernel  # pylint: disable=protected-access
+  got, want = jax.jit(lambda *a: (kernel(*a, np.zeros((0,), np.int32), freqs, isa),
+                                  attention.reference(*a, freqs)))(qkv, keys, values, starts)
+  for name, g, w in zip(('outputs', 'keys', 'values'), got, want, strict=True):
+    np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5, err_msg=name)
+
+
 def test_cached_attention_writes_in_place_or_copies():
   """Donated caches are written in place; kept ones are copied first and stay unchanged."""
   B, S, K, G, H = 2, 16, 2, 2, 8

@@ -149,10 +149,6 @@ def pack(model: Model, weights: str = 'float32', target: Model | None = None) ->
   config = model.config
   if config.dtype != 'float32':
     raise ValueError(f'Only float32 models can be packed, got {config.dtype}.')
-  if config.gpt2_style:
-    raise ValueError('The CPU kernels implement no GPT-2 or GPT-NeoX option (LayerNorm, learned '
-                     'positions, dense biases, partial rotation, a parallel block): this model '
-                     'decodes with XLA\'s ops.')
   _check_weights(weights)
   if is_packed(model):
     return model
@@ -195,8 +191,6 @@ def packable(model: Model) -> str | None:
   """Why `model` is not packed for decoding on this machine, or None when it can be."""
   if model.config.dtype != 'float32':
     return f'its dtype is {model.config.dtype} (the kernels are float32)'
-  if model.config.gpt2_style:
-    return 'it uses GPT-2 or GPT-NeoX options the kernels do not implement'
   if not native.available():
     return 'the native kernel library is not built'
   devices = {d for x in jax.tree.leaves(model.params) for d in x.devices()}

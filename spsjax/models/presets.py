@@ -47,7 +47,16 @@ PRESETS = {
     # check's large model, randomly initialised.
     'llama1b': dict(vocab_size=128_256, d_model=2048, num_layers=16, num_heads=32,
                     num_kv_heads=8, d_ff=8192, max_seq_len=2048, rope_base=500_000.0),
+    # Pythia-160M's and Pythia-70M's shapes (GPT-NeoX: LayerNorm, biases, a parallel block, a
+    # quarter of each head rotated, GELU with erf): the classic pair of one tokenizer, randomly
+    # initialised, for the decode benchmark of those options' paths.
+    'pythia160m': dict(vocab_size=50_304, d_model=768, num_layers=12, num_heads=12, d_ff=3072,
+                       max_seq_len=2048, tie_embeddings=False, mlp='gelu_exact', norm='layer',
+                       norm_eps=1e-5, qkv_bias=True, dense_bias=True, rope_dims=16,
+                       parallel_residual=True),
 }
+PRESETS['pythia160m_draft'] = dict(PRESETS['pythia160m'], d_model=512, num_layers=6, num_heads=8,
+                                   d_ff=2048)
 
 # Truncated drafts: a target's first layer at the target's width, started from the trained
 # target's embedding, layer 0 and final norm (`models.truncated_params`), then trained.

@@ -23,8 +23,10 @@ serve (packed weights with 'xla', plain ones with 'native', fused ones with anyt
 'xla_fused') is an error (`_check_kernels`). On XLA's path every projection goes through
 `project`, which gives a single row a zero second one where `config.single_row` says so.
 
-GPT-2's options (`norm='layer'`, `position='learned'`, `dense_bias`) run on this XLA path only;
-`models.pack` refuses a model that uses them.
+GPT-2's and GPT-NeoX's options (`norm='layer'`, `position='learned'`, `dense_bias`, `rope_dims`,
+`parallel_residual`) run on every path: on the packed one their LayerNorms and biases are XLA's
+ops beside the kernels' products, and the attention kernel rotates the first `rotary_dims` of a
+head (none with learned positions).
 
 Invariant: a cached call at row offsets `lengths` computes exactly what the full causal forward
 computes at those positions (up to float reassociation).
@@ -74,16 +76,6 @@ def project(config: TransformerConfig, spec: str, x_BxTx_, w, **kwargs) -> jax.A
   if x_BxTx_.shape[0] * x_BxTx_.shape[1] != 1 or not _pads_single_row(config):
     return jnp.einsum(spec, x_BxTx_, w, **kwargs)
   return jnp.einsum(spec, _pad_rows(x_BxTx_, 2), w, **kwargs)[:, :1]
-
-
-def _rotate(config: TransformerConfig, x_BxTxNxH, positions_BxT, freqs_R2) -> jax.Array:
-  """The rotary embedding of x's heads, on their first `rotary_dims` dims only (GPT-NeoX's
-  partial rotation) where the config says so."""
-  R = config.rotary_dims
-  if R == x_BxTxNxH.shape[-1]:
-    return native.rope(x_BxTxNxH, positions_BxT, freqs_R2)
-  return jnp.concatenate([native.rope(x_BxTxNxH[..., :R], positions_BxT, freqs_R2),
-                          x_BxTxNxH[..., R:]], axis=-1)
 
 
 def _kept_counts(keep_BxL: jax.Array, counts_B: jax.Array | None) -> jax.Array | None:
@@ -152,8 +144,15 @@ class RMSNorm(nn.Module):
 
   @property
   def fused(self) -> tuple[jax.Array, float]:
-    """What a packed product needs to apply this norm to its input."""
+    """What a packed product needs to apply this RMS norm to its input."""
     return self.scale, self.config.norm_eps
+
+  def packed_input(self, x_BxTxD) -> tuple[jax.Array, tuple[jax.Array, float] | None]:
+    """(the input of a packed product, its `norm=`): an RMS norm runs in the product's kernel,
+    a LayerNorm by XLA's ops before it."""
+    if self.config.norm == 'rms':
+      return x_BxTxD, self.fused
+    return self(x_BxTxD), None
 
 
 class Attention(nn.Module):
@@ -180,7 +179,9 @@ class Attention(nn.Module):
   def __call__(self, x_BxTxD, norm: RMSNorm, positions_BxT, layer_cache, keep_BxL=None,
                counts_B=None, post_norm: RMSNorm | None = None):
     c = self.config
-    freqs_H2 = rope.frequencies(c, self.layer)
+    # The first R dims of each head rotate (`rotary_dims`; none with learned positions).
+    freqs_R2 = (rope.frequencies(c, self.layer) if c.position == 'rope'
+                else jnp.zeros((0,), jnp.float32))
     # YaRN scales queries and keys alike: their scores by its square.
     scale = (c.query_scale or c.dims_per_head**-0.5) * rope.attention_factor(c, self.layer)**2
     options = dict(scale=scale, window=c.window(self.layer), softcap=c.attn_softcap)
@@ -193,8 +194,9 @@ class Attention(nn.Module):
           _param(self, 'bq', (N, H), ('heads', 'head_dim'), 1, dt, zeros=True),
           _param(self, 'bk', (K, H), ('kv_heads', 'head_dim'), 1, dt, zeros=True),
           _param(self, 'bv', (K, H), ('kv_heads', 'head_dim'), 1, dt, zeros=True)])
-    if packed:  # One product for q, k and v, the norm applied by the kernel.
-      qkv_BxTxMxH = native.matmul(x_BxTxD, _packed(self, 'wqkv'), norm=norm.fused,
+    if packed:  # One product for q, k and v, an RMS norm applied by the kernel.
+      h_BxTxD, fused = norm.packed_input(x_BxTxD)
+      qkv_BxTxMxH = native.matmul(h_BxTxD, _packed(self, 'wqkv'), norm=fused,
                                   counts=counts_B).astype(dt)
       if c.qkv_bias:
         qkv_BxTxMxH = qkv_BxTxMxH + bias_MxH[None, None]
@@ -222,7 +224,7 @@ class Attention(nn.Module):
         qkv_BxTxMxH = jnp.concatenate([*norm_qk(q_BxTxNxH, k_BxTxKxH), v_BxTxKxH], axis=2)
       cache_k, cache_v, starts_B = layer_cache
       out_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH = native.cached_attention(
-          qkv_BxTxMxH, cache_k, cache_v, starts_B, rope_freqs=freqs_H2, counts_B=counts_B,
+          qkv_BxTxMxH, cache_k, cache_v, starts_B, rope_freqs=freqs_R2, counts_B=counts_B,
           **options)
       out_BxTxKxGxH = out_BxTxKxGxH.astype(dt)
     else:
@@ -245,8 +247,8 @@ class Attention(nn.Module):
       if c.qk_norm:
         q_BxTxNxH, k_BxTxKxH = norm_qk(q_BxTxNxH, k_BxTxKxH)
       if c.position == 'rope':
-        q_BxTxNxH, k_BxTxKxH = (_rotate(c, x, positions_BxT, freqs_H2)
-                                for x in (q_BxTxNxH, k_BxTxKxH))
+        q_BxTxNxH = native.rope(q_BxTxNxH, positions_BxT, freqs_R2)
+        k_BxTxKxH = native.rope(k_BxTxKxH, positions_BxT, freqs_R2)
       q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, N // K, H)
       if layer_cache is None:  # Full causal pass: keys are the new positions themselves.
         keys_BxSxKxH, values_BxSxKxH, key_pos_BxS = k_BxTxKxH, v_BxTxKxH, positions_BxT
@@ -266,19 +268,21 @@ class Attention(nn.Module):
       out_BxTxF, x_BxTxD = (jnp.take_along_axis(a, keep_BxL[:, :, None], axis=1)
                             for a in (out_BxTxF, x_BxTxD))
       counts_B = _kept_counts(keep_BxL, counts_B)
+    bias_1x1xD = (_param(self, 'bo', (D,), ('embed',), 1, dt, zeros=True)[None, None]
+                  if c.dense_bias else None)
     if packed:
-      return (_packed_output(x_BxTxD, out_BxTxF, wo, post_norm, counts_B, dt),
+      return (_packed_output(x_BxTxD, out_BxTxF, wo, post_norm, counts_B, dt, bias_1x1xD),
               (keys_BxSxKxH, values_BxSxKxH))
     out_BxTxD = project(c, 'BTF,FD->BTD', out_BxTxF, wo.reshape(N * H, D))
-    if c.dense_bias:
-      out_BxTxD = out_BxTxD + _param(self, 'bo', (D,), ('embed',), 1, dt, zeros=True)[None, None]
+    if bias_1x1xD is not None:
+      out_BxTxD = out_BxTxD + bias_1x1xD
     return _residual(x_BxTxD, out_BxTxD, post_norm), (keys_BxSxKxH, values_BxSxKxH)
 
 
 class Mlp(nn.Module):
   """Gated SiLU, gated GELU or GELU (tanh or erf) MLP; like `Attention`, takes the stream and its
-  norm (and `counts_B`, `post_norm`), returns the stream with the output added; on XLA's path
-  `residual_BxTxD` is the stream it is added to instead (a parallel block's attention output)."""
+  norm (and `counts_B`, `post_norm`), returns the stream with the output added; `residual_BxTxD`
+  is the stream it is added to instead (a parallel block's attention output)."""
   config: TransformerConfig
 
   @nn.compact
@@ -287,21 +291,32 @@ class Mlp(nn.Module):
     c = self.config
     D, F, dt = c.d_model, c.ff_dim, c.jnp_dtype
     packed = c.kernels == 'native'
-    if packed and c.mlp == 'gated_silu':  # One product for the gate and the input.
-      gate_in_BxTx2xF = native.matmul(x_BxTxD, _packed(self, 'w_gate_in'), norm=norm.fused,
-                                      counts=counts_B)
-      return _packed_output(x_BxTxD, gate_in_BxTx2xF, _packed(self, 'w_out'), post_norm,
-                            counts_B, dt, gated=True)
-    if packed and c.mlp == 'gated_gelu':  # The gating by XLA's ops between the two products.
-      gate_in_BxTx2xF = native.matmul(x_BxTxD, _packed(self, 'w_gate_in'), norm=norm.fused,
-                                      counts=counts_B).astype(dt)
-      h_BxTxF = jax.nn.gelu(gate_in_BxTx2xF[:, :, 0]) * gate_in_BxTx2xF[:, :, 1]
-      return _packed_output(x_BxTxD, h_BxTxF, _packed(self, 'w_out'), post_norm, counts_B, dt)
+    residual_BxTxD = x_BxTxD if residual_BxTxD is None else residual_BxTxD
     gelu = functools.partial(jax.nn.gelu, approximate=c.mlp != 'gelu_exact')
-    if packed:  # GELU.
-      h_BxTxF = gelu(native.matmul(x_BxTxD, _packed(self, 'w_in'), norm=norm.fused,
-                                   counts=counts_B).astype(dt))
-      return _packed_output(x_BxTxD, h_BxTxF, _packed(self, 'w_out'), post_norm, counts_B, dt)
+    bias = lambda name, n: (_param(self, name, (n,), (('mlp',) if n == F else ('embed',)), 1, dt,
+                                   zeros=True)[None, None] if c.dense_bias else None)
+    if packed:
+      h_BxTxD, fused = norm.packed_input(x_BxTxD)
+    if packed and c.mlp in GATED_MLPS:  # One product for the gate and the input.
+      gate_in_BxTx2xF = native.matmul(h_BxTxD, _packed(self, 'w_gate_in'), norm=fused,
+                                      counts=counts_B)
+      if c.dense_bias:  # On the input, not the gate, as XLA's path adds it.
+        gate_in_BxTx2xF = gate_in_BxTx2xF + jnp.stack(
+            [jnp.zeros((1, 1, F), dt), bias('b_in', F)], axis=2)
+      if c.mlp == 'gated_silu':  # The gating in the second product's kernel.
+        return _packed_output(residual_BxTxD, gate_in_BxTx2xF, _packed(self, 'w_out'),
+                              post_norm, counts_B, dt, bias('b_out', D), gated=True)
+      gate_in_BxTx2xF = gate_in_BxTx2xF.astype(dt)  # The gating by XLA's ops between the two.
+      h_BxTxF = jax.nn.gelu(gate_in_BxTx2xF[:, :, 0]) * gate_in_BxTx2xF[:, :, 1]
+      return _packed_output(residual_BxTxD, h_BxTxF, _packed(self, 'w_out'), post_norm,
+                            counts_B, dt, bias('b_out', D))
+    if packed:  # GELU, its biases (GPT-2's, GPT-NeoX's) by XLA's ops.
+      h_BxTxF = native.matmul(h_BxTxD, _packed(self, 'w_in'), norm=fused,
+                              counts=counts_B).astype(dt)
+      if c.dense_bias:
+        h_BxTxF = h_BxTxF + bias('b_in', F)
+      return _packed_output(residual_BxTxD, gelu(h_BxTxF), _packed(self, 'w_out'), post_norm,
+                            counts_B, dt, bias('b_out', D))
     h_BxTxD = norm(x_BxTxD)
     if c.kernels == 'xla_fused' and c.mlp in GATED_MLPS:  # One product, gate then input.
       w_gate_in = _param(self, 'w_gate_in', (D, 2, F), ('embed', None, 'mlp'), D, dt)
@@ -313,7 +328,7 @@ class Mlp(nn.Module):
       w_out = _param(self, 'w_out', (F, D), ('mlp', 'embed'), F, dt)
       gate_BxTxF, h_BxTxF = None, project(c, 'BTD,DF->BTF', h_BxTxD, w_in)
     if c.dense_bias:
-      h_BxTxF = h_BxTxF + _param(self, 'b_in', (F,), ('mlp',), 1, dt, zeros=True)[None, None]
+      h_BxTxF = h_BxTxF + bias('b_in', F)
     if c.mlp in GATED_MLPS:
       if gate_BxTxF is None:
         w_gate = _param(self, 'w_gate', (D, F), ('embed', 'mlp'), D, dt)
@@ -326,8 +341,8 @@ class Mlp(nn.Module):
       h_BxTxF = gelu(h_BxTxF)
     out_BxTxD = project(c, 'BTF,FD->BTD', h_BxTxF, w_out)
     if c.dense_bias:
-      out_BxTxD = out_BxTxD + _param(self, 'b_out', (D,), ('embed',), 1, dt, zeros=True)[None, None]
-    return _residual(x_BxTxD if residual_BxTxD is None else residual_BxTxD, out_BxTxD, post_norm)
+      out_BxTxD = out_BxTxD + bias('b_out', D)
+    return _residual(residual_BxTxD, out_BxTxD, post_norm)
 
 
 def _residual(x_BxTxD, out_BxTxD, post_norm: RMSNorm | None) -> jax.Array:
@@ -336,12 +351,17 @@ def _residual(x_BxTxD, out_BxTxD, post_norm: RMSNorm | None) -> jax.Array:
 
 
 def _packed_output(x_BxTxD, h_BxTxF, w: native.PackedWeight, post_norm: RMSNorm | None,
-                   counts_B, dtype, **options) -> jax.Array:
+                   counts_B, dtype, bias_1x1xD=None, **options) -> jax.Array:
   """A block's output product on the packed kernels and its residual add: in the kernel, or with
-  a post-norm by XLA's ops after it (`options`: `native.matmul`'s, e.g. `gated`)."""
+  a post-norm by XLA's ops after it; a bias (GPT-2's) added by XLA's ops (`options`:
+  `native.matmul`'s, e.g. `gated`)."""
   if post_norm is None:
-    return native.matmul(h_BxTxF, w, residual=x_BxTxD, counts=counts_B, **options).astype(dtype)
+    out_BxTxD = native.matmul(h_BxTxF, w, residual=x_BxTxD, counts=counts_B,
+                              **options).astype(dtype)
+    return out_BxTxD if bias_1x1xD is None else out_BxTxD + bias_1x1xD
   out_BxTxD = native.matmul(h_BxTxF, w, counts=counts_B, **options).astype(dtype)
+  if bias_1x1xD is not None:
+    out_BxTxD = out_BxTxD + bias_1x1xD
   return _residual(x_BxTxD, out_BxTxD, post_norm)
 
 
@@ -452,7 +472,8 @@ def _output(config: TransformerConfig, final_norm: RMSNorm, embedding_VxD, head,
   [D, V], or None for the tied table), soft-capped where the model caps them; a packed head
   skips rows past `counts_B`."""
   if config.kernels == 'native':
-    logits_BxTxV = native.matmul(x_BxTxD, head, norm=final_norm.fused, counts=counts_B)
+    h_BxTxD, fused = final_norm.packed_input(x_BxTxD)
+    logits_BxTxV = native.matmul(h_BxTxD, head, norm=fused, counts=counts_B)
   elif head is None:
     logits_BxTxV = project(config, 'BTD,VD->BTV', final_norm(x_BxTxD), embedding_VxD,
                            preferred_element_type=jnp.float32)

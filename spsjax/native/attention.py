@@ -37,16 +37,19 @@ def rope_frequencies(head_dim: int, base: float) -> jax.Array:
   return base ** (-jnp.arange(half, dtype=jnp.float32) / half)
 
 
-def rope(x_BxTxNxH, positions_BxT, freqs_H2):
-  """Rotary position embedding (half-split convention) at angles position * freqs_H2[i] (float32[H
-  / 2]), computed in float32."""
-  half = x_BxTxNxH.shape[-1] // 2
-  angles_BxTxH2 = (positions_BxT[..., None].astype(jnp.float32)
-                   * jnp.asarray(freqs_H2, jnp.float32)[None, None, :])
-  sin, cos = jnp.sin(angles_BxTxH2)[:, :, None], jnp.cos(angles_BxTxH2)[:, :, None]
+def rope(x_BxTxNxH, positions_BxT, freqs_R2):
+  """Rotary position embedding (half-split convention) of the first R = 2 len(freqs) dims of
+  each head, at angles position * freqs_R2[i] (float32[R / 2]), computed in float32; the other
+  dims pass as they are (GPT-NeoX rotates a part of each head; R = 0: none)."""
+  freqs_R2 = jnp.asarray(freqs_R2, jnp.float32)
+  half = freqs_R2.shape[0]
+  if half == 0:
+    return x_BxTxNxH
+  angles_BxTxR2 = positions_BxT[..., None].astype(jnp.float32) * freqs_R2[None, None, :]
+  sin, cos = jnp.sin(angles_BxTxR2)[:, :, None], jnp.cos(angles_BxTxR2)[:, :, None]
   x = x_BxTxNxH.astype(jnp.float32)
-  x1, x2 = x[..., :half], x[..., half:]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  x1, x2 = x[..., :half], x[..., half:2 * half]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]], axis=-1)
   return out.astype(x_BxTxNxH.dtype)
 
 
@@ -145,7 +148,8 @@ def cached_attention(qkv_BxTxMxH: jax.Array, keys_BxSxKxH: jax.Array, values_BxS
                      isa: str = 'best') -> tuple[jax.Array, jax.Array, jax.Array]:
   """(attention outputs [B, T, K, G, H], keys, values with this call's slots written); module
   docstring. qkv holds N = K G query heads, then K key and K value heads, before the rotation by
-  `rope_freqs` (float32[H / 2], `rope_frequencies` or a model's rescaled ones); the caller keeps
+  `rope_freqs` (float32[R / 2], `rope_frequencies` or a model's rescaled ones, for the first R
+  dims of each head: all H of them, a part (GPT-NeoX) or none (GPT-2)); the caller keeps
   starts + T <= S. `scale`, `window` and `softcap` as in `attend` (the kernel reads no slot
   before a window).
 
@@ -163,9 +167,9 @@ def cached_attention(qkv_BxTxMxH: jax.Array, keys_BxSxKxH: jax.Array, values_BxS
     raise ValueError(f'counts of shape {counts_B.shape} for {B} rows.')
   H = qkv_BxTxMxH.shape[3]
   rope_freqs = jnp.asarray(rope_freqs, jnp.float32)
-  if rope_freqs.shape != (H // 2,):
+  if rope_freqs.ndim != 1 or 2 * rope_freqs.shape[0] > H:
     raise ValueError(f'rope_freqs of shape {rope_freqs.shape} for heads of {H} dims: want '
-                     f'({H // 2},).')
+                     f'(R / 2,), R <= {H} the rotated dims.')
   if window is not None and window < 1 or softcap is not None and not softcap > 0:
     raise ValueError(f'window must be >= 1 and softcap > 0 (or None), got {window}, {softcap}.')
   options = dict(scale=scale, window=window, softcap=softcap)

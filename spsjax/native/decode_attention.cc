@@ -52,16 +52,19 @@ constexpr int64_t kMinParallelWork = 1 << 15;
 // are reused by the next call; a long prefill's (megabytes per thread) are freed after it.
 constexpr size_t kKeepFloats = size_t{1} << 18;
 
-// The model's rotary embedding (half-split), times `scale`: out[i] = (x[i] cos - x[i + half] sin)
-// scale, out[i + half] = (x[i + half] cos + x[i] sin) scale, with the angles' cos and sin given for
-// i < half. Queries take the attention's 1 / sqrt(H) here, so scores come out scaled.
-void Rotate(const float* x, const float* cos_h, const float* sin_h, int64_t half, float scale,
-            float* out) {
+// The model's rotary embedding (half-split) of a head's first 2 half dims, times `scale`:
+// out[i] = (x[i] cos - x[i + half] sin) scale, out[i + half] = (x[i + half] cos + x[i] sin) scale,
+// with the angles' cos and sin given for i < half; the dims from 2 half to H pass, times `scale`
+// (GPT-NeoX rotates a part of each head, GPT-2 none). Queries take the attention's 1 / sqrt(H)
+// here, so scores come out scaled.
+void Rotate(const float* x, const float* cos_h, const float* sin_h, int64_t half, int64_t H,
+            float scale, float* out) {
   for (int64_t i = 0; i < half; ++i) {
     const float x1 = x[i], x2 = x[i + half];
     out[i] = (x1 * cos_h[i] - x2 * sin_h[i]) * scale;
     out[i + half] = (x2 * cos_h[i] + x1 * sin_h[i]) * scale;
   }
+  for (int64_t i = 2 * half; i < H; ++i) out[i] = x[i] * scale;
 }
 
 ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
@@ -85,7 +88,8 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
       H % 2 != 0) {
     return ffi::Error::InvalidArgument("cached_attention: shapes do not agree.");
   }
-  const int64_t G = N / K, J = T * G, half = H / 2;
+  // Rotated pairs per head: freqs holds one frequency a pair (H / 2 for a whole head).
+  const int64_t G = N / K, J = T * G, half = static_cast<int64_t>(freqs.element_count());
   const int64_t want_out[5] = {B, T, K, G, H};
   if (!std::equal(want_out, want_out + 5, out->dimensions().begin())) {
     return ffi::Error::InvalidArgument("cached_attention: out must be [B, T, K, N / K, H].");
@@ -101,8 +105,8 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
   if (window < 0 || !(softcap >= 0.0f)) {
     return ffi::Error::InvalidArgument("cached_attention: want window >= 0 and softcap >= 0.");
   }
-  if (static_cast<int64_t>(freqs.element_count()) != half) {
-    return ffi::Error::InvalidArgument("cached_attention: freqs must be [H / 2].");
+  if (2 * half > H) {
+    return ffi::Error::InvalidArgument("cached_attention: freqs must be [R / 2], R <= H.");
   }
   const int32_t* starts_data = starts.typed_data();
   for (int64_t b = 0; b < B; ++b) {
@@ -170,10 +174,10 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
         for (int64_t h = 0; h < heads; ++h) {
           const int64_t k = k0 + h;
           const int64_t slot = ((b * S + start + t) * K + k) * H;
-          Rotate(x + (N + k) * H, c, s, half, 1.0f, k_data + slot);
+          Rotate(x + (N + k) * H, c, s, half, H, 1.0f, k_data + slot);
           std::copy(x + (N + K + k) * H, x + (N + K + k + 1) * H, v_data + slot);
           for (int64_t g = 0; g < G; ++g) {
-            Rotate(x + (k * G + g) * H, c, s, half, scale,
+            Rotate(x + (k * G + g) * H, c, s, half, H, scale,
                    q_rows.data() + (h * queries + t * G + g) * H);
           }
         }
@@ -212,7 +216,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxCachedAttention, CachedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // starts [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // counts [B], or empty
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // freqs [H / 2]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // freqs [R / 2]
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
