@@ -129,7 +129,8 @@ def test_logits_equal_transformers_full_cached_and_packed(loaded, name):
                                         ('qwen3', 'qwen2'), ('phi3', 'mistral'),
                                         ('gemma', 'qwen3'), ('mistral_window', 'gemma3'),
                                         ('gemma2', 'mistral_window'), ('gemma3', 'gemma2'),
-                                        ('gpt_neox', 'gpt2'), ('qwen2_yarn', 'qwen2')])
+                                        ('gpt_neox', 'gpt2'), ('qwen2_yarn', 'qwen2'),
+                                        ('phi3_longrope', 'llama_gqa')])
 def test_greedy_ars_and_sps_equal_transformers_generate(loaded, name, draft):
   model, want = loaded[name], _expected(name)
   assert want['margin'] >= fixtures.MIN_MARGIN  # No argmax is closer than float noise.
@@ -174,7 +175,7 @@ def _copy_with(tmp_path, name, **changes):
     ('llama_tied_mqa', dict(rope_parameters={'rope_type': 'dynamic', 'factor': 2.0}),
      "rope scaling of type 'dynamic' is not supported"),
     ('llama_tied_mqa', dict(rope_scaling={'type': 'longrope', 'factor': 4.0}),
-     "rope scaling of type 'longrope' is not supported"),
+     "longrope rope scaling without ['short_factor']"),
     ('llama_rope_llama3', dict(rope_parameters={'rope_type': 'llama3', 'factor': 8.0}),
      "llama3 rope scaling without ['low_freq_factor', 'high_freq_factor']"),
     ('llama_tied_mqa', dict(partial_rotary_factor=0.5), 'partial_rotary_factor=0.5'),
@@ -270,6 +271,40 @@ def test_yarn_reads_as_transformers_resolves_it(loaded):
   plain = dataclasses.replace(config, rope_scaling=None)
   want = _expected('qwen2_yarn')
   got = np.asarray(_logits(plain, loaded['qwen2_yarn'].params, jnp.asarray(want['prompts'])))
+  worst = max(np.abs(got[b, :n] - want['logits'][b, :n]).max() / np.abs(want['logits'][b, :n]).max()
+              for b, n in enumerate(want['lengths']))
+  assert worst > 100 * RTOL
+
+
+# Phi-3.5-mini-instruct's config.json as the Hub has it, its 48 factors shortened to their range.
+PHI_3_5_MINI = {
+    'architectures': ['Phi3ForCausalLM'], 'attention_bias': False, 'bos_token_id': 1,
+    'eos_token_id': 32000, 'hidden_act': 'silu', 'hidden_size': 3072,
+    'intermediate_size': 8192, 'max_position_embeddings': 131072, 'model_type': 'phi3',
+    'num_attention_heads': 32, 'num_hidden_layers': 32, 'num_key_value_heads': 32,
+    'original_max_position_embeddings': 4096, 'rms_norm_eps': 1e-05,
+    'rope_scaling': {'long_factor': [1.08] * 24 + [64.9] * 24,
+                     'short_factor': [1.0] * 24 + [1.1] * 24, 'type': 'longrope'},
+    'rope_theta': 10000.0, 'sliding_window': 262144, 'tie_word_embeddings': False,
+    'torch_dtype': 'bfloat16', 'vocab_size': 32064}
+
+
+def test_longrope_reads_its_short_factors_up_to_the_original_length(loaded):
+  """Within original_max_position_embeddings transformers rotates by the short factors and
+  scales queries and keys by sqrt(1 + ln(factor) / ln(original)): the model is capped there.
+  Without its scaling the fixture's logits are far from transformers'."""
+  config = loaded['phi3_longrope'].config
+  assert (config.max_seq_len, config.rope_dims, config.rope_scaling) == (32, 8, models.RopeScaling(
+      'longrope', 4.0, original_max_len=32, short_factor=(1.0, 1.5, 3.0, 7.0)))
+  assert rope.attention_factor(config) == pytest.approx(np.sqrt(1 + np.log(4) / np.log(32)))
+  phi35 = hf.config_from_hf(PHI_3_5_MINI)
+  assert (phi35.max_seq_len, phi35.rope_dims, phi35.rope_scaling.factor, phi35.sliding_window,
+          phi35.rope_scaling.short_factor[-1]) == (4096, None, 32.0, 262144, 1.1)
+  with pytest.raises(ValueError, match='longrope scaling is computed up to'):
+    dataclasses.replace(config, max_seq_len=33)
+  plain = dataclasses.replace(config, rope_scaling=None)
+  want = _expected('phi3_longrope')
+  got = np.asarray(_logits(plain, loaded['phi3_longrope'].params, jnp.asarray(want['prompts'])))
   worst = max(np.abs(got[b, :n] - want['logits'][b, :n]).max() / np.abs(want['logits'][b, :n]).max()
               for b, n in enumerate(want['lengths']))
   assert worst > 100 * RTOL

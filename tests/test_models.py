@@ -250,7 +250,7 @@ def test_rope_scalings_rescale_the_frequencies():
   between = ~short & ~long
   assert np.all((got[between] < plain[between]) & (got[between] > plain[between] / 8))
   with pytest.raises(ValueError, match='RopeScaling.kind'):
-    models.RopeScaling('longrope', 4.0)
+    models.RopeScaling('dynamic', 4.0)
   with pytest.raises(ValueError, match='yarn rope scaling wants'):
     models.RopeScaling('yarn', 4.0, beta_slow=0.0)
   with pytest.raises(ValueError, match='low_freq_factor < high_freq_factor'):

@@ -504,7 +504,8 @@ def test_cached_attention_window_softcap_and_scale(isa, T):
 @pytest.mark.parametrize('rotated', [0, 4, 10])
 def test_cached_attention_rotates_a_part_or_none(isa, rotated):
   """GPT-NeoX rotates the first dims of a head, GPT-2 none: XLA's rotation against numpy's, and
-  the kernel (queries and keys rotated, the rest passing) against XLA's ops."""
+  the kernel (queries and keys rotated, the rest passing; with an amplitude on the rotated dims,
+  YaRN's and LongRoPE's) against XLA's ops."""
   B, S, K, G, H, T = 3, 24, 2, 2, 16, 3
   keys, values = _normal(0, (B, S, K, H)), _normal(1, (B, S, K, H))
   qkv = _normal(2, (B, T, K * G + 2 * K, H), scale=3.0)
@@ -519,11 +520,16 @@ def test_cached_attention_rotates_a_part_or_none(isa, rotated):
   want[..., half:rotated] = x[..., half:rotated] * np.cos(angles) + x[..., :half] * np.sin(angles)
   np.testing.assert_allclose(attention.rope(qkv, jnp.asarray(positions), freqs), want,
                              rtol=1e-5, atol=1e-5)
+  want[..., :rotated] *= 1.3  # YaRN's and LongRoPE's amplitude: the rotated dims only.
+  np.testing.assert_allclose(attention.rope(qkv, jnp.asarray(positions), freqs, 1.3), want,
+                             rtol=1e-5, atol=1e-5)
   kernel = attention._kernel  # pylint: disable=protected-access
-  got, want = jax.jit(lambda *a: (kernel(*a, np.zeros((0,), np.int32), freqs, isa),
-                                  attention.reference(*a, freqs)))(qkv, keys, values, starts)
-  for name, g, w in zip(('outputs', 'keys', 'values'), got, want, strict=True):
-    np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5, err_msg=name)
+  for amplitude in (1.0, 1.3):
+    got, want = jax.jit(lambda *a, r=amplitude: (
+        kernel(*a, np.zeros((0,), np.int32), freqs, isa, rope_scale=r),
+        attention.reference(*a, freqs, rope_scale=r)))(qkv, keys, values, starts)
+    for name, g, w in zip(('outputs', 'keys', 'values'), got, want, strict=True):
+      np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5, err_msg=f'{name}, {amplitude}')
 
 
 def test_cached_attention_writes_in_place_or_copies():

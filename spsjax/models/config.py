@@ -16,7 +16,7 @@ _MLP_KINDS = ('gated_silu', 'gated_gelu', 'gelu', 'gelu_exact')
 GATED_MLPS = ('gated_silu', 'gated_gelu')
 _NORMS = ('rms', 'layer')
 _POSITIONS = ('rope', 'learned')
-_ROPE_SCALINGS = ('linear', 'llama3', 'yarn')
+_ROPE_SCALINGS = ('linear', 'llama3', 'yarn', 'longrope')
 KERNELS = ('xla', 'xla_fused', 'native')
 SINGLE_ROW = ('auto', 'padded', 'plain', 'stream')
 # How a placed model computes, not what it is: checkpoints do not store these fields.
@@ -35,21 +35,30 @@ class RopeScaling:
   frequencies that turn more than beta_fast times over original_max_len kept, those turning
   fewer than beta_slow times divided by `factor`, a linear ramp over the dims between; queries
   and keys both scaled by `attention_factor` (None: 0.1 ln(factor) + 1, or 1 for factor <= 1).
+  'longrope' (Phi-3.5, Phi-4 mini), up to original_max_len positions, where transformers uses its
+  short factors: frequency i divided by short_factor[i]; queries and keys scaled by
+  `attention_factor` (None: sqrt(1 + ln(factor) / ln(original_max_len)), or 1 for factor <= 1).
+  Past that length transformers switches every position to the long factors: not computed here (a
+  model with this scaling keeps max_seq_len <= original_max_len).
   """
 
   kind: str
   factor: float
   low_freq_factor: float = 1.0  # 'llama3' only, like high_freq_factor.
   high_freq_factor: float = 4.0
-  original_max_len: int = 8192  # 'llama3' and 'yarn'.
-  beta_fast: float = 32.0  # 'yarn' only, like the three below.
+  original_max_len: int = 8192  # 'llama3', 'yarn' and 'longrope'.
+  beta_fast: float = 32.0  # 'yarn' only, like beta_slow and truncate.
   beta_slow: float = 1.0
-  attention_factor: float | None = None
+  attention_factor: float | None = None  # 'yarn' and 'longrope'.
   truncate: bool = True  # Whether the ramp's ends are rounded to whole dims (transformers').
+  short_factor: tuple[float, ...] = ()  # 'longrope': one per rotated pair; a list becomes a tuple.
 
   def __post_init__(self):
     if self.kind not in _ROPE_SCALINGS:
       raise ValueError(f'RopeScaling.kind must be one of {_ROPE_SCALINGS}, got {self.kind!r}.')
+    object.__setattr__(self, 'short_factor', tuple(float(f) for f in self.short_factor))
+    if self.kind == 'longrope' and not (self.short_factor and min(self.short_factor) > 0):
+      raise ValueError(f'longrope rope scaling wants short factors > 0, got {self.short_factor}.')
     if not self.factor > 0:
       raise ValueError(f'RopeScaling.factor must be > 0, got {self.factor}.')
     if self.kind == 'yarn' and not (self.beta_slow > 0 and self.beta_fast > 0
@@ -142,6 +151,14 @@ class TransformerConfig:
                                           or self.position != 'rope'):
       raise ValueError(f'rope_scaling must be a RopeScaling (or its dict) of a rotary model, got '
                        f'{self.rope_scaling!r} with position {self.position!r}.')
+    scaling = self.rope_scaling
+    if scaling is not None and scaling.kind == 'longrope' and (
+        self.max_seq_len > scaling.original_max_len
+        or 2 * len(scaling.short_factor) != self.rotary_dims):
+      raise ValueError(f'longrope scaling is computed up to original_max_len='
+                       f'{scaling.original_max_len} positions with a short factor per rotated '
+                       f'pair ({self.rotary_dims // 2}); got max_seq_len={self.max_seq_len}, '
+                       f'{len(scaling.short_factor)} factors.')
     object.__setattr__(self, 'global_layers', tuple(self.global_layers))
     if self.sliding_window is not None and self.sliding_window < 1:
       raise ValueError(f'sliding_window must be >= 1 (or None), got {self.sliding_window}.')

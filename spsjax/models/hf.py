@@ -81,6 +81,8 @@ _ROPE_SCALING_FIELDS = {
     'yarn': dict(factor='factor', original_max_len='original_max_position_embeddings',
                  beta_fast='beta_fast', beta_slow='beta_slow', attention_factor='attention_factor',
                  truncate='truncate'),
+    'longrope': dict(factor='factor', original_max_len='original_max_position_embeddings',
+                     attention_factor='attention_factor', short_factor='short_factor'),
 }
 # Fields a scaling may leave out (transformers' defaults: RopeScaling's).
 _ROPE_SCALING_OPTIONAL = ('beta_fast', 'beta_slow', 'attention_factor', 'truncate')
@@ -106,9 +108,10 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
   Hub) or from `rope_parameters` (transformers 5 writes that; per layer type, the global layers'
   `full_attention` entry: the sliding ones' is `_local_rope_base`); as in transformers, llama3's
   `original_max_position_embeddings` is the config's own where it has one, then the scaling's,
-  then `max_position_embeddings`. Scalings other than 'linear', 'llama3' and 'yarn' ('dynamic'
-  and 'longrope' change with the length), parameters of other layer types and partial rotations
-  are refused."""
+  then `max_position_embeddings`. 'longrope' (Phi-3's old 'su' and 'yarn' too) is read for
+  positions up to the original length (`config_from_hf` caps max_seq_len there). Other scalings
+  ('dynamic' changes with the length), parameters of other layer types and partial rotations
+  (but Phi-3's) are refused."""
   params = hf.get('rope_parameters') or {}
   if any(isinstance(value, dict) for value in params.values()):
     if set(params) - {'full_attention', 'sliding_attention'}:
@@ -119,11 +122,13 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
   scaling = params if params.get('rope_type', params.get('type', 'default')) != 'default' else (
       hf.get('rope_scaling') or {})
   kind = scaling.get('rope_type', scaling.get('type', 'default'))
+  if hf.get('model_type') == 'phi3' and kind in ('su', 'yarn'):
+    kind = 'longrope'  # transformers reads Phi-3's old names so.
   if kind not in ('default',) + tuple(_ROPE_SCALING_FIELDS):
     raise UnsupportedCheckpoint(f'{CONFIG}: rope scaling of type {kind!r} is not supported '
                                 f'(supported: default, {", ".join(_ROPE_SCALING_FIELDS)}).')
   for where in (hf, params):
-    if where.get('partial_rotary_factor', 1.0) != 1.0:
+    if where.get('partial_rotary_factor', 1.0) != 1.0 and hf.get('model_type') != 'phi3':
       raise UnsupportedCheckpoint(f'{CONFIG}: partial_rotary_factor='
                                   f'{where["partial_rotary_factor"]!r} is not supported (every '
                                   f'head dim is rotated).')
@@ -134,7 +139,7 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
   original = 'original_max_position_embeddings'
   scaling = dict(scaling, **{original: hf.get(original, scaling.get(
       original, hf.get('max_position_embeddings')))})
-  if kind == 'yarn':
+  if kind in ('yarn', 'longrope'):
     scaling = _yarn_fields(hf, scaling)
   missing = [theirs for theirs in _ROPE_SCALING_FIELDS[kind].values()
              if scaling.get(theirs) is None and theirs not in _ROPE_SCALING_OPTIONAL]
@@ -146,13 +151,12 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
 
 
 def _yarn_fields(hf: dict, scaling: dict) -> dict:
-  """YaRN's fields as transformers resolves them: no factor means max_position_embeddings /
-  original_max_position_embeddings; no attention_factor with mscale and mscale_all_dim
-  (DeepSeek's) means their ratio of 0.1 m ln(factor) + 1; `truncate` where transformers reads it
-  (the scaling's own, else the config's)."""
+  """YaRN's (and LongRoPE's) fields as transformers resolves them: no factor means
+  max_position_embeddings / original_max_position_embeddings; no attention_factor with mscale and
+  mscale_all_dim (DeepSeek's) means their ratio of 0.1 m ln(factor) + 1."""
   scaling = dict(scaling)
   original = scaling['original_max_position_embeddings']
-  if scaling.get('factor') is None and original:
+  if scaling.get('factor') is None and original:  # YaRN's and LongRoPE's.
     scaling['factor'] = hf['max_position_embeddings'] / original
   factor, mscale, mscale_all = (scaling.get(k) for k in ('factor', 'mscale', 'mscale_all_dim'))
   if scaling.get('attention_factor') is None and mscale and mscale_all and factor:
@@ -236,6 +240,12 @@ def config_from_hf(hf: dict, dtype: str = 'float32') -> TransformerConfig:
   if head_dim == hf['hidden_size'] // num_heads:
     head_dim = None
   dims_per_head = head_dim or hf['hidden_size'] // num_heads
+  max_seq_len = hf['max_position_embeddings']
+  if rope_scaling is not None and rope_scaling.kind == 'longrope':  # Its short factors' range.
+    max_seq_len = min(max_seq_len, rope_scaling.original_max_len)
+  partial = (hf.get('rope_parameters') or {}).get('partial_rotary_factor',
+                                                  hf.get('partial_rotary_factor', 1.0))
+  rope_dims = int(dims_per_head * partial) if partial != 1.0 else None
   query_scalar, caps = None, {}
   if model_type in ('gemma2', 'gemma3_text'):  # transformers' defaults where a field is absent.
     _refuse(hf, 'use_bidirectional_attention', (None, False), 'attention is causal')
@@ -248,8 +258,8 @@ def config_from_hf(hf: dict, dtype: str = 'float32') -> TransformerConfig:
   return TransformerConfig(
       vocab_size=hf['vocab_size'], d_model=hf['hidden_size'], num_layers=hf['num_hidden_layers'],
       num_heads=num_heads, num_kv_heads=None if num_kv_heads == num_heads else num_kv_heads,
-      d_ff=hf['intermediate_size'], max_seq_len=hf['max_position_embeddings'], dtype=dtype,
-      head_dim=head_dim, mlp='gated_gelu' if gemma else 'gated_silu',
+      d_ff=hf['intermediate_size'], max_seq_len=max_seq_len, dtype=dtype,
+      head_dim=head_dim, mlp='gated_gelu' if gemma else 'gated_silu', rope_dims=rope_dims,
       tie_embeddings=bool(hf.get('tie_word_embeddings', gemma)),
       rope_base=rope_base, rope_scaling=rope_scaling, norm_eps=float(hf['rms_norm_eps']),
       qkv_bias=model_type == 'qwen2', qk_norm=model_type in ('qwen3', 'gemma3_text'),
@@ -363,7 +373,7 @@ def _layout(config: TransformerConfig, model_type: str = 'llama'
   c_attn, Phi-3's qkv_proj and gate_up_proj)."""
   if model_type == 'gpt_neox':
     return _neox_layout(config)
-  if config.gpt2_style:
+  if model_type == 'gpt2':
     return _gpt2_layout(config)
   if model_type in GEMMA_TYPES:
     return _gemma_layout(config)

@@ -9,8 +9,8 @@ dims of a head: all H of them, or GPT-NeoX's first `rope_dims`).
   L / high_freq_factor is kept, one whose w is over L / low_freq_factor becomes f / factor, and one
   between becomes (1 - a) f / factor + a f with a = (L / w - low_freq_factor) / (high_freq_factor -
   low_freq_factor), which joins the two ends continuously.
-- 'yarn': `_yarn`; its queries and keys are also scaled (`attention_factor`), which the attention
-  applies as a score scale.
+- 'yarn': `_yarn`; 'longrope': f / short_factor. Both also scale the rotated dims of queries and
+  keys (`attention_factor`).
 XLA's rotation (`native.rope`) and the native attention kernel take the array as it is, so both
 paths rotate by the same numbers.
 """
@@ -39,6 +39,8 @@ def frequencies(config: TransformerConfig, layer: int | None = None) -> jax.Arra
     return freqs_H2 / scaling.factor
   if scaling.kind == 'yarn':
     return _yarn(freqs_H2, config.rotary_dims, config.rope_base, scaling)
+  if scaling.kind == 'longrope':  # The short factors: positions up to original_max_len.
+    return freqs_H2 / jnp.asarray(scaling.short_factor, jnp.float32)
   wavelengths_H2 = 2 * math.pi / freqs_H2
   long_wavelength = scaling.original_max_len / scaling.low_freq_factor
   short_wavelength = scaling.original_max_len / scaling.high_freq_factor
@@ -66,13 +68,18 @@ def _yarn(freqs_R2: jax.Array, R: int, base: float, scaling) -> jax.Array:
 
 
 def attention_factor(config: TransformerConfig, layer: int | None = None) -> float:
-  """What YaRN scales queries and keys by (their scores by its square) at layer `layer`; 1 for
+  """What YaRN and LongRoPE scale the rotated dims of queries and keys by at layer `layer` (as
+  transformers' cos and sin carry it; with every dim rotated, the scores by its square); 1 for
   every other rotation."""
   scaling = config.rope_scaling
-  if (scaling is None or scaling.kind != 'yarn' or config.position != 'rope'
+  if (scaling is None or scaling.kind not in ('yarn', 'longrope') or config.position != 'rope'
       or (layer is not None and config.local_rope_base is not None
           and config.window(layer) is not None)):
     return 1.0
   if scaling.attention_factor is not None:
     return scaling.attention_factor
-  return 0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0
+  if scaling.factor <= 1:
+    return 1.0
+  if scaling.kind == 'yarn':
+    return 0.1 * math.log(scaling.factor) + 1.0
+  return math.sqrt(1 + math.log(scaling.factor) / math.log(scaling.original_max_len))

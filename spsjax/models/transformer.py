@@ -182,9 +182,8 @@ class Attention(nn.Module):
     # The first R dims of each head rotate (`rotary_dims`; none with learned positions).
     freqs_R2 = (rope.frequencies(c, self.layer) if c.position == 'rope'
                 else jnp.zeros((0,), jnp.float32))
-    # YaRN scales queries and keys alike: their scores by its square.
-    scale = (c.query_scale or c.dims_per_head**-0.5) * rope.attention_factor(c, self.layer)**2
-    options = dict(scale=scale, window=c.window(self.layer), softcap=c.attn_softcap)
+    amplitude = rope.attention_factor(c, self.layer)  # YaRN's, LongRoPE's: on the rotated dims.
+    options = dict(scale=c.query_scale, window=c.window(self.layer), softcap=c.attn_softcap)
     D, N, K, H, dt = c.d_model, c.num_heads, c.kv_heads, c.dims_per_head, c.jnp_dtype
     packed = c.kernels == 'native'
     B, rows = x_BxTxD.shape[:2]
@@ -225,7 +224,7 @@ class Attention(nn.Module):
       cache_k, cache_v, starts_B = layer_cache
       out_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH = native.cached_attention(
           qkv_BxTxMxH, cache_k, cache_v, starts_B, rope_freqs=freqs_R2, counts_B=counts_B,
-          **options)
+          rope_scale=amplitude, **options)
       out_BxTxKxGxH = out_BxTxKxGxH.astype(dt)
     else:
       if packed:  # A full causal pass: XLA's attention after the packed product.
@@ -247,8 +246,8 @@ class Attention(nn.Module):
       if c.qk_norm:
         q_BxTxNxH, k_BxTxKxH = norm_qk(q_BxTxNxH, k_BxTxKxH)
       if c.position == 'rope':
-        q_BxTxNxH = native.rope(q_BxTxNxH, positions_BxT, freqs_R2)
-        k_BxTxKxH = native.rope(k_BxTxKxH, positions_BxT, freqs_R2)
+        q_BxTxNxH = native.rope(q_BxTxNxH, positions_BxT, freqs_R2, amplitude)
+        k_BxTxKxH = native.rope(k_BxTxKxH, positions_BxT, freqs_R2, amplitude)
       q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, N // K, H)
       if layer_cache is None:  # Full causal pass: keys are the new positions themselves.
         keys_BxSxKxH, values_BxSxKxH, key_pos_BxS = k_BxTxKxH, v_BxTxKxH, positions_BxT

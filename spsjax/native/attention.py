@@ -37,16 +37,18 @@ def rope_frequencies(head_dim: int, base: float) -> jax.Array:
   return base ** (-jnp.arange(half, dtype=jnp.float32) / half)
 
 
-def rope(x_BxTxNxH, positions_BxT, freqs_R2):
+def rope(x_BxTxNxH, positions_BxT, freqs_R2, amplitude: float = 1.0):
   """Rotary position embedding (half-split convention) of the first R = 2 len(freqs) dims of
-  each head, at angles position * freqs_R2[i] (float32[R / 2]), computed in float32; the other
-  dims pass as they are (GPT-NeoX rotates a part of each head; R = 0: none)."""
+  each head, at angles position * freqs_R2[i] (float32[R / 2]), times `amplitude` (YaRN's and
+  LongRoPE's attention factor, on the rotated dims only, as transformers' cos and sin carry it),
+  computed in float32; the other dims pass as they are (GPT-NeoX rotates a part of each head;
+  R = 0: none)."""
   freqs_R2 = jnp.asarray(freqs_R2, jnp.float32)
   half = freqs_R2.shape[0]
   if half == 0:
     return x_BxTxNxH
   angles_BxTxR2 = positions_BxT[..., None].astype(jnp.float32) * freqs_R2[None, None, :]
-  sin, cos = jnp.sin(angles_BxTxR2)[:, :, None], jnp.cos(angles_BxTxR2)[:, :, None]
+  sin, cos = (f(angles_BxTxR2)[:, :, None] * amplitude for f in (jnp.sin, jnp.cos))
   x = x_BxTxNxH.astype(jnp.float32)
   x1, x2 = x[..., :half], x[..., half:2 * half]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]], axis=-1)
@@ -103,23 +105,25 @@ def _split(qkv_BxTxMxH, K):
   return jnp.split(qkv_BxTxMxH, [N, N + K], axis=2)
 
 
-def reference(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, freqs_H2, **options):
-  """XLA ops: what `cached_attention` computes, as the model's own rotation, writes and
-  attention (`options`: `attend`'s scale, window and softcap)."""
+def reference(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, freqs_H2, rope_scale=1.0,
+              **options):
+  """XLA ops: what `cached_attention` computes, as the model's own rotation (its amplitude
+  `rope_scale`), writes and attention (`options`: `attend`'s scale, window and softcap)."""
   B, T, _, H = qkv_BxTxMxH.shape
   K = keys_BxSxKxH.shape[2]
   q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = _split(qkv_BxTxMxH, K)
   positions_BxT = starts_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-  keys_BxSxKxH = write_rows(keys_BxSxKxH, rope(k_BxTxKxH, positions_BxT, freqs_H2), starts_B)
+  keys_BxSxKxH = write_rows(keys_BxSxKxH, rope(k_BxTxKxH, positions_BxT, freqs_H2, rope_scale),
+                            starts_B)
   values_BxSxKxH = write_rows(values_BxSxKxH, v_BxTxKxH, starts_B)
-  q_BxTxKxGxH = rope(q_BxTxNxH, positions_BxT, freqs_H2).reshape(B, T, K, -1, H)
+  q_BxTxKxGxH = rope(q_BxTxNxH, positions_BxT, freqs_H2, rope_scale).reshape(B, T, K, -1, H)
   slots_BxS = jnp.broadcast_to(jnp.arange(keys_BxSxKxH.shape[1]), keys_BxSxKxH.shape[:2])
   out = attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT, slots_BxS, **options)
   return out, keys_BxSxKxH, values_BxSxKxH
 
 
 def _kernel(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, counts_B, freqs_H2, isa, *,
-            scale=None, window=None, softcap=None):
+            scale=None, rope_scale=1.0, window=None, softcap=None):
   B, T, M, H = qkv_BxTxMxH.shape
   K = keys_BxSxKxH.shape[2]
   out = jax.ShapeDtypeStruct((B, T, K, (M - 2 * K) // K, H), jnp.float32)
@@ -128,6 +132,7 @@ def _kernel(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, counts_B, freqs
                           vmap_method='sequential', input_output_aliases={1: 1, 2: 2})(
       qkv_BxTxMxH.astype(jnp.float32), keys_BxSxKxH, values_BxSxKxH, starts_B.astype(jnp.int32),
       counts_B, freqs_H2, scale=np.float32(H**-0.5 if scale is None else scale),
+      rope_scale=np.float32(rope_scale),
       window=np.int64(window or 0), softcap=np.float32(softcap or 0.0),
       isa=np.int32(library.isa_code(isa)))
 
@@ -144,14 +149,15 @@ def use_kernel(qkv_BxTxMxH, keys_BxSxKxH) -> bool:
 def cached_attention(qkv_BxTxMxH: jax.Array, keys_BxSxKxH: jax.Array, values_BxSxKxH: jax.Array,
                      starts_B: jax.Array, *, rope_freqs: jax.Array,
                      counts_B: jax.Array | None = None, scale: float | None = None,
-                     window: int | None = None, softcap: float | None = None,
+                     rope_scale: float = 1.0, window: int | None = None,
+                     softcap: float | None = None,
                      isa: str = 'best') -> tuple[jax.Array, jax.Array, jax.Array]:
   """(attention outputs [B, T, K, G, H], keys, values with this call's slots written); module
   docstring. qkv holds N = K G query heads, then K key and K value heads, before the rotation by
   `rope_freqs` (float32[R / 2], `rope_frequencies` or a model's rescaled ones, for the first R
   dims of each head: all H of them, a part (GPT-NeoX) or none (GPT-2)); the caller keeps
-  starts + T <= S. `scale`, `window` and `softcap` as in `attend` (the kernel reads no slot
-  before a window).
+  starts + T <= S. `rope_scale`: the rotation's amplitude (`rope`'s); `scale`, `window` and
+  `softcap` as in `attend` (the kernel reads no slot before a window).
 
   `counts_B` (a prefill of right-padded prompts): row b's positions t >= counts[b] are padding;
   their outputs and cache slots (at or past the row's length) are left unspecified. The kernel
@@ -172,7 +178,7 @@ def cached_attention(qkv_BxTxMxH: jax.Array, keys_BxSxKxH: jax.Array, values_BxS
                      f'(R / 2,), R <= {H} the rotated dims.')
   if window is not None and window < 1 or softcap is not None and not softcap > 0:
     raise ValueError(f'window must be >= 1 and softcap > 0 (or None), got {window}, {softcap}.')
-  options = dict(scale=scale, window=window, softcap=softcap)
+  options = dict(scale=scale, window=window, softcap=softcap, rope_scale=rope_scale)
   operands = (qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, counts_B.astype(jnp.int32),
               rope_freqs)
   xla = lambda ops: reference(*ops[:4], ops[5], **options)

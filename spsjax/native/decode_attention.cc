@@ -52,19 +52,20 @@ constexpr int64_t kMinParallelWork = 1 << 15;
 // are reused by the next call; a long prefill's (megabytes per thread) are freed after it.
 constexpr size_t kKeepFloats = size_t{1} << 18;
 
-// The model's rotary embedding (half-split) of a head's first 2 half dims, times `scale`:
-// out[i] = (x[i] cos - x[i + half] sin) scale, out[i + half] = (x[i + half] cos + x[i] sin) scale,
-// with the angles' cos and sin given for i < half; the dims from 2 half to H pass, times `scale`
-// (GPT-NeoX rotates a part of each head, GPT-2 none). Queries take the attention's 1 / sqrt(H)
-// here, so scores come out scaled.
+// The model's rotary embedding (half-split) of a head's first 2 half dims, times `rotated`:
+// out[i] = (x[i] cos - x[i + half] sin) rotated, out[i + half] = (x[i + half] cos + x[i] sin)
+// rotated, with the angles' cos and sin given for i < half; the dims from 2 half to H pass, times
+// `passed` (GPT-NeoX rotates a part of each head, GPT-2 none). Queries take the attention's
+// 1 / sqrt(H) here (in both), so scores come out scaled; YaRN's and LongRoPE's attention factor
+// multiplies the rotated dims only (of queries and keys), as transformers' cos and sin do.
 void Rotate(const float* x, const float* cos_h, const float* sin_h, int64_t half, int64_t H,
-            float scale, float* out) {
+            float rotated, float passed, float* out) {
   for (int64_t i = 0; i < half; ++i) {
     const float x1 = x[i], x2 = x[i + half];
-    out[i] = (x1 * cos_h[i] - x2 * sin_h[i]) * scale;
-    out[i + half] = (x2 * cos_h[i] + x1 * sin_h[i]) * scale;
+    out[i] = (x1 * cos_h[i] - x2 * sin_h[i]) * rotated;
+    out[i + half] = (x2 * cos_h[i] + x1 * sin_h[i]) * rotated;
   }
-  for (int64_t i = 2 * half; i < H; ++i) out[i] = x[i] * scale;
+  for (int64_t i = 2 * half; i < H; ++i) out[i] = x[i] * passed;
 }
 
 ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
@@ -72,7 +73,8 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
                                ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> counts,
                                ffi::Buffer<ffi::F32> freqs, ffi::ResultBuffer<ffi::F32> out,
                                ffi::ResultBuffer<ffi::F32> keys, ffi::ResultBuffer<ffi::F32> values,
-                               float scale, int64_t window, float softcap, int32_t isa) {
+                               float scale, float rope_scale, int64_t window, float softcap,
+                               int32_t isa) {
   const auto x_dims = qkv.dimensions();
   const auto k_dims = keys_in.dimensions();
   if (x_dims.size() != 4 || k_dims.size() != 4 || !SameDims(values_in.dimensions(), k_dims) ||
@@ -174,10 +176,10 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
         for (int64_t h = 0; h < heads; ++h) {
           const int64_t k = k0 + h;
           const int64_t slot = ((b * S + start + t) * K + k) * H;
-          Rotate(x + (N + k) * H, c, s, half, H, 1.0f, k_data + slot);
+          Rotate(x + (N + k) * H, c, s, half, H, rope_scale, 1.0f, k_data + slot);
           std::copy(x + (N + K + k) * H, x + (N + K + k + 1) * H, v_data + slot);
           for (int64_t g = 0; g < G; ++g) {
-            Rotate(x + (k * G + g) * H, c, s, half, H, scale,
+            Rotate(x + (k * G + g) * H, c, s, half, H, scale * rope_scale, scale,
                    q_rows.data() + (h * queries + t * G + g) * H);
           }
         }
@@ -221,6 +223,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxCachedAttention, CachedAttentionImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
+                                  .Attr<float>("rope_scale")
                                   .Attr<int64_t>("window")
                                   .Attr<float>("softcap")
                                   .Attr<int32_t>("isa"));
