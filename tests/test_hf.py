@@ -295,7 +295,8 @@ def test_longrope_reads_its_short_factors_up_to_the_original_length(loaded):
   Without its scaling the fixture's logits are far from transformers'."""
   config = loaded['phi3_longrope'].config
   assert (config.max_seq_len, config.rope_dims, config.rope_scaling) == (32, 8, models.RopeScaling(
-      'longrope', 4.0, original_max_len=32, short_factor=(1.0, 1.5, 3.0, 7.0)))
+      'longrope', 4.0, original_max_len=32, short_factor=(1.0, 1.5, 3.0, 7.0),
+      long_factor=(2.0, 4.0, 8.0, 16.0)))
   assert rope.attention_factor(config) == pytest.approx(np.sqrt(1 + np.log(4) / np.log(32)))
   phi35 = hf.config_from_hf(PHI_3_5_MINI)
   assert (phi35.max_seq_len, phi35.rope_dims, phi35.rope_scaling.factor, phi35.sliding_window,
@@ -492,7 +493,7 @@ def test_export_round_trips_and_is_what_transformers_computed(tmp_path):
 
 SAVED = ['llama_gqa', 'llama_tied_mqa', 'qwen2', 'mistral', 'llama_rope_llama3',
          'mistral_rope_linear', 'qwen3', 'gemma', 'mistral_window', 'gemma2', 'gemma3',
-         'qwen2_yarn']
+         'qwen2_yarn', 'phi3', 'phi3_longrope', 'gpt2', 'gpt_neox']
 
 
 @pytest.mark.parametrize('name', SAVED)
@@ -524,10 +525,12 @@ def test_save_picks_the_plainest_type_and_refuses_what_it_cannot_write(tmp_path,
   assert types == dict(llama_gqa='llama', llama_tied_mqa='llama', qwen2='qwen2', mistral='llama',
                        llama_rope_llama3='llama', mistral_rope_linear='llama', qwen3='qwen3',
                        gemma='gemma', mistral_window='mistral', gemma2='gemma2',
-                       gemma3='gemma3_text', qwen2_yarn='qwen2')
-  for name in ('gpt2', 'gpt_neox', 'phi3'):
-    with pytest.raises(hf.UnsupportedCheckpoint, match='cannot express|read only'):
-      hf.save(loaded[name], str(tmp_path / name), 'phi3' if name == 'phi3' else None)
+                       gemma3='gemma3_text', qwen2_yarn='qwen2', phi3='mistral',
+                       phi3_longrope='phi3', gpt2='gpt2', gpt_neox='gpt_neox')
+  with pytest.raises(hf.UnsupportedCheckpoint, match=r"position='learned' \(read back: 'rope'\)"):
+    hf.save(loaded['gpt2'], str(tmp_path / 'gpt2'), 'gpt_neox')
+  with pytest.raises(hf.UnsupportedCheckpoint, match='not .falcon.'):
+    hf.save(loaded['gpt2'], str(tmp_path / 'gpt2'), 'falcon')
   with pytest.raises(hf.UnsupportedCheckpoint, match=r'global_layers=\(1,\) \(read back: \(\)\)'):
     hf.save(loaded['gemma2'], str(tmp_path / 'm'), 'mistral')  # Layer 1 is global.
 

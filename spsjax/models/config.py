@@ -52,11 +52,13 @@ class RopeScaling:
   attention_factor: float | None = None  # 'yarn' and 'longrope'.
   truncate: bool = True  # Whether the ramp's ends are rounded to whole dims (transformers').
   short_factor: tuple[float, ...] = ()  # 'longrope': one per rotated pair; a list becomes a tuple.
+  long_factor: tuple[float, ...] = ()  # 'longrope' past original_max_len: kept, not computed.
 
   def __post_init__(self):
     if self.kind not in _ROPE_SCALINGS:
       raise ValueError(f'RopeScaling.kind must be one of {_ROPE_SCALINGS}, got {self.kind!r}.')
-    object.__setattr__(self, 'short_factor', tuple(float(f) for f in self.short_factor))
+    for name in ('short_factor', 'long_factor'):
+      object.__setattr__(self, name, tuple(float(f) for f in getattr(self, name)))
     if self.kind == 'longrope' and not (self.short_factor and min(self.short_factor) > 0):
       raise ValueError(f'longrope rope scaling wants short factors > 0, got {self.short_factor}.')
     if not self.factor > 0:

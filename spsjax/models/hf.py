@@ -1,6 +1,5 @@
 """Hugging Face checkpoints in and out: Llama-family, Qwen2, Qwen3, Phi-3, Gemma (1, 2 and 3's
-text models), GPT-2 and GPT-NeoX (Pythia) directories as `Model`s, and all but GPT-2, GPT-NeoX
-and Phi-3 back (`save`).
+text models), GPT-2 and GPT-NeoX (Pythia) directories as `Model`s, and back (`save`).
 
 A checkpoint directory holds `config.json` and safetensors weights: `model.safetensors`, or shards
 listed by `model.safetensors.index.json`. `load` maps the config to a `TransformerConfig`, refusing
@@ -82,10 +81,12 @@ _ROPE_SCALING_FIELDS = {
                  beta_fast='beta_fast', beta_slow='beta_slow', attention_factor='attention_factor',
                  truncate='truncate'),
     'longrope': dict(factor='factor', original_max_len='original_max_position_embeddings',
-                     attention_factor='attention_factor', short_factor='short_factor'),
+                     attention_factor='attention_factor', short_factor='short_factor',
+                     long_factor='long_factor'),
 }
 # Fields a scaling may leave out (transformers' defaults: RopeScaling's).
-_ROPE_SCALING_OPTIONAL = ('beta_fast', 'beta_slow', 'attention_factor', 'truncate')
+_ROPE_SCALING_OPTIONAL = ('beta_fast', 'beta_slow', 'attention_factor', 'truncate',
+                          'long_factor')
 
 
 def _local_rope_base(hf: dict) -> float | None:
@@ -599,14 +600,22 @@ def load(path: str, *, mesh: Mesh | None = None, rules: sharding.Rules = shardin
 
 # model_type -> its architecture, for the types `save` writes.
 SAVE_TYPES = {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM',
-              'qwen2': 'Qwen2ForCausalLM', 'qwen3': 'Qwen3ForCausalLM',
+              'qwen2': 'Qwen2ForCausalLM', 'qwen3': 'Qwen3ForCausalLM', 'phi3': 'Phi3ForCausalLM',
               'gemma': 'GemmaForCausalLM', 'gemma2': 'Gemma2ForCausalLM',
-              'gemma3_text': 'Gemma3ForCausalLM'}
+              'gemma3_text': 'Gemma3ForCausalLM', 'gpt2': 'GPT2LMHeadModel',
+              'gpt_neox': 'GPTNeoXForCausalLM'}
 
 
 def save_type(config: TransformerConfig) -> str:
   """The model_type `save` writes a model as where none is asked: the plainest that has its
   options (Llama without any)."""
+  if config.position == 'learned':
+    return 'gpt2'
+  if config.norm == 'layer' or config.parallel_residual:
+    return 'gpt_neox'
+  if config.rope_dims is not None or (config.rope_scaling is not None
+                                      and config.rope_scaling.kind == 'longrope'):
+    return 'phi3'
   if config.post_norms:
     return 'gemma3_text' if config.qk_norm or config.local_rope_base is not None else 'gemma2'
   if config.embed_scale or config.mlp == 'gated_gelu':
@@ -637,31 +646,12 @@ def hf_config(config: TransformerConfig, model_type: str = 'llama', **extra) -> 
   must read back (`config_from_hf`, which follows transformers) as exactly this config."""
   if model_type not in SAVE_TYPES:
     raise UnsupportedCheckpoint(f'save writes model_type one of {sorted(SAVE_TYPES)}, not '
-                                f'{model_type!r} (GPT-2, GPT-NeoX and Phi-3 are read only).')
+                                f'{model_type!r}.')
   gemma = model_type in GEMMA_TYPES
-  hf = dict(
-      architectures=[SAVE_TYPES[model_type]], model_type=model_type,
-      vocab_size=config.vocab_size, hidden_size=config.d_model,
-      intermediate_size=config.ff_dim, num_hidden_layers=config.num_layers,
-      num_attention_heads=config.num_heads, num_key_value_heads=config.kv_heads,
-      head_dim=config.dims_per_head, max_position_embeddings=config.max_seq_len,
-      rms_norm_eps=config.norm_eps, **_rope_json(config, model_type),
-      tie_word_embeddings=config.tie_embeddings, torch_dtype='float32')
-  hf.update(dict(hidden_activation='gelu_pytorch_tanh') if gemma else dict(hidden_act='silu'))
-  if model_type in ('llama', 'gemma'):
-    hf.update(attention_bias=False, mlp_bias=False)
-  if model_type not in ('llama', 'gemma'):
-    hf.update(sliding_window=config.sliding_window)
-  if model_type not in ('llama', 'gemma', 'mistral'):
-    hf.update(layer_types=['full_attention' if config.window(i) is None else 'sliding_attention'
-                           for i in range(config.num_layers)])
-  if model_type in ('qwen2', 'qwen3'):
-    hf.update(use_sliding_window=config.sliding_window is not None, max_window_layers=0)
-  if model_type in ('gemma2', 'gemma3_text'):
-    hf.update(query_pre_attn_scalar=(config.dims_per_head if config.query_scale is None
-                                     else round(config.query_scale**-2)),  # An int there.
-              attn_logit_softcapping=config.attn_softcap,
-              final_logit_softcapping=config.logit_softcap)
+  if model_type in ('gpt2', 'gpt_neox'):
+    hf = _gpt_config_json(config, model_type)
+  else:
+    hf = _llama_config_json(config, model_type, gemma)
   hf.update(extra)
   try:
     back = config_from_hf(hf, config.dtype)
@@ -675,6 +665,56 @@ def hf_config(config: TransformerConfig, model_type: str = 'llama', **extra) -> 
   if differ:
     raise UnsupportedCheckpoint(f'model_type {model_type!r} cannot express this model: '
                                 f'{", ".join(differ)}.')
+  return hf
+
+
+def _gpt_config_json(config: TransformerConfig, model_type: str) -> dict:
+  """GPT-2's or GPT-NeoX's config.json fields for a model (`hf_config` checks they read back)."""
+  common = dict(architectures=[SAVE_TYPES[model_type]], model_type=model_type,
+                vocab_size=config.vocab_size, tie_word_embeddings=config.tie_embeddings,
+                torch_dtype='float32')
+  if model_type == 'gpt2':
+    return dict(common, n_embd=config.d_model, n_layer=config.num_layers,
+                n_head=config.num_heads, n_inner=config.ff_dim, n_positions=config.max_seq_len,
+                layer_norm_epsilon=config.norm_eps, activation_function='gelu_new')
+  return dict(common, hidden_size=config.d_model, num_hidden_layers=config.num_layers,
+              num_attention_heads=config.num_heads, intermediate_size=config.ff_dim,
+              max_position_embeddings=config.max_seq_len, layer_norm_eps=config.norm_eps,
+              hidden_act='gelu' if config.mlp == 'gelu_exact' else 'gelu_new',
+              rotary_pct=config.rotary_dims / config.dims_per_head,
+              rotary_emb_base=config.rope_base, use_parallel_residual=config.parallel_residual,
+              attention_bias=True)
+
+
+def _llama_config_json(config: TransformerConfig, model_type: str, gemma: bool) -> dict:
+  """A Llama-family config.json's fields for a model (`hf_config` checks they read back)."""
+  hf = dict(
+      architectures=[SAVE_TYPES[model_type]], model_type=model_type,
+      vocab_size=config.vocab_size, hidden_size=config.d_model,
+      intermediate_size=config.ff_dim, num_hidden_layers=config.num_layers,
+      num_attention_heads=config.num_heads, num_key_value_heads=config.kv_heads,
+      head_dim=config.dims_per_head, max_position_embeddings=config.max_seq_len,
+      rms_norm_eps=config.norm_eps, **_rope_json(config, model_type),
+      tie_word_embeddings=config.tie_embeddings, torch_dtype='float32')
+  hf.update(dict(hidden_activation='gelu_pytorch_tanh') if gemma else dict(hidden_act='silu'))
+  if model_type in ('llama', 'gemma'):
+    hf.update(attention_bias=False, mlp_bias=False)
+  if model_type not in ('llama', 'gemma'):
+    hf.update(sliding_window=config.sliding_window)
+  if model_type not in ('llama', 'gemma', 'mistral', 'phi3'):
+    hf.update(layer_types=['full_attention' if config.window(i) is None else 'sliding_attention'
+                           for i in range(config.num_layers)])
+  if model_type in ('qwen2', 'qwen3'):
+    hf.update(use_sliding_window=config.sliding_window is not None, max_window_layers=0)
+  if model_type in ('gemma2', 'gemma3_text'):
+    hf.update(query_pre_attn_scalar=(config.dims_per_head if config.query_scale is None
+                                     else round(config.query_scale**-2)),  # An int there.
+              attn_logit_softcapping=config.attn_softcap,
+              final_logit_softcapping=config.logit_softcap)
+  if model_type == 'phi3':
+    hf.update(partial_rotary_factor=config.rotary_dims / config.dims_per_head)
+    if config.rope_scaling is not None and config.rope_scaling.kind == 'longrope':
+      hf.update(original_max_position_embeddings=config.rope_scaling.original_max_len)
   return hf
 
 
@@ -695,6 +735,33 @@ def _stored(name: str, value: np.ndarray, D: int, gemma: bool) -> np.ndarray:
   return value
 
 
+def _fused_stored(name: str, values: list[np.ndarray], config: TransformerConfig) -> np.ndarray:
+  """A tensor several parameters fill (`_layout`'s fused entries): Phi-3's qkv_proj and
+  gate_up_proj, GPT-2's c_attn, GPT-NeoX's query_key_value, from their parts in order."""
+  D, N, H = config.d_model, config.num_heads, config.dims_per_head
+  if name.endswith('query_key_value.weight'):  # [N, 3, H, D] from wq, wk, wv [D, N, H].
+    return np.stack([w.transpose(1, 2, 0) for w in values], axis=1).reshape(N * 3 * H, D)
+  if name.endswith('query_key_value.bias'):
+    return np.stack(values, axis=1).reshape(-1)
+  if name.endswith('c_attn.bias'):
+    return np.concatenate([b.reshape(-1) for b in values])
+  wide = np.concatenate([w.reshape(D, -1) for w in values], axis=1)  # [D, parts' outputs].
+  return wide if name.endswith('c_attn.weight') else wide.T  # Conv1D keeps [in, out].
+
+
+def _gpt_stored(name: str, value: np.ndarray, config: TransformerConfig) -> np.ndarray:
+  """A GPT-2 or GPT-NeoX parameter as its tensor (`_gpt2_layout`, `_neox_layout` inverted)."""
+  D = config.d_model
+  if name.endswith('attn.c_proj.weight'):
+    return value.reshape(-1, D)  # Conv1D [in, out].
+  if name.endswith('attention.dense.weight'):
+    return value.reshape(-1, D).T
+  if name.endswith(('dense_h_to_4h.weight', 'dense_4h_to_h.weight', 'embed_out.weight',
+                    'lm_head.weight')):
+    return value.T
+  return value
+
+
 def save(model: Model, path: str, model_type: str | None = None, **extra) -> str:
   """Writes `model` (unpacked and unfused, gathered to the host) as a Hugging Face directory of
   `model_type` (None: `save_type`'s choice): config.json and model.safetensors, in float32
@@ -705,12 +772,21 @@ def save(model: Model, path: str, model_type: str | None = None, **extra) -> str
   model_type = model_type or save_type(config)
   hf = hf_config(config, model_type, **extra)
   tensors = {}
-  for name, ((ours, convert),) in _layout(config, model_type).items():
-    value = np.asarray(jax.device_get(_get(model.params, ours)), np.float32)
-    stored = np.ascontiguousarray(_stored(name, value, config.d_model, model_type in GEMMA_TYPES))
-    np.testing.assert_allclose(convert(stored), value, rtol=1e-6, atol=0,
-                               err_msg=f'{name} would not load back as {"/".join(ours)}')
-    tensors[name] = stored
+  get = lambda ours: np.asarray(jax.device_get(_get(model.params, ours)), np.float32)
+  for name, entries in _layout(config, model_type).items():
+    values = [get(ours) for ours, _ in entries]
+    if len(entries) > 1:
+      stored = _fused_stored(name, values, config)
+    elif model_type in ('gpt2', 'gpt_neox'):
+      stored = _gpt_stored(name, values[0], config)
+    else:
+      stored = _stored(name, values[0], config.d_model, model_type in GEMMA_TYPES)
+    stored = np.ascontiguousarray(stored)
+    for (ours, convert), value in zip(entries, values, strict=True):
+      np.testing.assert_allclose(convert(stored), value, rtol=1e-6, atol=0,
+                                 err_msg=f'{name} would not load back as {"/".join(ours)}')
+    tensors[('transformer.' if model_type == 'gpt2' and name != 'lm_head.weight' else '')
+            + name] = stored
   storage.write_bytes(storage.join(path, WEIGHTS),
                       safetensors.numpy.save(tensors, metadata={'format': 'pt'}))
   storage.write_json(storage.join(path, CONFIG), hf, indent=1)
