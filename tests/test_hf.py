@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from spsjax import models, sharding
-from spsjax.models import hf, presets, rope
+from spsjax.models import hf, hf_files, presets, rope
 from spsjax.sampling import SamplingConfig, autoregressive_sample, drafters, speculative_sample
 from tests.fixtures import make_hf_fixtures as fixtures
 
@@ -74,7 +74,7 @@ def test_configs_map_every_field(loaded):
   assert (gemma3.sliding_window, gemma3.global_layers, gemma3.local_rope_base, gemma3.rope_base,
           gemma3.rope_scaling, gemma3.query_scale, gemma3.attn_softcap, gemma3.qk_norm) == (
               4, (2,), 100.0, 50_000.0, models.RopeScaling('linear', 2.0), None, None, True)
-  stored = dict(hf._tensors(os.path.join(FIXTURES, 'gemma2')))  # pylint: disable=protected-access
+  stored = dict(hf_files.read_tensors(os.path.join(FIXTURES, 'gemma2')))
   layer = loaded['gemma2'].params['layer_1']
   for theirs, ours in (('post_attention_layernorm', 'attn_post_norm'),
                        ('pre_feedforward_layernorm', 'mlp_norm'),
@@ -84,7 +84,7 @@ def test_configs_map_every_field(loaded):
   gemma = loaded['gemma'].config
   assert (gemma.mlp, gemma.embed_scale, gemma.tie_embeddings, gemma.kv_heads) == (
       'gated_gelu', True, True, 1)
-  stored = hf._tensors(os.path.join(FIXTURES, 'gemma'))  # pylint: disable=protected-access
+  stored = hf_files.read_tensors(os.path.join(FIXTURES, 'gemma'))
   norm = dict(stored)['model.layers.0.input_layernorm.weight']
   np.testing.assert_array_equal(loaded['gemma'].params['layer_0']['attn_norm']['scale'], 1 + norm)
   assert (gqa.num_kv_heads, gqa.tie_embeddings, gqa.rope_base, gqa.norm_eps) == (
@@ -435,7 +435,7 @@ def test_half_precision_checkpoints_load_exactly(tmp_path, dtype):
   from safetensors.flax import save_file  # pylint: disable=g-import-not-at-top
   path = tmp_path / 'qwen3'
   shutil.copytree(os.path.join(FIXTURES, 'qwen3'), path)
-  read, parse = hf._tensors, hf._safetensors  # pylint: disable=protected-access
+  read, parse = hf_files.read_tensors, hf_files.parse
   stored = {name: jnp.asarray(w, dtype) for name, w in read(str(path))}
   save_file(stored, str(path / 'model.safetensors'))
   want = jax.tree.map(lambda x: np.asarray(jnp.asarray(x, dtype), np.float32),
@@ -505,8 +505,8 @@ def test_save_writes_the_checkpoint_it_loaded(tmp_path, loaded, name):
   model = loaded[name]
   model_type = hf.read_config(os.path.join(FIXTURES, name))['model_type']
   path = hf.save(models.for_decoding(model), str(tmp_path / name), model_type)
-  stored = dict(hf._tensors(os.path.join(FIXTURES, name)))  # pylint: disable=protected-access
-  written = dict(hf._tensors(path))  # pylint: disable=protected-access
+  stored = dict(hf_files.read_tensors(os.path.join(FIXTURES, name)))
+  written = dict(hf_files.read_tensors(path))
   tied_copy = {'lm_head.weight'} if model.config.tie_embeddings else set()
   assert set(written) == set(stored) - tied_copy
   for tensor, value in written.items():
