@@ -47,6 +47,12 @@ def _check_logits(got_BxPxV, want, what):
                                atol=RTOL * np.abs(expected).max(), err_msg=f'{what}, row {b}')
 
 
+def _worst_row_error(got_BxPxV, want) -> float:
+  """The largest error of logits against a fixture's, relative to each row's largest logit."""
+  return max(np.abs(got_BxPxV[b, :n] - want['logits'][b, :n]).max()
+             / np.abs(want['logits'][b, :n]).max() for b, n in enumerate(want['lengths']))
+
+
 @pytest.fixture(scope='module')
 def loaded():
   return {name: hf.load(os.path.join(FIXTURES, name)) for name in NAMES}
@@ -236,8 +242,7 @@ def test_rope_scaling_reads_the_hubs_format_and_changes_the_logits(tmp_path, loa
   assert plain.config.rope_scaling is None
   want = _expected(name)
   got = np.asarray(_logits(plain.config, plain.params, jnp.asarray(want['prompts'])))
-  worst = max(np.abs(got[b, :n] - want['logits'][b, :n]).max() / np.abs(want['logits'][b, :n]).max()
-              for b, n in enumerate(want['lengths']))
+  worst = _worst_row_error(got, want)
   assert worst > 100 * RTOL
 
 
@@ -271,8 +276,7 @@ def test_yarn_reads_as_transformers_resolves_it(loaded):
   plain = dataclasses.replace(config, rope_scaling=None)
   want = _expected('qwen2_yarn')
   got = np.asarray(_logits(plain, loaded['qwen2_yarn'].params, jnp.asarray(want['prompts'])))
-  worst = max(np.abs(got[b, :n] - want['logits'][b, :n]).max() / np.abs(want['logits'][b, :n]).max()
-              for b, n in enumerate(want['lengths']))
+  worst = _worst_row_error(got, want)
   assert worst > 100 * RTOL
 
 
@@ -306,8 +310,7 @@ def test_longrope_reads_its_short_factors_up_to_the_original_length(loaded):
   plain = dataclasses.replace(config, rope_scaling=None)
   want = _expected('phi3_longrope')
   got = np.asarray(_logits(plain, loaded['phi3_longrope'].params, jnp.asarray(want['prompts'])))
-  worst = max(np.abs(got[b, :n] - want['logits'][b, :n]).max() / np.abs(want['logits'][b, :n]).max()
-              for b, n in enumerate(want['lengths']))
+  worst = _worst_row_error(got, want)
   assert worst > 100 * RTOL
 
 

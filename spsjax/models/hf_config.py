@@ -113,7 +113,7 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
   scaling = dict(scaling, **{original: hf.get(original, scaling.get(
       original, hf.get('max_position_embeddings')))})
   if kind in ('yarn', 'longrope'):
-    scaling = _yarn_fields(hf, scaling)
+    scaling = _resolved_scaling(hf, scaling)
   missing = [theirs for theirs in _ROPE_SCALING_FIELDS[kind].values()
              if scaling.get(theirs) is None and theirs not in _ROPE_SCALING_OPTIONAL]
   if missing:
@@ -123,8 +123,8 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
                                     if scaling.get(theirs) is not None})
 
 
-def _yarn_fields(hf: dict, scaling: dict) -> dict:
-  """YaRN's (and LongRoPE's) fields as transformers resolves them: no factor means
+def _resolved_scaling(hf: dict, scaling: dict) -> dict:
+  """YaRN's and LongRoPE's fields as transformers resolves them: no factor means
   max_position_embeddings / original_max_position_embeddings; no attention_factor with mscale and
   mscale_all_dim (DeepSeek's) means their ratio of 0.1 m ln(factor) + 1."""
   scaling = dict(scaling)

@@ -48,7 +48,9 @@ def rope(x_BxTxNxH, positions_BxT, freqs_R2, amplitude: float = 1.0):
   if half == 0:
     return x_BxTxNxH
   angles_BxTxR2 = positions_BxT[..., None].astype(jnp.float32) * freqs_R2[None, None, :]
-  sin, cos = (f(angles_BxTxR2)[:, :, None] * amplitude for f in (jnp.sin, jnp.cos))
+  sin, cos = (f(angles_BxTxR2)[:, :, None] for f in (jnp.sin, jnp.cos))
+  if amplitude != 1.0:
+    sin, cos = sin * amplitude, cos * amplitude
   x = x_BxTxNxH.astype(jnp.float32)
   x1, x2 = x[..., :half], x[..., half:2 * half]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]], axis=-1)
