@@ -69,7 +69,8 @@ def main(argv):
     hf_kw = dict(max_new_tokens=c.max_new_tokens, min_new_tokens=c.max_new_tokens,
                  eos_token_id=None, pad_token_id=0, do_sample=not greedy)
     if not greedy:
-      hf_kw.update(temperature=config.temperature, top_p=config.top_p, top_k=0)
+      hf_kw.update(temperature=config.temperature, top_p=config.top_p, top_k=0,
+                   min_p=config.min_p or None)
     assisted_kw = dict(assistant_model=hf_draft, num_assistant_tokens=c.k,
                        num_assistant_tokens_schedule='constant', assistant_confidence_threshold=0.0)
     outputs = {m: {} for m in peer.METHODS}

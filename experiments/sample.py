@@ -19,7 +19,7 @@ from ml_collections import config_flags
 from spsjax import cli, distributed, models, sampling, sharding
 from spsjax.bench import auto_k
 from spsjax.data import humaneval, prompts as prompts_lib
-from spsjax.sampling import common, drafter_config, speculative
+from spsjax.sampling import common, drafter_config, generation_config, speculative
 from spsjax.train import load
 
 print0 = distributed.print0
@@ -86,7 +86,12 @@ def main(argv):
   if c.method not in ('ars', 'sps'):
     raise app.UsageError(f'config.method must be "ars" or "sps", got {c.method!r}.')
   mesh = sharding.mesh_from_axes(c.mesh.data, c.mesh.model)
-  sampling_config = sampling.SamplingConfig(**c.sampling)
+  if c.hf_sampling:
+    sampling_config = generation_config.sampling_config(c.target_name, c.hf_ignore)
+    print0(f'Sampling as {c.target_name}/{generation_config.FILE} asks: {sampling_config}'
+           + (f' (dropped: {", ".join(c.hf_ignore)})' if c.hf_ignore else ''))
+  else:
+    sampling_config = sampling.SamplingConfig(**c.sampling)
   draft_sampling = sampling.SamplingConfig(**c.draft_sampling) if c.draft_sampling else None
   drafter = drafter_config.build(**c.drafter)
   needs_draft = c.method == 'sps' and drafter.needs_model

@@ -45,6 +45,7 @@ import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from spsjax import native  # pylint: disable=wrong-import-position
 from spsjax.native import library  # pylint: disable=wrong-import-position
+from spsjax.sampling import processors as sampling_lib  # pylint: disable=wrong-import-position
 
 # Rows of logits without a distribution (any NaN or +inf, every logit -inf) and rows with tokens
 # of probability exactly 0 (-inf logits, logits far below the maximum), as
@@ -378,11 +379,13 @@ TOP_P_TOL = 1e-5
 
 
 def sampling_settings(V):
-  """(temperature, top_k, top_p) for a vocabulary of V: each of top-k (below, at and above V)
-  and top-p on and off, greedy, and a top-p that keeps a single token."""
-  return [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 3, 1.0), (0.8, 50, 0.8), (1.0, 1, 1.0),
-          (2.0, 0, 0.3), (1.0, 0, 1e-6), (0.0, 0, 1.0), (1.1, max(V - 1, 1), 0.95),
-          (1.2, V, 1.0), (0.9, V + 7, 0.5)]
+  """(temperature, top_k, top_p, min_p) for a vocabulary of V: each of top-k (below, at and
+  above V) and top-p on and off, greedy, a top-p that keeps a single token, and min-p alone,
+  after top-k and top-p, and at 1 (the ties at the maximum)."""
+  return [(1.0, 0, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.3, 3, 1.0, 0.0), (0.8, 50, 0.8, 0.0),
+          (1.0, 1, 1.0, 0.0), (2.0, 0, 0.3, 0.0), (1.0, 0, 1e-6, 0.0), (0.0, 0, 1.0, 0.0),
+          (1.1, max(V - 1, 1), 0.95, 0.0), (1.2, V, 1.0, 0.0), (0.9, V + 7, 0.5, 0.0),
+          (1.0, 0, 1.0, 0.05), (0.8, 50, 0.9, 0.2), (1.0, 0, 1.0, 1.0), (0.0, 0, 1.0, 0.5)]
 
 
 def logit_rows(V, rng):
@@ -416,9 +419,10 @@ def nonfinite_logit_rows(V, rng):
 def probabilities_reference(logits, temperature, top_k, top_p):
   """(p after temperature and top-k in float64; for top-p the mass ranked before each token by
   top-p's order, else None) of a row that has a distribution: the law of
-  `spsjax.sampling.processors`. Ranks and ties come from the float32 (logit - max) / temperature,
-  as the kernel's do; a scaled logit below log(float32 tiny) (and -inf) has probability 0."""
-  x32 = (logits - logits.max()) / np.float32(temperature)
+  `spsjax.sampling.processors` before min-p (`min_p_kept`). Ranks and ties come from the float32
+  (logit - max) / temperature, as the kernel's do; a scaled logit below log(float32 tiny) (and
+  -inf) has probability 0."""
+  x32 = scaled_logits(logits, temperature)
   x = x32.astype(np.float64)
   p = np.where(x >= np.log(np.finfo(np.float32).tiny), np.exp(x), 0.0)
   p /= p.sum()
@@ -438,6 +442,16 @@ def probabilities_reference(logits, temperature, top_k, top_p):
   return p, before
 
 
+def scaled_logits(logits, temperature):
+  return (logits - logits.max()) / np.float32(temperature)
+
+
+def min_p_kept(logits, temperature, min_p):
+  """The tokens min-p keeps: scaled logit >= log(min_p) rounded to float32 (all if off)."""
+  cut = sampling_lib.SamplingConfig(temperature=temperature, min_p=min_p).min_logit
+  return scaled_logits(logits, temperature) >= np.float32(cut)
+
+
 def check_draw(label, weights, u, token, tol):
   """`token` is the inverse-CDF draw with u from `weights` (float64), up to `tol` of the mass."""
   cdf = np.cumsum(weights)
@@ -448,7 +462,7 @@ def check_draw(label, weights, u, token, tol):
               f'inverse CDF: {np.argmax(cdf > threshold)}')
 
 
-def check_probabilities(label, logits, temperature, top_k, top_p, probs, tokens, no_law):
+def check_probabilities(label, logits, temperature, top_k, top_p, min_p, probs, tokens, no_law):
   probs, tokens = np.asarray(probs), np.asarray(tokens)
   V = logits.shape[1]
   for r in range(logits.shape[0]):
@@ -462,12 +476,13 @@ def check_probabilities(label, logits, temperature, top_k, top_p, probs, tokens,
       assert tokens[r] == best, (row, tokens[r], best)
       continue
     p, before = probabilities_reference(logits[r], temperature, top_k, top_p)
+    min_kept = min_p_kept(logits[r], temperature, min_p)
     kept = probs[r] > 0
     if before is None:
-      check_equal(f'{row} support', kept, p > 0)
+      check_equal(f'{row} support', kept, (p > 0) & min_kept)
     else:
-      must_keep = (p > 0) & (before < top_p - TOP_P_TOL)
-      must_drop = (p == 0) | (before > top_p + TOP_P_TOL)
+      must_keep = (p > 0) & (before < top_p - TOP_P_TOL) & min_kept
+      must_drop = (p == 0) | (before > top_p + TOP_P_TOL) | ~min_kept
       assert not np.any(must_keep & ~kept), (row, 'top-p dropped',
                                              np.flatnonzero(must_keep & ~kept))
       assert not np.any(must_drop & kept), (row, 'top-p kept', np.flatnonzero(must_drop & kept))
@@ -519,8 +534,9 @@ def check_accept(label, inputs, lenience, accepted, tokens):
 
 @functools.partial(jax.jit, static_argnames=('settings', 'isas'))
 def _sampling(logits, uniforms, accept_ops, settings, isas):
-  probs = {(s, isa): native.probabilities_and_draw(logits, uniforms, temperature=s[0],
-                                                   top_k=s[1], top_p=s[2], isa=isa)
+  probs = {(s, isa): native.probabilities_and_draw(
+      logits, uniforms, temperature=s[0], top_k=s[1], top_p=s[2],
+      min_logit=sampling_lib.SamplingConfig(temperature=s[0], min_p=s[3]).min_logit, isa=isa)
            for s in settings for isa in isas}
   accepted = {(lenience, isa): native.accept(*accept_ops, lenience=lenience, isa=isa)
               for lenience in (1.0, 0.6) for isa in isas}

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import select
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -279,6 +280,22 @@ def test_export_hf_writes_a_llama_directory_that_loads_back(family, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, exported.params, original.params)
   with open(os.path.join(out, 'generation_config.json'), encoding='utf-8') as f:
     assert json.load(f)['eos_token_id'] == tok.eos_id
+
+
+def test_sampling_as_a_checkpoints_generation_config(tmp_path):
+  """hf_sampling: the law transformers' `generate` would sample for the checkpoint (its file,
+  then transformers' defaults: top_k 50), less the settings hf_ignore drops."""
+  target = shutil.copytree(os.path.join(_REPO, 'tests', 'fixtures', 'hf', 'llama_gqa'),
+                           tmp_path / 'llama')
+  (target / 'generation_config.json').write_text(json.dumps(
+      {'do_sample': True, 'temperature': 0.7, 'top_p': 0.9, 'min_p': 0.05,
+       'repetition_penalty': 1.1}))
+  run = _run('experiments/sample.py', f'--config=configs/sample.py:hf_target={target},'
+             'hf_sampling=true,hf_ignore=repetition_penalty,batch=1,max_new_tokens=4',
+             '--config.repeats=1')
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert (f'Sampling as {target}/generation_config.json asks: SamplingConfig(temperature=0.7, '
+          'top_k=50, top_p=0.9, min_p=0.05) (dropped: repetition_penalty)') in run.stdout
 
 
 def test_binaries_take_hugging_face_directories():

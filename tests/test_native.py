@@ -703,7 +703,8 @@ def assert_same_support_but_at_top_p(probs_RxV, want_RxV, before_top_p_RxV, top_
 def _native_probabilities(logits, uniforms, configs, isa):
   """The kernel's (probabilities, draws) under each of `configs`: one program for all."""
   return [native.probabilities_and_draw(logits, uniforms, temperature=c.temperature,
-                                        top_k=c.top_k, top_p=c.top_p, isa=isa) for c in configs]
+                                        top_k=c.top_k, top_p=c.top_p, min_logit=c.min_logit,
+                                        isa=isa) for c in configs]
 
 
 # LLVM's full optimisation: XLA's sorts of 50,257 logits run 3x faster for 2 s more compiling.
@@ -727,7 +728,8 @@ def _probabilities(logits, uniforms, configs, isa):
 PROBABILITY_CONFIGS = tuple(sampling.SamplingConfig(**s) for s in [
     dict(temperature=1.0), dict(temperature=0.8, top_p=0.95),
     dict(temperature=0.7, top_k=50, top_p=0.8), dict(temperature=1.3, top_k=3),
-    dict(temperature=0.0), dict(temperature=2.0, top_p=0.3)])
+    dict(temperature=0.0), dict(temperature=2.0, top_p=0.3), dict(temperature=1.0, min_p=0.05),
+    dict(temperature=0.7, top_k=50, top_p=0.8, min_p=0.1)])
 
 
 @functools.lru_cache(maxsize=1)  # The isas of a case run one after another: made once for all.

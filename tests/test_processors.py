@@ -49,13 +49,17 @@ def test_top_k_keeps_xlas_top_k_kernel_on_the_cpu():
   assert not re.search(r'\bsort\(', program), 'top-k sorts the row'
 
 
+def _kept_law(kept):
+  expected = np.zeros(5)
+  expected[kept] = np.exp(LOGITS)[kept]
+  return expected / expected.sum()
+
+
 @pytest.mark.parametrize('top_p, kept', [(0.39, [1]), (0.41, [1, 3]), (0.65, [1, 3]),
                                          (0.66, [1, 3, 4]), (1.0, [0, 1, 2, 3, 4])])
 def test_top_p_keeps_smallest_set_reaching_mass(top_p, kept):
   got = np.asarray(probabilities(jnp.asarray(LOGITS), SamplingConfig(top_p=top_p)))
-  expected = np.zeros(5)
-  expected[kept] = np.exp(LOGITS)[kept]
-  np.testing.assert_allclose(got, expected / expected.sum(), rtol=1e-5)
+  np.testing.assert_allclose(got, _kept_law(kept), rtol=1e-5)
 
 
 def test_top_k_then_top_p_and_temperature():
@@ -94,16 +98,33 @@ def test_sample_matches_distribution(probs):
   assert g_test_pvalue(counts, probs) > 1e-5
 
 
+@pytest.mark.parametrize('min_p, kept', [(0.2, [1, 2, 3, 4]), (0.3, [1, 3, 4]), (0.7, [1]),
+                                         (1.0, [1])])
+def test_min_p_keeps_tokens_within_a_ratio_of_the_most_likely(min_p, kept):
+  """p(x) >= min_p * max p (0.4 here): 0.08, 0.12, 0.28, 0.4."""
+  got = np.asarray(probabilities(jnp.asarray(LOGITS), SamplingConfig(min_p=min_p)))
+  np.testing.assert_allclose(got, _kept_law(kept), rtol=1e-5)
+
+
+def test_min_p_does_not_change_greedy():
+  got = probabilities(jnp.asarray(LOGITS)[None], SamplingConfig(temperature=0, min_p=0.9))
+  np.testing.assert_array_equal(np.asarray(got), [[0, 1, 0, 0, 0]])
+
+
 @pytest.mark.parametrize('kwargs, match', [(dict(temperature=-0.1), 'temperature'),
                                            (dict(top_k=-1), 'top_k'), (dict(top_p=0.0), 'top_p'),
-                                           (dict(top_p=1.5), 'top_p')])
+                                           (dict(top_p=1.5), 'top_p'), (dict(min_p=-0.1), 'min_p'),
+                                           (dict(min_p=1.5), 'min_p'),
+                                           (dict(min_p=float('nan')), 'min_p')])
 def test_bad_settings_raise(kwargs, match):
   with pytest.raises(ValueError, match=match):
     SamplingConfig(**kwargs)
 
 
-def _reference_top_k_top_p(logits, temperature, top_k, top_p):
-  """A sort-based numpy reference: stable descending sort (ties by id), keep, renormalise."""
+def _reference_top_k_top_p(logits, temperature, top_k, top_p, min_p=0.0):
+  """A sort-based numpy reference of transformers' warpers in their order (temperature, top-k,
+  top-p, min-p): stable descending sort (ties by id), keep, renormalise; min-p keeps the
+  tokens at least min_p times the most likely one of what top-k and top-p kept."""
   z = logits.astype(np.float64) / temperature
   probs = np.exp(z - z.max())
   probs /= probs.sum()
@@ -116,18 +137,24 @@ def _reference_top_k_top_p(logits, temperature, top_k, top_p):
   nucleus = np.zeros(z.shape, bool)
   nucleus[order[before < top_p]] = True
   out = np.where(keep & nucleus, probs, 0.0)
+  out /= out.sum()
+  out = np.where(out >= min_p * out.max(), out, 0.0)
   return out / out.sum()
 
 
-@pytest.mark.parametrize('top_k, top_p', [(0, 0.9), (0, 0.5), (5, 1.0), (7, 0.8), (1, 0.3)])
-def test_masks_match_a_sort_based_reference_with_ties(top_k, top_p):
+@pytest.mark.parametrize('top_k, top_p, min_p', [(0, 0.9, 0.0), (0, 0.5, 0.0), (5, 1.0, 0.0),
+                                                 (7, 0.8, 0.0), (1, 0.3, 0.0), (0, 1.0, 0.1),
+                                                 (5, 0.9, 0.3), (0, 0.5, 0.5)])
+def test_masks_match_a_sort_based_reference_with_ties(top_k, top_p, min_p):
+  """Half-integer logits: min-p's cuts (log 0.1, log 0.3, log 0.5) fall between them."""
   rng = np.random.default_rng(top_k * 10 + int(top_p * 10))
   # Rounded logits make many exact ties, which must rank by id as in a stable sort.
   logits = np.round(rng.normal(size=(64, 40)) * 2) / 2
-  got = np.asarray(probabilities(jnp.asarray(logits, jnp.float32),
-                                 SamplingConfig(temperature=1.0, top_k=top_k, top_p=top_p)))
+  got = np.asarray(probabilities(
+      jnp.asarray(logits, jnp.float32),
+      SamplingConfig(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)))
   for row in range(64):
-    expected = _reference_top_k_top_p(logits[row], 1.0, top_k, top_p)
+    expected = _reference_top_k_top_p(logits[row], 1.0, top_k, top_p, min_p)
     # The same support, and the same values on it (float32 against float64).
     np.testing.assert_array_equal(got[row] > 0, expected > 0, err_msg=f'row {row}')
     np.testing.assert_allclose(got[row], expected, rtol=1e-5, atol=1e-7)

@@ -51,6 +51,7 @@ SETTINGS = {
     'temperature_1': (SamplingConfig(), None),
     'temperature_0.7_top_k_3': (SamplingConfig(temperature=0.7, top_k=3), None),
     'top_p_0.8': (SamplingConfig(top_p=0.8), None),
+    'temperature_1.2_min_p_0.1': (SamplingConfig(temperature=1.2, min_p=0.1), None),
     'draft_hotter': (SamplingConfig(), SamplingConfig(temperature=2.0)),
     'draft_greedy': (SamplingConfig(), GREEDY),
     'draft_is_target': (SamplingConfig(), None),
@@ -174,7 +175,7 @@ def check_interleaved_law(out, target, k, sampling, label, ragged_prompts=None, 
     assert pvalue > P_MIN, f'{label}, prompt {prompt}: G-test p-value {pvalue:.2e}'
 
 
-@pytest.mark.parametrize('setting,k', [('temperature_0.8', 2), ('top_p_0.8', 4)])
+@pytest.mark.parametrize('setting,k', [('temperature_0.8_min_p_0.05', 2), ('top_p_0.8', 4)])
 def test_law_through_the_packed_native_path_on_ragged_prompts(tiny_pair, setting, k):
   """The models packed for CPU decoding (the native products, attention and sampling kernels):
   5 tokens per row after two prompts of different lengths interleaved in one batch, so rows
@@ -182,9 +183,9 @@ def test_law_through_the_packed_native_path_on_ragged_prompts(tiny_pair, setting
   loops after a full acceptance (k = 2: a loop emits at most 3 of the 4 tokens after the
   prefill's) and a second loop. Each prompt's joint law of 5 tokens is checked against the
   enumeration of the unpacked target. Power: 50,000 rows per prompt detect at 80% any law within
-  total variation 0.035 (temperature 0.8; outcomes rarer than 5 expected draws, 7% of the mass,
+  total variation 0.035 (temperature 0.8, min-p 0.05; outcomes rarer than 5 expected draws, 7% of the mass,
   pooled) or 0.028 (top-p 0.8; 0.2% pooled) of the target's (`stats.detectable_tv`)."""
-  sampling = {'temperature_0.8': SamplingConfig(temperature=0.8),
+  sampling = {'temperature_0.8_min_p_0.05': SamplingConfig(temperature=0.8, min_p=0.05),
               'top_p_0.8': SamplingConfig(top_p=0.8)}[setting]
   target, draft = (models.for_decoding(m) for m in tiny_pair)
   assert models.is_packed(target) and models.is_packed(draft) and native.available()

@@ -1,5 +1,5 @@
 // The distribution a sampler draws from, and one draw from it, per row, for XLA:CPU through the
-// FFI: temperature, top-k, top-p (ties by id), renormalised, then an inverse-CDF draw with one
+// FFI: temperature, top-k, top-p (ties by id), min-p, renormalised, then an inverse-CDF draw with one
 // uniform number; spsjax/sampling/processors.py defines the same law with XLA ops. Also the accept
 // step of speculative sampling (spsjax/sampling/rejection.py) for a batch of rows in one call.
 // Compiled for AVX-512, AVX2 and the baseline like the other kernels.
@@ -15,7 +15,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using RowFn = int32_t (*)(const float*, int64_t, float, int64_t, float, float, float*,
+using RowFn = int32_t (*)(const float*, int64_t, float, int64_t, float, float, float, float*,
                           std::vector<float>&, std::vector<float>&, std::vector<int32_t>&);
 
 #define SPSJAX_KERNEL_FILE "sampling_kernel.inc"
@@ -35,7 +35,7 @@ constexpr int64_t kMinParallelLogits = 1 << 14;
 ffi::Error ProbabilitiesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
                              ffi::Buffer<ffi::F32> uniforms, ffi::ResultBuffer<ffi::F32> probs,
                              ffi::ResultBuffer<ffi::S32> tokens, float temperature,
-                             int32_t top_k, float top_p, int32_t isa) {
+                             int32_t top_k, float top_p, float min_logit, int32_t isa) {
   const auto dims = logits.dimensions();
   if (dims.size() != 2 || uniforms.dimensions().size() != 1 ||
       uniforms.dimensions()[0] != dims[0] ||
@@ -44,7 +44,9 @@ ffi::Error ProbabilitiesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
     return ffi::Error::InvalidArgument(
         "probabilities: want logits [R, V], uniforms [R], probs [R, V], tokens [R].");
   }
-  if (!(temperature >= 0.0f) || top_k < 0 || !(top_p > 0.0f && top_p <= 1.0f)) {
+  // min_logit: log(min_p) <= 0, or -inf (off); NaN is refused.
+  if (!(temperature >= 0.0f) || top_k < 0 || !(top_p > 0.0f && top_p <= 1.0f) ||
+      !(min_logit <= 0.0f)) {
     return ffi::Error::InvalidArgument("probabilities: bad sampling settings.");
   }
   if (!spsjax::Resolve(&isa)) {
@@ -62,7 +64,7 @@ ffi::Error ProbabilitiesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
     thread_local std::vector<float> x, scratch;
     thread_local std::vector<int32_t> members;
     for (int64_t r = begin; r < end; ++r) {
-      tokens_data[r] = kernel(logits_data + r * V, V, temperature, top_k, top_p, u_data[r],
+      tokens_data[r] = kernel(logits_data + r * V, V, temperature, top_k, top_p, min_logit, u_data[r],
                               probs_data + r * V, x, scratch, members);
     }
   });
@@ -135,6 +137,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxProbabilities, ProbabilitiesImpl,
                                   .Attr<float>("temperature")
                                   .Attr<int32_t>("top_k")
                                   .Attr<float>("top_p")
+                                  .Attr<float>("min_logit")
                                   .Attr<int32_t>("isa"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxAccept, AcceptImpl,

@@ -1,8 +1,9 @@
 """Logit processors: the one function that turns logits into the distribution actually sampled.
 
 Every sampler (ArS, and both the draft and the target in SpS) calls `probabilities`, so a draft and a
-target with the same `SamplingConfig` are processed identically. Order: temperature, then top-k,
-then top-p on what top-k kept, then renormalise. Temperature 0 is greedy: a one-hot on the argmax.
+target with the same `SamplingConfig` are processed identically. Order (transformers' warpers'):
+temperature, then top-k, then top-p on what top-k kept, then min-p, then renormalise. Temperature
+0 is greedy: a one-hot on the argmax.
 Output is float32 whatever the model dtype. `draw` / `sample` draw from such a distribution.
 
 Cost matters here: SpS runs these on 2k + 1 vocabulary rows per loop. XLA's CPU sort and
@@ -31,8 +32,11 @@ from spsjax.native import library
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-  """temperature 0: greedy; top_k 0: off; top_p 1.0: off. Hashable, so it is a static jit arg.
+  """temperature 0: greedy; top_k 0: off; top_p 1.0: off; min_p 0.0: off. Hashable, so it is a
+  static jit arg.
 
+  min_p (Nguyen et al. 2024; transformers' `min_p`) keeps the tokens whose probability is at
+  least min_p times the largest one's; as every cut here it never drops the most likely token.
   A positive temperature must be in [1.2e-38, 8.5e37], so that it and its reciprocal are float32
   normal numbers (XLA may divide by multiplying with the reciprocal; a denormal one is flushed to
   0).
@@ -40,6 +44,7 @@ class SamplingConfig:
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
+  min_p: float = 0.0
 
   def __post_init__(self):
     if not (self.temperature == 0 or
@@ -50,10 +55,20 @@ class SamplingConfig:
       raise ValueError(f'top_k must be an integer >= 0 (0 is off), got {self.top_k}.')
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f'top_p must be in (0, 1] (1 is off), got {self.top_p}.')
+    if not 0.0 <= self.min_p <= 1.0:
+      raise ValueError(f'min_p must be in [0, 1] (0 is off), got {self.min_p}.')
 
   @property
   def greedy(self) -> bool:
     return self.temperature == 0
+
+  @property
+  def min_logit(self) -> float:
+    """min-p's cut on the scaled logits (logit - max) / temperature, whose largest is 0: a token
+    is kept iff its scaled logit is >= log(min_p), rounded to float32 once here (the same cut on
+    XLA's path and the kernel's); -inf when off. p(x) >= min_p max p is exp(x - 0) >= min_p,
+    whatever renormalisation top-k and top-p applied before."""
+    return float(np.float32(np.log(self.min_p))) if self.min_p > 0 else -np.inf
 
 
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
@@ -92,6 +107,8 @@ def probabilities(logits_xV: jax.Array, sampling: SamplingConfig, *,
         jnp.where(_top_k_mask(logits_xV, top_k, top_k_search), probs_xV, 0.0))
   if sampling.top_p < 1.0:
     probs_xV = _renormalise(jnp.where(_top_p_mask(probs_xV, sampling.top_p), probs_xV, 0.0))
+  if sampling.min_p > 0.0:
+    probs_xV = _renormalise(jnp.where(logits_xV >= sampling.min_logit, probs_xV, 0.0))
   return jnp.where(defined_x1, probs_xV, jnp.nan)
 
 
@@ -310,7 +327,7 @@ def _native(logits_BxV, uniforms_B, sampling: SamplingConfig):
   """The kernel on the CPU; XLA's ops (the same law) on any other platform."""
   kernel = lambda ops: native.probabilities_and_draw(
       ops[0], ops[1], temperature=sampling.temperature, top_k=sampling.top_k,
-      top_p=sampling.top_p)
+      top_p=sampling.top_p, min_logit=sampling.min_logit)
 
   def xla(ops):
     probs_BxV = probabilities(ops[0], sampling)

@@ -1,0 +1,82 @@
+"""The sampling a Hugging Face checkpoint asks for: its `generation_config.json` as a SamplingConfig.
+
+`sampling_config(directory)` gives the law transformers' `generate` samples from by default for
+that checkpoint (transformers 5): the file's settings, then transformers' global defaults where
+it sets none (`do_sample` false, temperature 1, top_k 50, top_p 1, no min_p; no file: all
+defaults). Without `do_sample` generation is greedy (temperature 0). With it: temperature, top-k
+(0 off), top-p, min-p, in transformers' order, which is `processors`'.
+
+Settings that make transformers sample another law than those four give (a repetition penalty,
+typical-p, epsilon or eta cutoffs, banned words, beams, ...) are refused by name: spsjax would
+sample a different law and say nothing. `ignore` names those the caller drops knowingly. Settings
+that do not change the law (eos and pad ids, lengths, caching, output options) are not read here
+(the eos ids: `data.hf_tokenizer`).
+"""
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from spsjax import storage
+from spsjax.sampling.processors import SamplingConfig
+
+FILE = 'generation_config.json'
+
+# transformers' `GenerationConfig._get_default_generation_params` for the settings read here.
+_DEFAULTS = dict(do_sample=False, temperature=1.0, top_k=50, top_p=1.0, min_p=None)
+
+# Settings that change what transformers samples, with the values at which they do nothing
+# (None: unset does nothing too). Each is a processor of `GenerationMixin._get_logits_processor`
+# or another decoding method.
+_NO_EFFECT: dict[str, tuple[Any, ...]] = {
+    'repetition_penalty': (1.0,), 'no_repeat_ngram_size': (0,), 'typical_p': (1.0,),
+    'epsilon_cutoff': (0.0,), 'eta_cutoff': (0.0,), 'top_h': (), 'bad_words_ids': (),
+    'suppress_tokens': (), 'begin_suppress_tokens': (), 'sequence_bias': (),
+    'guidance_scale': (1.0,), 'forced_bos_token_id': (), 'forced_eos_token_id': (),
+    'exponential_decay_length_penalty': (), 'min_length': (0,), 'min_new_tokens': (0,),
+    'num_beams': (1,), 'num_beam_groups': (1,), 'diversity_penalty': (0.0,),
+    'penalty_alpha': (), 'dola_layers': (), 'watermarking_config': (),
+    'encoder_repetition_penalty': (1.0,), 'encoder_no_repeat_ngram_size': (0,),
+}
+
+
+def read(directory: str) -> dict:
+  """The checkpoint's generation_config.json as a dict ({} if it has none)."""
+  path = storage.path(directory) / FILE
+  return json.loads(path.read_text(encoding='utf-8')) if path.is_file() else {}
+
+
+def _changes_law(name: str, value) -> bool:
+  return value is not None and value not in _NO_EFFECT[name] and value != [] and value != {}
+
+
+def from_dict(settings: dict, ignore: Iterable[str] = ()) -> SamplingConfig:
+  """`sampling_config` of a generation config's dict (module docstring)."""
+  ignore = set(ignore)
+  unknown = ignore - set(_NO_EFFECT)
+  if unknown:
+    raise ValueError(f'ignore names settings that spsjax refuses; {sorted(unknown)} are not '
+                     f'among them: {sorted(_NO_EFFECT)}.')
+  refused = sorted(name for name in _NO_EFFECT
+                   if name not in ignore and _changes_law(name, settings.get(name)))
+  if refused:
+    raise ValueError(
+        'generation_config.json sets ' + ', '.join(f'{n}={settings[n]!r}' for n in refused) +
+        ': transformers would sample another law than spsjax can (temperature, top_k, top_p and '
+        'min_p only). Pass the sampling settings yourself, or ignore=(...) to drop these.')
+  value = lambda name: _DEFAULTS[name] if settings.get(name) is None else settings[name]
+  if not value('do_sample'):
+    return SamplingConfig(temperature=0.0)
+  if not value('temperature') > 0:
+    raise ValueError(f'generation_config.json samples (do_sample) at temperature '
+                     f'{value("temperature")!r}; transformers needs it > 0.')
+  return SamplingConfig(temperature=float(value('temperature')), top_k=int(value('top_k')),
+                        top_p=float(value('top_p')), min_p=float(value('min_p') or 0.0))
+
+
+def sampling_config(directory: str, ignore: Iterable[str] = ()) -> SamplingConfig:
+  """The SamplingConfig of the Hugging Face checkpoint in `directory` (module docstring)."""
+  try:
+    return from_dict(read(directory), ignore)
+  except ValueError as e:
+    raise ValueError(f'{directory}: {e}') from None

@@ -1,0 +1,70 @@
+"""A checkpoint's generation_config.json becomes the SamplingConfig transformers would sample with.
+
+The defaults and the refused settings were read from transformers 5.25.0
+(`GenerationConfig._get_default_generation_params`, `GenerationMixin._get_logits_processor`)."""
+
+import json
+import re
+
+import pytest
+
+from spsjax.sampling import SamplingConfig, generation_config
+
+
+def _write(tmp_path, settings):
+  (tmp_path / generation_config.FILE).write_text(json.dumps(settings))
+  return str(tmp_path)
+
+
+@pytest.mark.parametrize('settings, want', [
+    ({}, SamplingConfig(temperature=0.0)),
+    # Llama 3 Instruct's file: transformers' top_k 50 applies (it sets none).
+    ({'bos_token_id': 128000, 'do_sample': True, 'eos_token_id': [128001, 128009],
+      'temperature': 0.6, 'top_p': 0.9}, SamplingConfig(temperature=0.6, top_k=50, top_p=0.9)),
+    ({'do_sample': True}, SamplingConfig(temperature=1.0, top_k=50)),
+    ({'do_sample': True, 'top_k': 0, 'min_p': 0.05}, SamplingConfig(top_k=0, min_p=0.05)),
+    ({'do_sample': True, 'temperature': None, 'top_k': 20, 'top_p': 0.8},
+     SamplingConfig(top_k=20, top_p=0.8)),
+    # Sampling settings without do_sample: transformers decodes greedily.
+    ({'temperature': 0.7, 'top_p': 0.8}, SamplingConfig(temperature=0.0)),
+    # Settings at the values that do nothing, or that do not change the law.
+    ({'do_sample': True, 'repetition_penalty': 1.0, 'num_beams': 1, 'bad_words_ids': None,
+      'max_new_tokens': 512, 'pad_token_id': 0}, SamplingConfig(top_k=50)),
+])
+def test_the_law_transformers_samples(tmp_path, settings, want):
+  assert generation_config.sampling_config(_write(tmp_path, settings)) == want
+
+
+def test_no_file_is_transformers_defaults(tmp_path):
+  assert generation_config.sampling_config(str(tmp_path)) == SamplingConfig(temperature=0.0)
+
+
+@pytest.mark.parametrize('settings, named', [
+    ({'do_sample': True, 'top_k': 20, 'top_p': 0.8, 'repetition_penalty': 1.05},
+     'repetition_penalty=1.05'),  # Qwen2.5 Instruct's.
+    ({'do_sample': False, 'no_repeat_ngram_size': 3}, 'no_repeat_ngram_size=3'),
+    ({'do_sample': True, 'typical_p': 0.9, 'bad_words_ids': [[5]]},
+     'bad_words_ids=[[5]], typical_p=0.9'),
+    ({'num_beams': 4}, 'num_beams=4'),
+])
+def test_settings_spsjax_cannot_sample_are_refused_by_name(tmp_path, settings, named):
+  path = _write(tmp_path, settings)
+  with pytest.raises(ValueError, match=re.escape(f'{path}: generation_config.json sets {named}:')):
+    generation_config.sampling_config(path)
+
+
+def test_ignore_drops_what_it_names_only(tmp_path):
+  path = _write(tmp_path, {'do_sample': True, 'top_k': 20, 'repetition_penalty': 1.05,
+                           'no_repeat_ngram_size': 4})
+  with pytest.raises(ValueError, match='no_repeat_ngram_size=4'):
+    generation_config.sampling_config(path, ignore=['repetition_penalty'])
+  got = generation_config.sampling_config(path, ignore=['repetition_penalty',
+                                                        'no_repeat_ngram_size'])
+  assert got == SamplingConfig(top_k=20)
+  with pytest.raises(ValueError, match=r"\['top_p'\] are not"):
+    generation_config.sampling_config(path, ignore=['top_p'])
+
+
+def test_sampling_at_temperature_zero_is_refused(tmp_path):
+  with pytest.raises(ValueError, match='temperature 0.0'):
+    generation_config.sampling_config(_write(tmp_path, {'do_sample': True, 'temperature': 0.0}))
