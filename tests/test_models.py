@@ -22,7 +22,8 @@ VOCAB = 97
 
 # Jitted: a whole forward dispatched op by op costs seconds per test.
 _logits = jax.jit(models.logits, static_argnums=0)
-_prefill = jax.jit(models.prefill, static_argnums=0, static_argnames=('capacity', 'last_only'))
+_prefill = jax.jit(models.prefill, static_argnums=0,
+                   static_argnames=('capacity', 'last_only', 'rollback'))
 _extend = jax.jit(models.extend, static_argnums=0)
 
 
@@ -57,7 +58,9 @@ GEMMA3 = dict(mlp='gated_gelu', embed_scale=True, post_norms=True, qk_norm=True,
 @pytest.mark.parametrize('layout', LAYOUTS)
 def test_windows_and_caps_decode_the_reference(overrides, chunk, layout):
   """Sliding windows, soft-capping and post-norms: a cached decode far past the windows gives
-  the full forward's logits; post-norm scales away from 1; the window changes the logits."""
+  the full forward's logits; post-norm scales away from 1; the window changes the logits. On
+  XLA's layouts the windowed layers hold rings of window - 1 slots (`rollback=0`), filled by a
+  prefill and by chunks longer than the ring."""
   config = _config(2, **overrides)
   params = jax.tree_util.tree_map_with_path(
       lambda path, x: x * 1.7 if 'post_norm' in jax.tree_util.keystr(path) else x,
@@ -70,7 +73,11 @@ def test_windows_and_caps_decode_the_reference(overrides, chunk, layout):
                          atol=1e-3)
   config, params = _decoding(config, params, layout)
   lengths = np.array([2, 6])
-  _, cache = _prefill(config, params, tokens_BxL[:, :6], jnp.asarray(lengths), capacity=24)
+  _, cache = _prefill(config, params, tokens_BxL[:, :6], jnp.asarray(lengths), capacity=24,
+                      rollback=0)
+  slots = [k.shape[1] for k in cache.k]
+  assert slots == [24 if layout == 'packed' or config.window(i) is None else config.window(i) - 1
+                   for i in range(2)]
   while lengths.max() + chunk <= 24:
     chunk_BxT = np.stack([np.asarray(tokens_BxL[b, l:l + chunk]) for b, l in enumerate(lengths)])
     out_BxTxV, cache = _extend(config, params, cache, jnp.asarray(chunk_BxT))
@@ -78,6 +85,45 @@ def test_windows_and_caps_decode_the_reference(overrides, chunk, layout):
       np.testing.assert_allclose(out_BxTxV[b], reference_BxLxV[b, l:l + chunk], rtol=1e-5,
                                  atol=1e-5, err_msg=f'row {b} at {l}')
     lengths = lengths + chunk
+
+
+@pytest.mark.parametrize('layout', ['xla', 'fused'])
+def test_a_ring_rolled_back_decodes_the_reference(layout):
+  """Rings of window + 2 slots (`rollback=3`), written 4 positions a call, of which the last 0-3
+  are dropped (rolled back) and were other tokens than the ones written next: every kept
+  position's logits are the full forward's, far past the windows (the dropped keys, whose slots
+  now read as positions a window back, are never attended). With one slot fewer a dropped key
+  is seen (so the check can fail)."""
+  config = _config(2, **GEMMA2)
+  config, params = _decoding(config, models.init_params(config, jax.random.key(0)), layout)
+  tokens_BxL = jax.random.randint(jax.random.key(1), (2, 40), 0, VOCAB)
+  noise_BxL = (tokens_BxL + 1 + jax.random.randint(jax.random.key(2), (2, 40), 0, VOCAB - 1)
+               ) % VOCAB  # Never the token itself.
+  reference_BxLxV = np.asarray(_logits(config, params, tokens_BxL))
+  keeps = np.random.default_rng(0).integers(1, 5, size=(30, 2))
+
+  def worst_error(rollback):
+    lengths = np.array([3, 5])
+    _, cache = _prefill(config, params, tokens_BxL[:, :5], jnp.asarray(lengths), capacity=44,
+                        rollback=rollback)
+    assert cache.k[0].shape[1] == GEMMA2['sliding_window'] - 1 + rollback
+    error = 0.0
+    for keep_B in keeps:
+      if lengths.max() + 4 > 40:
+        break
+      kept_BxL = np.arange(4)[None, :] < keep_B[:, None]
+      chunk_Bx4 = np.stack([np.where(kept_BxL[b], tokens_BxL[b, l:l + 4], noise_BxL[b, l:l + 4])
+                            for b, l in enumerate(lengths)])
+      out_Bx4xV, cache = _extend(config, params, cache, jnp.asarray(chunk_Bx4))
+      for b, l in enumerate(lengths):
+        n = keep_B[b]
+        error = max(error, float(np.max(np.abs(out_Bx4xV[b, :n] - reference_BxLxV[b, l:l + n]))))
+      lengths = lengths + keep_B
+      cache = cache.with_lengths(jnp.asarray(lengths))
+    return error
+
+  assert worst_error(3) < 1e-5
+  assert worst_error(2) > 1e-3
 
 
 # GPT-NeoX's options: LayerNorm, biases, a part of each head rotated, a parallel block, GELU

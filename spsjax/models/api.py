@@ -156,9 +156,12 @@ def extend(config: TransformerConfig, params, cache: kv_cache.KVCache, tokens_Bx
 
 
 def prefill(config: TransformerConfig, params, prompts_BxP: jax.Array, prompt_lengths_B: jax.Array,
-            capacity: int, *, last_only: bool = False, with_features: bool = False):
+            capacity: int, *, last_only: bool = False, with_features: bool = False,
+            rollback: int | None = None):
   """Fills a fresh cache with right-padded prompts: (float32[B, P, V], cache at prompt lengths).
 
+  `rollback`: the most positions a row will be rolled back past its length before a call
+  (`kv_cache.init_cache`: sliding-window layers then hold rings); None, every position.
   `last_only`: logits of each row's last prompt token only, float32[B, 1, V].
   `with_features`: (logits, features [B, P, D] at every prompt position, cache), from the same
   forward (`extend_with_features`).
@@ -166,7 +169,7 @@ def prefill(config: TransformerConfig, params, prompts_BxP: jax.Array, prompt_le
   logits (and features) are unspecified. A model packed for CPU decoding skips them (half of a
   batch-8 prefill's work on Table 1's tasks).
   """
-  cache = kv_cache.init_cache(config, prompts_BxP.shape[0], capacity)
+  cache = kv_cache.init_cache(config, prompts_BxP.shape[0], capacity, rollback)
   at_Bx1 = (prompt_lengths_B - 1)[:, None].astype(jnp.int32) if last_only else None
   counts_B = prompt_lengths_B.astype(jnp.int32)
   if with_features:

@@ -5,6 +5,16 @@ Layout per layer: keys and values `[B, S, N_kv, H]` (batch, cache slot, kv head,
 lengths[b] - 1. Slots at or past `lengths[b]` may hold stale values; attention never reads them,
 because a query at position t only sees keys at positions <= t and every call writes its own
 positions before it reads. So rolling a row back is moving its length: nothing is copied or recomputed.
+
+A sliding-window layer on XLA's path may hold a ring instead (`init_cache`'s `rollback`): S =
+window - 1 + rollback slots (at least 1), position p in slot p mod S: before a call the ring holds
+the window - 1 positions its first query sees besides its own, and `rollback` more. A call attends over the ring as it was (each slot's
+position from the row's length, `ring_positions`) and its own new keys, then writes the new
+positions that are real (a row's first counts[b]) and among the last S of them (`ring_write`).
+Dropping r <= rollback written positions by rolling a row back leaves their slots, read by the
+length now, at positions `window` or more before any query made before they are written again:
+masked, as stale slots are in a full cache.
+The native CPU kernels index slots by position: a packed model's cache holds every position.
 """
 
 import flax.struct
@@ -20,17 +30,13 @@ LOGICAL_AXES = ('cache_batch', 'cache_sequence', 'cache_heads', 'cache_head_dim'
 
 @flax.struct.dataclass
 class KVCache:
-  k: tuple[jax.Array, ...]  # Per layer [B, S, N_kv, H].
+  k: tuple[jax.Array, ...]  # Per layer [B, S, N_kv, H] (S: the layer's slots).
   v: tuple[jax.Array, ...]  # Per layer [B, S, N_kv, H].
   lengths: jax.Array  # int32[B]: valid positions per row.
 
   @property
   def batch(self) -> int:
     return self.lengths.shape[0]
-
-  @property
-  def capacity(self) -> int:
-    return self.k[0].shape[1]
 
   def with_lengths(self, lengths_B: jax.Array) -> 'KVCache':
     """Rolls rows back (or forward over already written slots) by setting their lengths."""
@@ -41,13 +47,60 @@ def shape(config: TransformerConfig, batch: int, capacity: int) -> tuple[int, in
   return (batch, capacity, config.kv_heads, config.dims_per_head)
 
 
-def init_cache(config: TransformerConfig, batch: int, capacity: int) -> KVCache:
-  """An empty cache (all lengths 0) with room for `capacity` positions per row."""
-  zeros = lambda: jnp.zeros(shape(config, batch, capacity), config.jnp_dtype)
+def slots(config: TransformerConfig, layer: int, capacity: int, rollback: int | None) -> int:
+  """Slots of `layer` in a cache for `capacity` positions (module docstring): a ring of window -
+  1 + rollback (at least 1) for a sliding-window layer on XLA's path when `rollback` is given
+  (and that is smaller), else `capacity`."""
+  window = config.window(layer)
+  if rollback is None or window is None or config.kernels == 'native':
+    return capacity
+  if rollback < 0:
+    raise ValueError(f'rollback must be >= 0, got {rollback}.')
+  return min(capacity, max(1, window - 1 + rollback))
+
+
+def init_cache(config: TransformerConfig, batch: int, capacity: int,
+               rollback: int | None = None) -> KVCache:
+  """An empty cache (all lengths 0) with room for `capacity` positions per row. `rollback`: the
+  most positions a row writes past its length and then drops by rolling back (SpS: at most k of
+  the k + 1 it scores); with it, sliding-window layers hold rings of window + rollback slots
+  (`slots`). None: every layer holds every position, whatever the rollbacks."""
+  zeros = lambda layer: jnp.zeros(shape(config, batch, slots(config, layer, capacity, rollback)),
+                                  config.jnp_dtype)
   return KVCache(
-      k=tuple(zeros() for _ in range(config.num_layers)),
-      v=tuple(zeros() for _ in range(config.num_layers)),
+      k=tuple(zeros(i) for i in range(config.num_layers)),
+      v=tuple(zeros(i) for i in range(config.num_layers)),
       lengths=jnp.zeros((batch,), jnp.int32))
+
+
+# The position of a ring slot that holds none: after every query, so causally masked.
+_NO_POSITION = jnp.iinfo(jnp.int32).max
+
+
+def ring_positions(starts_B: jax.Array, num_slots: int) -> jax.Array:
+  """int32[B, S]: the position each ring slot holds for a row of length `starts` (the latest p <
+  start with p = slot mod S), or a position after every query where there is none."""
+  slot_S = jnp.arange(num_slots, dtype=jnp.int32)
+  last_B1 = starts_B[:, None].astype(jnp.int32) - 1
+  position_BxS = last_B1 - jnp.mod(last_B1 - slot_S[None, :], num_slots)
+  return jnp.where(position_BxS >= 0, position_BxS, _NO_POSITION)
+
+
+def ring_write(ring_BxSxKxH: jax.Array, new_BxTxKxH: jax.Array, starts_B: jax.Array,
+               counts_B: jax.Array | None = None) -> jax.Array:
+  """The ring after a call writes T positions at `starts`: only each row's first counts[b]
+  (default all T) are written (padding would overwrite real positions), and of those only the
+  last S (an earlier one's slot would be written twice)."""
+  B, T = new_BxTxKxH.shape[:2]
+  S = ring_BxSxKxH.shape[1]
+  t_T = jnp.arange(T, dtype=jnp.int32)
+  counts_B1 = (jnp.full((B, 1), T, jnp.int32) if counts_B is None
+               else counts_B[:, None].astype(jnp.int32))
+  written_BxT = (t_T[None, :] < counts_B1) & (t_T[None, :] >= counts_B1 - S)
+  slot_BxT = jnp.where(written_BxT, jnp.mod(starts_B[:, None] + t_T[None, :], S), S)
+  rows_BxT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+  return ring_BxSxKxH.at[rows_BxT, slot_BxT].set(new_BxTxKxH.astype(ring_BxSxKxH.dtype),
+                                                 mode='drop')
 
 
 def shardings(cache: KVCache, mesh: Mesh,
@@ -56,9 +109,9 @@ def shardings(cache: KVCache, mesh: Mesh,
 
   Keys and values are sharded by kv heads like the attention weights, rows by the data axis.
   """
-  kv = sharding.named(LOGICAL_AXES, cache.k[0].shape, mesh, rules)
+  kv = tuple(sharding.named(LOGICAL_AXES, k.shape, mesh, rules) for k in cache.k)
   lengths = sharding.named(('cache_batch',), cache.lengths.shape, mesh, rules)
-  return KVCache(k=(kv,) * len(cache.k), v=(kv,) * len(cache.v), lengths=lengths)
+  return KVCache(k=kv, v=kv, lengths=lengths)
 
 
 def constrain(cache: KVCache, mesh: Mesh | None,

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from spsjax import native
-from spsjax.models import rope
+from spsjax.models import kv_cache, rope
 from spsjax.models.config import GATED_MLPS, TransformerConfig
 
 
@@ -215,6 +215,7 @@ class Attention(nn.Module):
                      (H,), dt) for name in ('q_norm', 'k_norm'))
       norm_qk = lambda q, k: (native.rms_norm(q, q_scale_H, c.norm_eps).astype(dt),
                               native.rms_norm(k, k_scale_H, c.norm_eps).astype(dt))
+    written = None
     if packed and layer_cache is not None:
       # Rotation, cache writes and attention in one native call that reads only the slots in
       # use (a cached call's positions are starts + t, `api.extend`).
@@ -251,6 +252,14 @@ class Attention(nn.Module):
       q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, N // K, H)
       if layer_cache is None:  # Full causal pass: keys are the new positions themselves.
         keys_BxSxKxH, values_BxSxKxH, key_pos_BxS = k_BxTxKxH, v_BxTxKxH, positions_BxT
+      elif options['window'] is not None:  # A ring (kv_cache): as it was, then the new keys.
+        cache_k, cache_v, starts_B = layer_cache
+        keys_BxSxKxH = jnp.concatenate([cache_k, k_BxTxKxH.astype(cache_k.dtype)], axis=1)
+        values_BxSxKxH = jnp.concatenate([cache_v, v_BxTxKxH.astype(cache_v.dtype)], axis=1)
+        key_pos_BxS = jnp.concatenate(
+            [kv_cache.ring_positions(starts_B, cache_k.shape[1]), positions_BxT], axis=1)
+        written = (kv_cache.ring_write(cache_k, k_BxTxKxH, starts_B, counts_B),
+                   kv_cache.ring_write(cache_v, v_BxTxKxH, starts_B, counts_B))
       else:  # Write this call's positions first, then attend over the whole cache.
         cache_k, cache_v, starts_B = layer_cache
         keys_BxSxKxH = native.write_rows(cache_k, k_BxTxKxH, starts_B)
@@ -269,13 +278,15 @@ class Attention(nn.Module):
       counts_B = _kept_counts(keep_BxL, counts_B)
     bias_1x1xD = (_param(self, 'bo', (D,), ('embed',), 1, dt, zeros=True)[None, None]
                   if c.dense_bias else None)
+    if written is None:  # The layer's cache: the keys and values attended to, or its ring's.
+      written = (keys_BxSxKxH, values_BxSxKxH)
     if packed:
       return (_packed_output(x_BxTxD, out_BxTxF, wo, post_norm, counts_B, dt, bias_1x1xD),
-              (keys_BxSxKxH, values_BxSxKxH))
+              written)
     out_BxTxD = project(c, 'BTF,FD->BTD', out_BxTxF, wo.reshape(N * H, D))
     if bias_1x1xD is not None:
       out_BxTxD = out_BxTxD + bias_1x1xD
-    return _residual(x_BxTxD, out_BxTxD, post_norm), (keys_BxSxKxH, values_BxSxKxH)
+    return _residual(x_BxTxD, out_BxTxD, post_norm), written
 
 
 class Mlp(nn.Module):

@@ -54,7 +54,8 @@ class Loop(common.LoopSettings):
   def init(self, model: Model, prompts_BxP, prompt_lengths_B, rng) -> _State:
     B, P = prompts_BxP.shape
     last_logits_Bx1xV, cache = prefill(model.config, model.params, prompts_BxP, prompt_lengths_B,
-                                       capacity=P + self.max_new_tokens, last_only=True)
+                                       capacity=P + self.max_new_tokens, last_only=True,
+                                       rollback=0)
     state = _State(
         tokens_BxW=common.output_buffer(B, self.max_new_tokens, 1),
         num_generated_B=jnp.zeros((B,), jnp.int32),

@@ -299,7 +299,7 @@ class ModelDrafter(Drafter):
            features_BxPxD=None) -> KVCache:
     del features_BxPxD
     _, cache = prefill(draft.config, draft.params, prompts_BxP, prompt_lengths_B, capacity,
-                       last_only=True)
+                       last_only=True, rollback=loop.k)
     return kv_cache.constrain(cache, loop.mesh, loop.rules)
 
   def propose(self, loop, draft: Model, cache: KVCache, committed: Committed, keys_BxK):

@@ -22,8 +22,10 @@ every loop for every number of accepted drafts; each drafter keeps its own state
 (`drafters.ModelDrafter`).
 
 Positions written reach c_b + k - 1 < prompt length + max_new_tokens + k - 1, so a row needs k - 1
-positions of headroom past prompt + max_new_tokens within max_seq_len. With `trim_score`, a ragged
-drafter (fewer than k drafts in some rows) has the target score only as many positions as the
+positions of headroom past prompt + max_new_tokens within max_seq_len. A loop drops at most k of
+the positions it wrote (the k + 1 scored keep at least one; a model drafter's k drafts): on XLA's
+path the caches' sliding-window layers are rings of window - 1 + k slots
+(`kv_cache.init_cache`). With `trim_score`, a ragged drafter (fewer than k drafts in some rows) has the target score only as many positions as the
 longest proposal of the loop needs (`_target_logits`); off by default: on this CPU the branch
 costs more than the positions it saves (docs/sampling.md).
 """
@@ -151,11 +153,12 @@ class Loop(common.LoopSettings):
     if self.drafter.reads_features:
       first_logits_Bx1xV, features_BxPxD, target_cache = prefill(
           target.config, target.params, prompts_BxP, prompt_lengths_B, capacity, last_only=True,
-          with_features=True)
+          with_features=True, rollback=k)
     else:
       features_BxPxD = None
       first_logits_Bx1xV, target_cache = prefill(target.config, target.params, prompts_BxP,
-                                                 prompt_lengths_B, capacity, last_only=True)
+                                                 prompt_lengths_B, capacity, last_only=True,
+                                                 rollback=k)
     draft_state = self.drafter.init(self, self.drafter.bind(target, draft), prompts_BxP,
                                     prompt_lengths_B, capacity, features_BxPxD)
     first_logits_BxV = common.whole_vocabulary(first_logits_Bx1xV[:, 0], self.mesh, self.rules)
