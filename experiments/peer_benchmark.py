@@ -67,7 +67,8 @@ def main(argv):
     config = sampling.SamplingConfig(**settings)
     greedy = config.temperature == 0
     hf_kw = dict(max_new_tokens=c.max_new_tokens, min_new_tokens=c.max_new_tokens,
-                 eos_token_id=None, pad_token_id=0, do_sample=not greedy)
+                 eos_token_id=None, pad_token_id=0, do_sample=not greedy,
+                 repetition_penalty=config.repetition_penalty)
     if not greedy:
       hf_kw.update(temperature=config.temperature, top_p=config.top_p, top_k=0,
                    min_p=config.min_p or None)

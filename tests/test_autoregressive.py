@@ -94,7 +94,7 @@ def _alternating_prompts(rows):
 LAW_SETTINGS = {
     'temperature_1': SamplingConfig(),
     'temperature_0.7_top_k_3': SamplingConfig(temperature=0.7, top_k=3),
-    'top_p_0.8': SamplingConfig(top_p=0.8),
+    'top_p_0.8_repetition_penalty_1.8': SamplingConfig(top_p=0.8, repetition_penalty=1.8),
     'temperature_1.3_top_k_5_top_p_0.9': SamplingConfig(temperature=1.3, top_k=5, top_p=0.9),
 }
 
@@ -121,6 +121,9 @@ def test_output_law_is_the_models_law(tiny, setting, path):
   # Non-vacuous: rows given the other prompt's law, or a lost top-k / top-p, would show.
   assert 0.5 * np.abs(laws[0] - laws[1]).sum() > 0.2
   assert ((laws[0] == 0).mean() > 0.3) == (setting != 'temperature_1')
+  if sampling.penalised:  # The penalty changes the law (each prefix's tokens).
+    plain = exact_sequence_law(tiny, PROMPTS[0], NEW, sampling.without_penalty())
+    assert 0.5 * np.abs(laws[0] - plain).sum() > 0.1
   for i, (prompt, law) in enumerate(zip(PROMPTS, laws)):
     pvalue = g_test_pvalue(sequence_counts(tokens[i::2], V_SMALL), law)
     assert pvalue > P_MIN, f'{setting}, {path}, prompt {prompt}: G-test p-value {pvalue:.2e}'

@@ -25,8 +25,13 @@ def _write(tmp_path, settings):
     ({'do_sample': True, 'top_k': 0, 'min_p': 0.05}, SamplingConfig(top_k=0, min_p=0.05)),
     ({'do_sample': True, 'temperature': None, 'top_k': 20, 'top_p': 0.8},
      SamplingConfig(top_k=20, top_p=0.8)),
-    # Sampling settings without do_sample: transformers decodes greedily.
-    ({'temperature': 0.7, 'top_p': 0.8}, SamplingConfig(temperature=0.0)),
+    # Sampling settings without do_sample: transformers decodes greedily (penalised).
+    ({'temperature': 0.7, 'top_p': 0.8, 'repetition_penalty': 1.2},
+     SamplingConfig(temperature=0.0, repetition_penalty=1.2)),
+    # Qwen2.5 Instruct's file.
+    ({'do_sample': True, 'temperature': 0.7, 'top_k': 20, 'top_p': 0.8,
+      'repetition_penalty': 1.05},
+     SamplingConfig(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)),
     # Settings at the values that do nothing, or that do not change the law.
     ({'do_sample': True, 'repetition_penalty': 1.0, 'num_beams': 1, 'bad_words_ids': None,
       'max_new_tokens': 512, 'pad_token_id': 0}, SamplingConfig(top_k=50)),
@@ -40,8 +45,7 @@ def test_no_file_is_transformers_defaults(tmp_path):
 
 
 @pytest.mark.parametrize('settings, named', [
-    ({'do_sample': True, 'top_k': 20, 'top_p': 0.8, 'repetition_penalty': 1.05},
-     'repetition_penalty=1.05'),  # Qwen2.5 Instruct's.
+    ({'do_sample': True, 'top_k': 20, 'epsilon_cutoff': 3e-4}, 'epsilon_cutoff=0.0003'),
     ({'do_sample': False, 'no_repeat_ngram_size': 3}, 'no_repeat_ngram_size=3'),
     ({'do_sample': True, 'typical_p': 0.9, 'bad_words_ids': [[5]]},
      'bad_words_ids=[[5]], typical_p=0.9'),
@@ -54,12 +58,11 @@ def test_settings_spsjax_cannot_sample_are_refused_by_name(tmp_path, settings, n
 
 
 def test_ignore_drops_what_it_names_only(tmp_path):
-  path = _write(tmp_path, {'do_sample': True, 'top_k': 20, 'repetition_penalty': 1.05,
+  path = _write(tmp_path, {'do_sample': True, 'top_k': 20, 'typical_p': 0.9,
                            'no_repeat_ngram_size': 4})
   with pytest.raises(ValueError, match='no_repeat_ngram_size=4'):
-    generation_config.sampling_config(path, ignore=['repetition_penalty'])
-  got = generation_config.sampling_config(path, ignore=['repetition_penalty',
-                                                        'no_repeat_ngram_size'])
+    generation_config.sampling_config(path, ignore=['typical_p'])
+  got = generation_config.sampling_config(path, ignore=['typical_p', 'no_repeat_ngram_size'])
   assert got == SamplingConfig(top_k=20)
   with pytest.raises(ValueError, match=r"\['top_p'\] are not"):
     generation_config.sampling_config(path, ignore=['top_p'])

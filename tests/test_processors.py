@@ -1,5 +1,6 @@
 """Logit processors keep the right sets with the right masses."""
 
+import dataclasses
 import re
 
 import jax
@@ -106,6 +107,37 @@ def test_min_p_keeps_tokens_within_a_ratio_of_the_most_likely(min_p, kept):
   np.testing.assert_allclose(got, _kept_law(kept), rtol=1e-5)
 
 
+def test_repetition_penalty_is_transformers():
+  """A present token's logit x becomes x / penalty, or x * penalty where x < 0 (transformers'
+  RepetitionPenaltyLogitsProcessor), before temperature; absent tokens keep theirs."""
+  logits = np.array([[2.0, -1.0, 0.5, -3.0, 1.0], [2.0, -1.0, 0.5, -3.0, 1.0]], np.float32)
+  present = np.array([[True, True, False, False, False], [False, False, True, True, True]])
+  s = SamplingConfig(temperature=0.7, repetition_penalty=1.3)
+  want = np.where(present, np.where(logits < 0, logits * 1.3, logits / 1.3), logits)
+  np.testing.assert_allclose(processors.penalise(jnp.asarray(logits), s, jnp.asarray(present)),
+                             want, rtol=1e-6)
+  got = probabilities(jnp.asarray(logits), s, present_xV=jnp.asarray(present))
+  np.testing.assert_allclose(got, [_softmax(w / 0.7) for w in want], rtol=1e-5)
+  greedy = dataclasses.replace(s, temperature=0.0, repetition_penalty=2.5)
+  np.testing.assert_array_equal(  # Row 0: 2 / 2.5 < 1, token 4 wins; row 1: token 0 is absent.
+      np.argmax(probabilities(jnp.asarray(logits), greedy, present_xV=jnp.asarray(present)), -1),
+      [4, 0])
+  with pytest.raises(ValueError, match='needs the tokens present'):
+    probabilities(jnp.asarray(logits), s)
+
+
+def test_tokens_present_through_each_position():
+  tokens = jnp.array([[3, 1, 3, -1], [0, 0, 4, 2]])
+  got = np.asarray(processors.present_through(tokens, 5))
+  want = np.zeros((2, 4, 5), bool)
+  for b in range(2):
+    for t in range(4):
+      want[b, t, [x for x in np.asarray(tokens[b, :t + 1]) if x >= 0]] = True
+  np.testing.assert_array_equal(got, want)
+  marked = processors.mark_present(jnp.zeros((2, 5), bool), tokens, jnp.array([2, 4]))
+  np.testing.assert_array_equal(marked, want[np.arange(2), [1, 3]])
+
+
 def test_min_p_does_not_change_greedy():
   got = probabilities(jnp.asarray(LOGITS)[None], SamplingConfig(temperature=0, min_p=0.9))
   np.testing.assert_array_equal(np.asarray(got), [[0, 1, 0, 0, 0]])
@@ -115,7 +147,10 @@ def test_min_p_does_not_change_greedy():
                                            (dict(top_k=-1), 'top_k'), (dict(top_p=0.0), 'top_p'),
                                            (dict(top_p=1.5), 'top_p'), (dict(min_p=-0.1), 'min_p'),
                                            (dict(min_p=1.5), 'min_p'),
-                                           (dict(min_p=float('nan')), 'min_p')])
+                                           (dict(min_p=float('nan')), 'min_p'),
+                                           (dict(repetition_penalty=0.0), 'repetition_penalty'),
+                                           (dict(repetition_penalty=float('inf')),
+                                            'repetition_penalty')])
 def test_bad_settings_raise(kwargs, match):
   with pytest.raises(ValueError, match=match):
     SamplingConfig(**kwargs)

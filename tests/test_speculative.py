@@ -51,7 +51,8 @@ SETTINGS = {
     'temperature_1': (SamplingConfig(), None),
     'temperature_0.7_top_k_3': (SamplingConfig(temperature=0.7, top_k=3), None),
     'top_p_0.8': (SamplingConfig(top_p=0.8), None),
-    'temperature_1.2_min_p_0.1': (SamplingConfig(temperature=1.2, min_p=0.1), None),
+    'temperature_1.2_min_p_0.1_penalty_1.8': (
+        SamplingConfig(temperature=1.2, min_p=0.1, repetition_penalty=1.8), None),
     'draft_hotter': (SamplingConfig(), SamplingConfig(temperature=2.0)),
     'draft_greedy': (SamplingConfig(), GREEDY),
     'draft_is_target': (SamplingConfig(), None),
@@ -175,7 +176,8 @@ def check_interleaved_law(out, target, k, sampling, label, ragged_prompts=None, 
     assert pvalue > P_MIN, f'{label}, prompt {prompt}: G-test p-value {pvalue:.2e}'
 
 
-@pytest.mark.parametrize('setting,k', [('temperature_0.8_min_p_0.05', 2), ('top_p_0.8', 4)])
+@pytest.mark.parametrize('setting,k', [('temperature_0.8_min_p_0.05', 2),
+                                       ('top_p_0.8_repetition_penalty_1.5', 4)])
 def test_law_through_the_packed_native_path_on_ragged_prompts(tiny_pair, setting, k):
   """The models packed for CPU decoding (the native products, attention and sampling kernels):
   5 tokens per row after two prompts of different lengths interleaved in one batch, so rows
@@ -184,9 +186,11 @@ def test_law_through_the_packed_native_path_on_ragged_prompts(tiny_pair, setting
   prefill's) and a second loop. Each prompt's joint law of 5 tokens is checked against the
   enumeration of the unpacked target. Power: 50,000 rows per prompt detect at 80% any law within
   total variation 0.035 (temperature 0.8, min-p 0.05; outcomes rarer than 5 expected draws, 7% of the mass,
-  pooled) or 0.028 (top-p 0.8; 0.2% pooled) of the target's (`stats.detectable_tv`)."""
+  pooled) or 0.028 (top-p 0.8 after a repetition penalty of 1.5, which reads the committed
+  tokens and the drafts before each slot; 0.2% pooled) of the target's (`stats.detectable_tv`)."""
   sampling = {'temperature_0.8_min_p_0.05': SamplingConfig(temperature=0.8, min_p=0.05),
-              'top_p_0.8': SamplingConfig(top_p=0.8)}[setting]
+              'top_p_0.8_repetition_penalty_1.5': SamplingConfig(top_p=0.8,
+                                                                 repetition_penalty=1.5)}[setting]
   target, draft = (models.for_decoding(m) for m in tiny_pair)
   assert models.is_packed(target) and models.is_packed(draft) and native.available()
   prompts, lengths = interleaved(RAGGED_PROMPTS, ROWS)
@@ -241,6 +245,27 @@ def test_greedy_sps_equals_greedy_ars(pair, k):
   np.testing.assert_array_equal(sps.num_accepted, k * np.asarray(sps.num_loops))
   assert int(np.max(sps.num_loops)) >= 2
   assert int(sps.num_loops[row]) == 1 and int(sps.num_accepted[row]) == k
+
+
+def test_greedy_sps_equals_greedy_ars_with_a_repetition_penalty(pair):
+  """Greedy with a penalty of 3: the argmax reads each row's prompt and generated tokens (and in
+  SpS the drafts before each slot); the penalty changes the tokens (so the check can fail)."""
+  target, draft = pair
+  prompts, lengths = _ragged(3)
+  penalised = SamplingConfig(temperature=0.0, repetition_penalty=3.0)
+  ars = autoregressive_sample(target, prompts, lengths, jax.random.key(0), max_new_tokens=20,
+                              sampling=penalised)
+  plain = autoregressive_sample(target, prompts, lengths, jax.random.key(0), max_new_tokens=20,
+                                sampling=GREEDY)
+  assert not np.array_equal(ars.tokens, plain.tokens)
+  for the_draft, k in ((draft, 3), (target, 4), (models.for_decoding(draft), 2)):
+    sps = speculative_sample(models.for_decoding(target) if k == 2 else target, the_draft,
+                             prompts, lengths, jax.random.key(1), k=k, max_new_tokens=20,
+                             sampling=penalised)
+    np.testing.assert_array_equal(sps.tokens, ars.tokens, err_msg=f'k={k}')
+  with pytest.raises(ValueError, match='without a repetition penalty'):
+    speculative_sample(target, draft, prompts, lengths, jax.random.key(1), k=3,
+                       max_new_tokens=20, sampling=penalised, draft_sampling=penalised)
 
 
 def test_greedy_sps_equals_greedy_ars_in_bfloat16():

@@ -26,7 +26,7 @@ from spsjax.models import feature_head
 from spsjax.data import prompts as prompts_lib
 from spsjax.data.tokenizer import Tokenizer
 from spsjax.eval import likelihood, tasks
-from spsjax.sampling import rejection
+from spsjax.sampling import processors, rejection
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -40,8 +40,10 @@ def _sums(sampling_config, lenience, target: models.Model, draft: models.Model, 
   (`feature_head.next_token_logits`)."""
   target_BxLxV = models.logits(target.config, target.params, tokens_BxL)
   draft_BxLxV = feature_head.next_token_logits(draft, target, tokens_BxL)
-  p = sampling.probabilities(target_BxLxV, sampling_config)
-  q = sampling.probabilities(draft_BxLxV, sampling_config)
+  present_BxLxV = (processors.present_through(tokens_BxL, target.config.vocab_size)
+                   if sampling_config.penalised else None)
+  p = sampling.probabilities(target_BxLxV, sampling_config, present_xV=present_BxLxV)
+  q = sampling.probabilities(draft_BxLxV, sampling_config.without_penalty())  # As SpS drafts.
   beta_BxL = rejection.acceptance_probability(p / lenience, q)
   tv_BxL = 0.5 * jnp.sum(jnp.abs(rejection.lenient_law(p, q, lenience) - p), axis=-1)
   total = lambda x_BxL: jnp.sum(jnp.where(mask_BxL, x_BxL, 0.0))

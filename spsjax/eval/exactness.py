@@ -21,6 +21,7 @@ import numpy as np
 
 from spsjax import models
 from spsjax.sampling import PAD_ID, SamplingConfig, probabilities
+from spsjax.sampling.processors import present_through
 
 
 def _cells(probs, n: float, min_expected: float):
@@ -103,7 +104,10 @@ def scaled_model(config: models.TransformerConfig, seed: int, scale: float) -> m
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def _probabilities(config, params, tokens_BxT, sampling):
-  return probabilities(models.logits(config, params, tokens_BxT), sampling)
+  present_BxTxV = (present_through(tokens_BxT, config.vocab_size) if sampling.penalised
+                   else None)
+  return probabilities(models.logits(config, params, tokens_BxT), sampling,
+                       present_xV=present_BxTxV)
 
 
 def exact_sequence_law(model: models.Model, prompt, num_tokens: int,

@@ -2,7 +2,8 @@
 
 Invariant after every step: row b's cache holds exactly its prompt and its generated tokens but the
 last one (which is fed on the next step), so `cache.lengths[b] == prompt_lengths[b] +
-num_generated[b] - 1`. Rows that stopped (eos or max_new_tokens) idle: their lengths stop moving and
+num_generated[b] - 1`; with a repetition penalty, `present_BxV` marks its prompt's and generated
+tokens. Rows that stopped (eos or max_new_tokens) idle: their lengths stop moving and
 their outputs stay PAD_ID. No host round trip inside the program.
 """
 
@@ -18,7 +19,7 @@ from jax.sharding import Mesh
 from spsjax import sharding
 from spsjax.models import KVCache, Model, extend, kv_cache, prefill
 from spsjax.sampling import common
-from spsjax.sampling.processors import SamplingConfig, probabilities_and_sample
+from spsjax.sampling.processors import SamplingConfig, mark_present, probabilities_and_sample
 
 @flax.struct.dataclass
 class _State:
@@ -27,6 +28,7 @@ class _State:
   done_B: jax.Array
   cache: KVCache
   row_keys_B: jax.Array
+  present_BxV: jax.Array | None  # The tokens present per row (a repetition penalty's), or None.
 
 
 def _last_tokens(state: _State) -> jax.Array:
@@ -45,11 +47,14 @@ class Loop(common.LoopSettings):
     keys_B = common.step_keys(state.row_keys_B, state.num_generated_B)
     _, new_B = probabilities_and_sample(
         keys_B, common.whole_vocabulary(logits_BxV, self.mesh, self.rules), self.sampling,
-        native_kernel=self.native_kernel)
+        native_kernel=self.native_kernel, present_BxV=state.present_BxV)
     tokens_BxW, num_generated_B, done_B, _ = common.commit(
         state.tokens_BxW, state.num_generated_B, state.done_B, new_B[:, None],
         jnp.ones_like(new_B), eos_id=self.eos_id, max_new_tokens=self.max_new_tokens)
-    return state.replace(tokens_BxW=tokens_BxW, num_generated_B=num_generated_B, done_B=done_B)
+    present_BxV = (None if state.present_BxV is None
+                   else mark_present(state.present_BxV, new_B[:, None]))
+    return state.replace(tokens_BxW=tokens_BxW, num_generated_B=num_generated_B, done_B=done_B,
+                         present_BxV=present_BxV)
 
   def init(self, model: Model, prompts_BxP, prompt_lengths_B, rng) -> _State:
     B, P = prompts_BxP.shape
@@ -61,7 +66,9 @@ class Loop(common.LoopSettings):
         num_generated_B=jnp.zeros((B,), jnp.int32),
         done_B=jnp.zeros((B,), bool),
         cache=kv_cache.constrain(cache, self.mesh, self.rules),
-        row_keys_B=common.row_keys(rng, B))
+        row_keys_B=common.row_keys(rng, B),
+        present_BxV=common.initial_present(self.sampling, prompts_BxP, prompt_lengths_B,
+                                           model.config.vocab_size))
     return self._emit(state, last_logits_Bx1xV[:, 0])
 
   def body(self, model: Model, state: _State) -> _State:

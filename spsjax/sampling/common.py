@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from spsjax import sharding
 from spsjax.models import Model, feature_head, param_shardings, unpack
-from spsjax.sampling.processors import SamplingConfig, typed_keys
+from spsjax.sampling.processors import SamplingConfig, mark_present, typed_keys
 
 PAD_ID = -1  # Fills `SampleOutput.tokens` after each row's last generated token.
 
@@ -250,6 +250,17 @@ def active_counts(active_B: jax.Array, positions: int) -> jax.Array:
   """`models.extend`'s counts for a decoding call of `positions` tokens per row: all of them for
   active rows, 0 for rows that stopped (a model packed for CPU decoding then skips their work)."""
   return jnp.where(active_B, positions, 0).astype(jnp.int32)
+
+
+def initial_present(sampling: SamplingConfig, prompts_BxP: jax.Array, prompt_lengths_B: jax.Array,
+                    vocab_size: int) -> jax.Array | None:
+  """bool[B, V]: the tokens of each row's prompt, which a repetition penalty reads (the samplers
+  then mark each committed token, `processors.mark_present`); None without a penalty (nothing
+  tracked, the program unchanged)."""
+  if not sampling.penalised:
+    return None
+  return mark_present(jnp.zeros((prompts_BxP.shape[0], vocab_size), bool), prompts_BxP,
+                      prompt_lengths_B)
 
 
 def output_buffer(batch: int, max_new_tokens: int, block: int) -> jax.Array:

@@ -1,9 +1,11 @@
 """Logit processors: the one function that turns logits into the distribution actually sampled.
 
 Every sampler (ArS, and both the draft and the target in SpS) calls `probabilities`, so a draft and a
-target with the same `SamplingConfig` are processed identically. Order (transformers' warpers'):
-temperature, then top-k, then top-p on what top-k kept, then min-p, then renormalise. Temperature
-0 is greedy: a one-hot on the argmax.
+target with the same `SamplingConfig` are processed identically. Order (transformers'):
+the repetition penalty on the raw logits of the tokens already present (`present_xV`: the
+prompt's and every generated one before the position), then temperature, then top-k, then top-p
+on what top-k kept, then min-p, then renormalise. Temperature 0 is greedy: a one-hot on the
+argmax (of the penalised logits).
 Output is float32 whatever the model dtype. `draw` / `sample` draw from such a distribution.
 
 Cost matters here: SpS runs these on 2k + 1 vocabulary rows per loop. XLA's CPU sort and
@@ -37,6 +39,9 @@ class SamplingConfig:
 
   min_p (Nguyen et al. 2024; transformers' `min_p`) keeps the tokens whose probability is at
   least min_p times the largest one's; as every cut here it never drops the most likely token.
+  repetition_penalty (Keskar et al. 2019; transformers' `repetition_penalty`, 1.0: off) divides
+  the logit of a token already present by it (multiplies a negative one): the law then depends
+  on the tokens before the position, which every caller passes (`present_xV`).
   A positive temperature must be in [1.2e-38, 8.5e37], so that it and its reciprocal are float32
   normal numbers (XLA may divide by multiplying with the reciprocal; a denormal one is flushed to
   0).
@@ -45,6 +50,7 @@ class SamplingConfig:
   top_k: int = 0
   top_p: float = 1.0
   min_p: float = 0.0
+  repetition_penalty: float = 1.0
 
   def __post_init__(self):
     if not (self.temperature == 0 or
@@ -57,10 +63,21 @@ class SamplingConfig:
       raise ValueError(f'top_p must be in (0, 1] (1 is off), got {self.top_p}.')
     if not 0.0 <= self.min_p <= 1.0:
       raise ValueError(f'min_p must be in [0, 1] (0 is off), got {self.min_p}.')
+    if not 0.0 < self.repetition_penalty < float('inf'):
+      raise ValueError(f'repetition_penalty must be > 0 and finite (1 is off), got '
+                       f'{self.repetition_penalty}.')
 
   @property
   def greedy(self) -> bool:
     return self.temperature == 0
+
+  @property
+  def penalised(self) -> bool:
+    """Whether the law depends on the tokens present (a repetition penalty other than 1)."""
+    return self.repetition_penalty != 1.0
+
+  def without_penalty(self) -> 'SamplingConfig':
+    return dataclasses.replace(self, repetition_penalty=1.0)
 
   @property
   def min_logit(self) -> float:
@@ -74,9 +91,48 @@ class SamplingConfig:
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 
+def present_through(tokens_BxT: jax.Array, vocab_size: int) -> jax.Array:
+  """bool[B, T, V]: the tokens present at each position of whole sequences, its own included
+  (the `present_xV` of the law of the token after it; PAD_ID and other ids outside the
+  vocabulary count as none)."""
+  one_hot_BxTxV = jax.nn.one_hot(tokens_BxT, vocab_size, dtype=jnp.int32)
+  return jax.lax.cummax(one_hot_BxTxV, axis=1) > 0
+
+
+def mark_present(present_BxV: jax.Array, tokens_BxN: jax.Array, counts_B: jax.Array | None = None
+                 ) -> jax.Array:
+  """`present_BxV` with each row's first counts[b] tokens (default all N; ids outside the
+  vocabulary ignored) marked present."""
+  B, N = tokens_BxN.shape
+  V = present_BxV.shape[1]
+  real_BxN = jnp.ones((B, N), bool) if counts_B is None else (
+      jnp.arange(N)[None, :] < counts_B[:, None])
+  ids_BxN = jnp.where(real_BxN & (tokens_BxN >= 0) & (tokens_BxN < V), tokens_BxN, V)
+  rows_BxN = jnp.broadcast_to(jnp.arange(B)[:, None], (B, N))
+  return present_BxV.at[rows_BxN, ids_BxN].set(True, mode='drop')
+
+
+def penalise(logits_xV: jax.Array, sampling: SamplingConfig,
+             present_xV: jax.Array | None) -> jax.Array:
+  """The logits after `sampling`'s repetition penalty (themselves without one): a present
+  token's logit x becomes x / penalty, or x * penalty where x < 0, as transformers'
+  RepetitionPenaltyLogitsProcessor does. A penalty needs `present_xV` (bool, the logits' shape)."""
+  if not sampling.penalised:
+    return logits_xV
+  if present_xV is None:
+    raise ValueError(f'repetition_penalty {sampling.repetition_penalty} needs the tokens present '
+                     'before each position (present_xV): this caller does not track them.')
+  logits_xV = logits_xV.astype(jnp.float32)
+  penalty = sampling.repetition_penalty
+  return jnp.where(present_xV, jnp.where(logits_xV < 0, logits_xV * penalty, logits_xV / penalty),
+                   logits_xV)
+
+
 def probabilities(logits_xV: jax.Array, sampling: SamplingConfig, *,
-                  top_k_search: 'CutSearch | None' = None) -> jax.Array:
-  """float32[..., V]: the distribution a sampler draws from under `sampling`.
+                  top_k_search: 'CutSearch | None' = None,
+                  present_xV: jax.Array | None = None) -> jax.Array:
+  """float32[..., V]: the distribution a sampler draws from under `sampling`, the tokens
+  `present_xV` before the position (needed with a repetition penalty only; `penalise`).
 
   Logits are scaled as (logit - max) / temperature (at most 0: no overflow at any temperature).
   A -inf logit has probability exactly 0, and so has a logit whose scaled value is below
@@ -86,7 +142,7 @@ def probabilities(logits_xV: jax.Array, sampling: SamplingConfig, *,
 
   `top_k_search`: top-k by that search, without `lax.top_k` (the same law; `_top_k_mask`).
   """
-  logits_xV = logits_xV.astype(jnp.float32)
+  logits_xV = penalise(logits_xV, sampling, present_xV).astype(jnp.float32)
   V = logits_xV.shape[-1]
   # One reduction finds the max and the rows without a distribution: a NaN counts as +inf, so
   # the max of such a row is not finite (whatever XLA's max does with NaNs), and that of any
@@ -337,26 +393,33 @@ def _native(logits_BxV, uniforms_B, sampling: SamplingConfig):
 
 
 def probabilities_and_sample(keys_B: jax.Array, logits_BxV: jax.Array, sampling: SamplingConfig,
-                             *, native_kernel: bool = False) -> tuple[jax.Array, jax.Array]:
+                             *, native_kernel: bool = False, present_BxV: jax.Array | None = None
+                             ) -> tuple[jax.Array, jax.Array]:
   """(float32[B, V] `probabilities`, int32[B] one draw per row with its key), by the native
   kernel when `native_kernel` and it is built, else by XLA's ops."""
   return probabilities_and_sample_with(uniforms(keys_B), logits_BxV, sampling,
-                                       native_kernel=native_kernel)
+                                       native_kernel=native_kernel, present_BxV=present_BxV)
 
 
 def probabilities_and_sample_with(uniforms_B: jax.Array, logits_BxV: jax.Array,
-                                  sampling: SamplingConfig, *, native_kernel: bool = False
+                                  sampling: SamplingConfig, *, native_kernel: bool = False,
+                                  present_BxV: jax.Array | None = None
                                   ) -> tuple[jax.Array, jax.Array]:
   """`probabilities_and_sample` with each row's uniform number given (`uniforms` of its key):
   the same probabilities and the same draws."""
+  logits_BxV = penalise(logits_BxV, sampling, present_BxV)
+  sampling = sampling.without_penalty()
   if native_kernel and library.available():
     return _native(logits_BxV, uniforms_B, sampling)
   probs_BxV = probabilities(logits_BxV, sampling)
   return probs_BxV, _sample_with(uniforms_B, probs_BxV, sampling.greedy)
 
 
-def native_probabilities(logits_xV: jax.Array, sampling: SamplingConfig) -> jax.Array:
+def native_probabilities(logits_xV: jax.Array, sampling: SamplingConfig,
+                         present_xV: jax.Array | None = None) -> jax.Array:
   """`probabilities` by the native kernel where it is built (any leading shape)."""
+  logits_xV = penalise(logits_xV, sampling, present_xV)
+  sampling = sampling.without_penalty()
   if not library.available():
     return probabilities(logits_xV, sampling)
   lead, V = logits_xV.shape[:-1], logits_xV.shape[-1]

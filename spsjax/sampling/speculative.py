@@ -19,7 +19,8 @@ packed for CPU decoding skips their work: `_target_logits`).
 Cache invariant, with c_b = the number of committed tokens of row b (prompt + generated): the
 target cache holds exactly the first c_b - 1 tokens (all but the last, which is fed next), after
 every loop for every number of accepted drafts; each drafter keeps its own state's invariant
-(`drafters.ModelDrafter`).
+(`drafters.ModelDrafter`). With a repetition penalty, `present_BxV` marks exactly the committed
+tokens of each row (its prompt's and those generated).
 
 Positions written reach c_b + k - 1 < prompt length + max_new_tokens + k - 1, so a row needs k - 1
 positions of headroom past prompt + max_new_tokens within max_seq_len. A loop drops at most k of
@@ -42,7 +43,8 @@ from jax.sharding import Mesh
 from spsjax import sharding
 from spsjax.models import KVCache, Model, extend, extend_with_features, kv_cache, prefill
 from spsjax.sampling import common, drafters
-from spsjax.sampling.processors import (SamplingConfig, native_probabilities, probabilities,
+from spsjax.sampling.processors import (SamplingConfig, mark_present, native_probabilities,
+                                        present_through, probabilities,
                                         probabilities_and_sample)
 from spsjax.sampling.drafters import Drafter
 from spsjax.sampling.rejection import accept_and_resample_rows, check_lenience
@@ -63,6 +65,7 @@ class _State:
   num_full_loops_B: jax.Array  # Loops that accepted every draft proposed.
   histogram_Kp1: jax.Array  # Loops that accepted exactly n drafts.
   proposed_Kp1: jax.Array  # Loops that proposed exactly n drafts.
+  present_BxV: jax.Array | None  # The committed tokens per row (a repetition penalty's), or None.
 
 
 def headroom(k: int) -> int:
@@ -162,9 +165,11 @@ class Loop(common.LoopSettings):
     draft_state = self.drafter.init(self, self.drafter.bind(target, draft), prompts_BxP,
                                     prompt_lengths_B, capacity, features_BxPxD)
     first_logits_BxV = common.whole_vocabulary(first_logits_Bx1xV[:, 0], self.mesh, self.rules)
+    present_BxV = common.initial_present(self.sampling, prompts_BxP, prompt_lengths_B,
+                                         target.config.vocab_size)
     _, first_B = probabilities_and_sample(
         jax.vmap(jax.random.fold_in)(row_keys_B, jnp.zeros((B,), jnp.uint32)), first_logits_BxV,
-        self.sampling, native_kernel=self.native_kernel)
+        self.sampling, native_kernel=self.native_kernel, present_BxV=present_BxV)
     zeros_B = jnp.zeros((B,), jnp.int32)
     tokens_BxW, num_generated_B, done_B, _ = common.commit(
         common.output_buffer(B, self.max_new_tokens, k + 1), zeros_B, jnp.zeros((B,), bool),
@@ -176,7 +181,8 @@ class Loop(common.LoopSettings):
         row_keys_B=row_keys_B, num_loops_B=zeros_B, num_accepted_B=zeros_B,
         num_drafted_B=zeros_B, num_full_loops_B=zeros_B,
         histogram_Kp1=jnp.zeros((k + 1,), jnp.int32),
-        proposed_Kp1=jnp.zeros((k + 1,), jnp.int32))
+        proposed_Kp1=jnp.zeros((k + 1,), jnp.int32),
+        present_BxV=None if present_BxV is None else mark_present(present_BxV, first_B[:, None]))
 
   def body(self, target: Model, draft: Model | None, prompts_BxP, prompt_lengths_B,
            state: _State) -> _State:
@@ -193,7 +199,7 @@ class Loop(common.LoopSettings):
       logits_BxKp1xV, target_cache, features_BxKp1xD = self._score(
           target, state.target_cache, committed, proposal)
     with jax.named_scope('accept'):  # The profile's accept phase: everything after the scoring.
-      n_B, token_B = self._accept(accept_keys_B, logits_BxKp1xV, proposal)
+      n_B, token_B = self._accept(accept_keys_B, logits_BxKp1xV, proposal, state.present_BxV)
       state = self._commit_and_roll_back(state, committed, proposal, n_B, token_B, target_cache,
                                          draft_state, features_BxKp1xD)
       return self._statistics(state, active_B, proposal.num_B, n_B)
@@ -210,12 +216,18 @@ class Loop(common.LoopSettings):
     return _target_logits(target, cache, tokens_BxKp1, active_B, proposal.num_B, longest,
                           features=self.drafter.reads_features)
 
-  def _accept(self, keys_B, logits_BxKp1xV, proposal: drafters.Proposal):
+  def _accept(self, keys_B, logits_BxKp1xV, proposal: drafters.Proposal, present_BxV=None):
     """Modified rejection sampling per row: (n_B, token_B), the drafts accepted and the token
     after them (drawn from the residual, or from p after the last draft when all were accepted;
-    `rejection.accept_and_resample_rows`)."""
-    p_BxKp1xV = (native_probabilities(logits_BxKp1xV, self.sampling) if self.native_kernel
-                 else probabilities(logits_BxKp1xV, self.sampling))
+    `rejection.accept_and_resample_rows`). With a repetition penalty, p at slot j reads the
+    committed tokens and the drafts before j as present."""
+    present_BxKp1xV = None
+    if present_BxV is not None:
+      drafted_BxKxV = present_through(proposal.tokens_BxK, present_BxV.shape[1])
+      present_BxKp1xV = present_BxV[:, None] | jnp.pad(drafted_BxKxV, ((0, 0), (1, 0), (0, 0)))
+    p_BxKp1xV = (native_probabilities(logits_BxKp1xV, self.sampling, present_BxKp1xV)
+                 if self.native_kernel
+                 else probabilities(logits_BxKp1xV, self.sampling, present_xV=present_BxKp1xV))
     return accept_and_resample_rows(keys_B, p_BxKp1xV, proposal.q_BxKxV, proposal.tokens_BxK,
                                     proposal.num_B, self.lenience,
                                     native_kernel=self.native_kernel)
@@ -239,8 +251,11 @@ class Loop(common.LoopSettings):
         self, draft_state, drafters.Verdict(base_B, target_lengths_B, features_BxKp1xD))
     target_cache = kv_cache.constrain(target_cache.with_lengths(target_lengths_B), self.mesh,
                                       self.rules)
+    present_BxV = (None if state.present_BxV is None
+                   else mark_present(state.present_BxV, block_BxKp1, emitted_B))
     return state.replace(tokens_BxW=tokens_BxW, num_generated_B=num_generated_B, done_B=done_B,
-                         target_cache=target_cache, draft_state=draft_state)
+                         target_cache=target_cache, draft_state=draft_state,
+                         present_BxV=present_BxV)
 
   def _statistics(self, state: _State, active_B, num_proposed_B, n_B) -> _State:
     """The loop's statistics (`common.SampleOutput`'s), counted for the rows active in it."""
@@ -311,8 +326,12 @@ def prepare(target: Model, draft: Model | None, prompts, prompt_lengths, *, k: i
   target, prompts, prompt_lengths = common.place(target, prompts, prompt_lengths, mesh, rules)
   if draft is not None:
     draft = common.place_params(draft, mesh, rules)
+  if draft_sampling is not None and draft_sampling.penalised:
+    raise ValueError('Drafts are proposed without a repetition penalty (the drafters do not track '
+                     'the tokens present); pass a draft_sampling without one.')
   loop = Loop(k=k, max_new_tokens=max_new_tokens, sampling=sampling,
-              draft_sampling=draft_sampling or sampling, eos_id=common.eos_ids(eos_id), mesh=mesh,
+              draft_sampling=draft_sampling or sampling.without_penalty(),
+              eos_id=common.eos_ids(eos_id), mesh=mesh,
               rules=rules,
               drafter=drafter, lenience=float(lenience), trim_score=bool(trim_score),
               compiler_options=common.compiler_options(compiler_options))
@@ -332,8 +351,9 @@ def speculative_sample(target: Model, draft: Model | None, prompts, prompt_lengt
   (`jax.random.key`) or legacy (`jax.random.PRNGKey`): the same seed gives the same tokens. A row
   stops after an `eos_id` (an id, or any of a sequence of ids) or `max_new_tokens` tokens.
 
-  `draft_sampling` (default: `sampling`) sets how a draft model samples; acceptance always uses
-  the distribution the draft really sampled from, so the output law does not depend on it. A
+  `draft_sampling` (default: `sampling`, less a repetition penalty: drafters do not apply one)
+  sets how a draft model samples; acceptance always uses the distribution the draft really
+  sampled from, so the output law does not depend on it. A
   drafter without a model (`drafters.PromptLookup`) takes draft=None. `lenience` < 1 (opt-in)
   accepts more drafts and is LOSSY: the output law is then no longer the target's
   (`rejection.lenient_law`). `trim_score` (ragged drafters only) scores only the positions the
