@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from spsjax.models import KVCache, Model, extend, kv_cache, prefill
 from spsjax.sampling import common
-from spsjax.sampling.processors import probabilities_and_sample_with, uniforms
+from spsjax.sampling.processors import mark_present, probabilities_and_sample_with, uniforms
 
 
 @flax.struct.dataclass
@@ -69,6 +69,8 @@ class Committed:
   num_generated_B: jax.Array
   vocab_size: int = flax.struct.field(pytree_node=False)
   active_B: jax.Array | None = None
+  # bool[B, V]: the committed tokens, with a repetition penalty (None without one).
+  present_BxV: jax.Array | None = None
 
   def counts(self, positions: int) -> jax.Array | None:
     """`models.extend`'s counts for a call of `positions` tokens per row: 0 for idle rows."""
@@ -250,14 +252,19 @@ class _Drafts:
                num_B=jnp.ones((B,), jnp.int32), cache=cache)
 
 
-def draw_draft(loop, uniforms_B: jax.Array, logits_BxV: jax.Array
-               ) -> tuple[jax.Array, jax.Array]:
+def draw_draft(loop, uniforms_B: jax.Array, logits_BxV: jax.Array,
+               present_BxV: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """(q [B, V], a draft [B]) of one draft slot: `probabilities_and_sample_with` under the loop's
   draft sampling, on a mesh over rows whole on every device (`common.whole_vocabulary`; q too,
-  or the partitioner splits the draw's work again to match where q is kept)."""
+  or the partitioner splits the draw's work again to match where q is kept). A repetition
+  penalty reads `present_BxV` (the committed tokens and the slot's earlier drafts); a drafter
+  that passes none drafts without the penalty (q is still the law drawn from: SpS stays exact)."""
   whole = lambda x_BxV: common.whole_vocabulary(x_BxV, loop.mesh, loop.rules)
-  q_BxV, d_B = probabilities_and_sample_with(uniforms_B, whole(logits_BxV), loop.draft_sampling,
-                                             native_kernel=loop.native_kernel)
+  sampling = loop.draft_sampling if present_BxV is not None else (
+      loop.draft_sampling.without_penalty())
+  q_BxV, d_B = probabilities_and_sample_with(uniforms_B, whole(logits_BxV), sampling,
+                                             native_kernel=loop.native_kernel,
+                                             present_BxV=present_BxV)
   return whole(q_BxV), d_B
 
 
@@ -318,7 +325,7 @@ class ModelDrafter(Drafter):
     logits_Bx1xV, cache = extend(draft.config, draft.params, cache, last2_Bx2,
                                  logits_at_BxL=jnp.ones((B, 1), jnp.int32),  # The second's.
                                  counts_B=committed.counts(2))
-    q_BxV, d_B, _ = choose(0, logits_Bx1xV[:, 0])
+    q_BxV, d_B, _ = choose(0, logits_Bx1xV[:, 0], committed.present_BxV)
     drafts = _Drafts.first(k, d_B, q_BxV, cache)
     step = functools.partial(self._step, draft, committed, choose)
     if self.ragged:  # Stops when no row drafts on.
@@ -327,13 +334,15 @@ class ModelDrafter(Drafter):
       drafts = jax.lax.fori_loop(1, k, lambda _, d: step(d), drafts, unroll=loop.drafts_unrolled)
     return Proposal(drafts.tokens_BxK, drafts.q_BxKxV, drafts.num_B), drafts.cache
 
-  def _choose(self, loop, uniforms_BxK, forced_BxK, num_forced_B, i, logits_BxV):
-    """Slot i of every row: (q, draft, whether the row drafts on). The plain model draft (no
-    forced tokens, fixed k) pays for nothing else per step."""
+  def _choose(self, loop, uniforms_BxK, forced_BxK, num_forced_B, i, logits_BxV,
+              present_BxV=None):
+    """Slot i of every row: (q, draft, whether the row drafts on), the tokens `present_BxV`
+    before it with a repetition penalty. The plain model draft (no forced tokens, fixed k) pays
+    for nothing else per step."""
     B, V = logits_BxV.shape
     # Whole rows on a mesh: the confidence's reductions need no collectives either.
     logits_BxV = common.whole_vocabulary(logits_BxV, loop.mesh, loop.rules)
-    q_BxV, d_B = draw_draft(loop, uniforms_BxK[:, i], logits_BxV)
+    q_BxV, d_B = draw_draft(loop, uniforms_BxK[:, i], logits_BxV, present_BxV)
     forced_B = jnp.zeros((B,), bool)
     if forced_BxK is not None:
       forced_B = i < num_forced_B
@@ -356,7 +365,11 @@ class ModelDrafter(Drafter):
       counts_B = drafting_B.astype(jnp.int32)
     logits_Bx1xV, cache = extend(draft.config, draft.params, d.cache,
                                  d.tokens_BxK[:, d.i - 1, None], counts_B=counts_B)
-    q_BxV, d_B, confident_B = choose(d.i, logits_Bx1xV[:, 0])
+    present_BxV = None
+    if committed.present_BxV is not None:  # The committed tokens and the slots before d.i.
+      present_BxV = mark_present(committed.present_BxV, d.tokens_BxK,
+                                 jnp.full(d.num_B.shape, d.i, jnp.int32))
+    q_BxV, d_B, confident_B = choose(d.i, logits_Bx1xV[:, 0], present_BxV)
     return _Drafts(i=d.i + 1, tokens_BxK=d.tokens_BxK.at[:, d.i].set(d_B),
                    q_BxKxV=d.q_BxKxV.at[:, d.i].set(q_BxV),
                    num_B=jnp.where((d.num_B == d.i) & confident_B, d.i + 1, d.num_B),

@@ -190,7 +190,8 @@ class Loop(common.LoopSettings):
     active_B = ~state.done_B
     draft = self.drafter.bind(target, draft)
     committed = drafters.Committed(prompts_BxP, prompt_lengths_B, state.tokens_BxW,
-                                   state.num_generated_B, target.config.vocab_size, active_B)
+                                   state.num_generated_B, target.config.vocab_size, active_B,
+                                   state.present_BxV)
     draft_keys_BxK, accept_keys_B = _loop_keys(state.row_keys_B, state.num_loops_B, self.k)
     with jax.named_scope('draft'):
       proposal, draft_state = self.drafter.propose(self, draft, state.draft_state, committed,
@@ -326,12 +327,8 @@ def prepare(target: Model, draft: Model | None, prompts, prompt_lengths, *, k: i
   target, prompts, prompt_lengths = common.place(target, prompts, prompt_lengths, mesh, rules)
   if draft is not None:
     draft = common.place_params(draft, mesh, rules)
-  if draft_sampling is not None and draft_sampling.penalised:
-    raise ValueError('Drafts are proposed without a repetition penalty (the drafters do not track '
-                     'the tokens present); pass a draft_sampling without one.')
   loop = Loop(k=k, max_new_tokens=max_new_tokens, sampling=sampling,
-              draft_sampling=draft_sampling or sampling.without_penalty(),
-              eos_id=common.eos_ids(eos_id), mesh=mesh,
+              draft_sampling=draft_sampling or sampling, eos_id=common.eos_ids(eos_id), mesh=mesh,
               rules=rules,
               drafter=drafter, lenience=float(lenience), trim_score=bool(trim_score),
               compiler_options=common.compiler_options(compiler_options))
@@ -351,9 +348,9 @@ def speculative_sample(target: Model, draft: Model | None, prompts, prompt_lengt
   (`jax.random.key`) or legacy (`jax.random.PRNGKey`): the same seed gives the same tokens. A row
   stops after an `eos_id` (an id, or any of a sequence of ids) or `max_new_tokens` tokens.
 
-  `draft_sampling` (default: `sampling`, less a repetition penalty: drafters do not apply one)
-  sets how a draft model samples; acceptance always uses the distribution the draft really
-  sampled from, so the output law does not depend on it. A
+  `draft_sampling` (default: `sampling`) sets how a draft model samples (a repetition penalty
+  too, but heads draft without one: `drafters.draw_draft`); acceptance always uses the
+  distribution the draft really sampled from, so the output law does not depend on it. A
   drafter without a model (`drafters.PromptLookup`) takes draft=None. `lenience` < 1 (opt-in)
   accepts more drafts and is LOSSY: the output law is then no longer the target's
   (`rejection.lenient_law`). `trim_score` (ragged drafters only) scores only the positions the
