@@ -160,8 +160,8 @@ def prefill(config: TransformerConfig, params, prompts_BxP: jax.Array, prompt_le
             rollback: int | None = None):
   """Fills a fresh cache with right-padded prompts: (float32[B, P, V], cache at prompt lengths).
 
-  `rollback`: the most positions a row will be rolled back past its length before a call
-  (`kv_cache.init_cache`: sliding-window layers then hold rings); None, every position.
+  `rollback`: the most positions a row will write past its length and then drop by rolling
+  back (`kv_cache.init_cache`: sliding-window layers then hold rings); None, every position.
   `last_only`: logits of each row's last prompt token only, float32[B, 1, V].
   `with_features`: (logits, features [B, P, D] at every prompt position, cache), from the same
   forward (`extend_with_features`).

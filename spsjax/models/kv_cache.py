@@ -8,9 +8,10 @@ positions before it reads. So rolling a row back is moving its length: nothing i
 
 A sliding-window layer on XLA's path may hold a ring instead (`init_cache`'s `rollback`): S =
 window - 1 + rollback slots (at least 1), position p in slot p mod S: before a call the ring holds
-the window - 1 positions its first query sees besides its own, and `rollback` more. A call attends over the ring as it was (each slot's
-position from the row's length, `ring_positions`) and its own new keys, then writes the new
-positions that are real (a row's first counts[b]) and among the last S of them (`ring_write`).
+the window - 1 positions its first query sees besides its own, and `rollback` more. A call
+attends over the ring as it was (each slot's position from the row's length, `ring_positions`)
+and its own new keys, then writes the new positions that are real (a row's first counts[b]) and
+among the last S of them (`ring_write`).
 Dropping r <= rollback written positions by rolling a row back leaves their slots, read by the
 length now, at positions `window` or more before any query made before they are written again:
 masked, as stale slots are in a full cache.
@@ -63,8 +64,8 @@ def init_cache(config: TransformerConfig, batch: int, capacity: int,
                rollback: int | None = None) -> KVCache:
   """An empty cache (all lengths 0) with room for `capacity` positions per row. `rollback`: the
   most positions a row writes past its length and then drops by rolling back (SpS: at most k of
-  the k + 1 it scores); with it, sliding-window layers hold rings of window + rollback slots
-  (`slots`). None: every layer holds every position, whatever the rollbacks."""
+  the k + 1 it scores); with it, sliding-window layers hold rings of window - 1 + rollback
+  slots (`slots`). None: every layer holds every position, whatever the rollbacks."""
   zeros = lambda layer: jnp.zeros(shape(config, batch, slots(config, layer, capacity, rollback)),
                                   config.jnp_dtype)
   return KVCache(
