@@ -118,6 +118,13 @@ def main(argv):
     lengths = np.full((c.batch,), c.prompt_len, np.int32)
     eos_id = None if c.eos_id < 0 else c.eos_id
 
+  if c.method == 'sps' and c.k != 'auto' and drafter.tree(c.k) is not None:
+    unpacked = speculative.target_for(target, drafter, c.k)
+    if unpacked is not target:
+      print0('NOTE: the target runs unpacked, on XLA\'s attention (a tree of drafts needs its '
+             'mask; the native CPU kernels are causal only).')
+    target = unpacked
+
   policy = {}
   if c.method == 'sps' and c.k == 'auto':
     if mesh is not None:

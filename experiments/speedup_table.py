@@ -18,7 +18,7 @@ from ml_collections import config_flags
 from spsjax import cli, distributed, models, sharding, storage
 from spsjax.bench import auto_k, comparison, decode, speedup, table1
 from spsjax.eval import tasks
-from spsjax.sampling import SamplingConfig, drafter_config
+from spsjax.sampling import SamplingConfig, drafter_config, speculative
 from spsjax.train import load
 
 print0 = distributed.print0
@@ -52,6 +52,12 @@ def main(argv):
   target, drafts, tok, _ = load.load_family(c.root, c.target, names, mesh=mesh,
                                             draft_weights=c.draft_weights)
   draft = drafts.get(c.draft)
+  if c.k != 'auto':
+    unpacked = speculative.target_for(target, drafter, c.k)
+    if unpacked is not target:
+      print0('NOTE: ArS and SpS run the target unpacked, on XLA\'s attention (a tree of drafts '
+             'needs its mask; the native CPU kernels are causal only).')
+    target = unpacked
   draft_params = models.num_params(draft.params) if draft else 0
   c_hat = draft_params / models.num_params(target.params)
   lossy = (f'; LOSSY: lenience {c.lenience}, the output law is not the target\'s'

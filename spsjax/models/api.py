@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from spsjax import native, sharding
 from spsjax.models import kv_cache
 from spsjax.models.config import TransformerConfig
+from spsjax.models.token_tree import TokenTree
 from spsjax.models.transformer import Transformer
 
 
@@ -137,8 +138,8 @@ def extend_with_features(config: TransformerConfig, params, cache: kv_cache.KVCa
 
 
 def extend(config: TransformerConfig, params, cache: kv_cache.KVCache, tokens_BxT: jax.Array,
-           logits_at_BxL: jax.Array | None = None, counts_B: jax.Array | None = None
-           ) -> tuple[jax.Array, kv_cache.KVCache]:
+           logits_at_BxL: jax.Array | None = None, counts_B: jax.Array | None = None,
+           tree: TokenTree | None = None) -> tuple[jax.Array, kv_cache.KVCache]:
   """Appends T tokens to each row at its own offset: (float32[B, T, V], cache with lengths + T).
 
   `logits_at_BxL` (int32 indices into T): return only those positions' logits, [B, L, V], and
@@ -146,13 +147,37 @@ def extend(config: TransformerConfig, params, cache: kv_cache.KVCache, tokens_Bx
   `counts_B`: only row b's first counts[b] tokens are real (right padding; 0 for a row that
   decodes no more): the others' logits and cache slots are unspecified, and a model packed for
   CPU decoding skips their work.
+  `tree`: the T tokens are a token tree's root and nodes (T = tree.num_nodes + 1): node t is
+  written at slot lengths + t, at position lengths + its depth, and attends to the cache and its
+  ancestors (`token_tree`; unpacked models). The cache's lengths still advance by T: the caller
+  keeps a path (`kv_cache.keep_path`) and sets the lengths.
   The caller guarantees lengths + T <= cache capacity (a write past the end would be clamped).
   """
   T = tokens_BxT.shape[1]
-  positions_BxT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-  out, (k, v) = Transformer(config).apply({'params': params}, tokens_BxT, positions_BxT, cache,
-                                          logits_at_BxL, counts_B)
+  offsets_T = jnp.arange(T, dtype=jnp.int32) if tree is None else _tree_depths(tree, T)
+  positions_BxT = cache.lengths[:, None] + offsets_T[None, :]
+  out, (k, v) = Transformer(config).apply(
+      {'params': params}, tokens_BxT, positions_BxT, cache, logits_at_BxL, counts_B,
+      tree_TxT=None if tree is None else jnp.asarray(tree.ancestors))
   return out, kv_cache.KVCache(k=k, v=v, lengths=cache.lengths + T)
+
+
+def _tree_depths(tree: TokenTree, T: int) -> jax.Array:
+  if T != tree.num_nodes + 1:
+    raise ValueError(f'A call on a token tree of {tree.num_nodes} nodes takes {tree.num_nodes + 1} '
+                     f'tokens (the root first), got {T}.')
+  return jnp.asarray(tree.depths)
+
+
+def tree_logits(config: TransformerConfig, params, tokens_BxT: jax.Array,
+                tree: TokenTree) -> jax.Array:
+  """No cache: a token tree's root (at position 0) and nodes, each seeing its ancestors:
+  float32[B, N + 1, V]; node t's logits are `logits` of its root-to-node path at its last
+  position (the reference for `extend`'s `tree`)."""
+  positions_BxT = jnp.broadcast_to(_tree_depths(tree, tokens_BxT.shape[1]), tokens_BxT.shape)
+  out, _ = Transformer(config).apply({'params': params}, tokens_BxT, positions_BxT,
+                                     tree_TxT=jnp.asarray(tree.ancestors))
+  return out
 
 
 def prefill(config: TransformerConfig, params, prompts_BxP: jax.Array, prompt_lengths_B: jax.Array,

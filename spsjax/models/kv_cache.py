@@ -104,6 +104,25 @@ def ring_write(ring_BxSxKxH: jax.Array, new_BxTxKxH: jax.Array, starts_B: jax.Ar
                                                  mode='drop')
 
 
+def keep_path(cache: KVCache, starts_B: jax.Array, path_BxD: jax.Array) -> KVCache:
+  """After a call on a token tree written at slots starts + node (`models.extend`'s `tree`):
+  each row's root-to-node path moved to the slots of its positions, node path[b, d] to slot
+  starts[b] + d (modulo a ring's slots), in every layer. `path_BxD[b, d]` (d from 0, the root)
+  is the row's node at depth d, or d itself past the row's path (nothing moves there). Lengths
+  are the caller's to set; every source slot is read before any is written."""
+  D = path_BxD.shape[1]
+
+  def move(layer_BxSxKxH):
+    S = layer_BxSxKxH.shape[1]
+    dst_BxD = jnp.mod(starts_B[:, None] + jnp.arange(D, dtype=jnp.int32)[None, :], S)
+    src_BxD = jnp.mod(starts_B[:, None] + path_BxD.astype(jnp.int32), S)
+    moved_BxDxKxH = jnp.take_along_axis(layer_BxSxKxH, src_BxD[:, :, None, None], axis=1)
+    rows_BxD = jnp.broadcast_to(jnp.arange(layer_BxSxKxH.shape[0])[:, None], dst_BxD.shape)
+    return layer_BxSxKxH.at[rows_BxD, dst_BxD].set(moved_BxDxKxH)
+
+  return cache.replace(k=tuple(move(x) for x in cache.k), v=tuple(move(x) for x in cache.v))
+
+
 def shardings(cache: KVCache, mesh: Mesh,
               rules: sharding.Rules = sharding.DEFAULT_RULES) -> KVCache:
   """A tree of NamedShardings for `cache` (concrete or from `jax.eval_shape`).

@@ -155,6 +155,23 @@ class RMSNorm(nn.Module):
     return self(x_BxTxD), None
 
 
+def _tree_slots(tree_TxT, positions_BxT, starts_B, num_slots: int):
+  """A full cache's key positions and mask for a token tree written at slots starts + t
+  (`token_tree`): slot starts + t holds node t at positions[t]; node t sees the slots before
+  starts and, of the tree's, its ancestors' only."""
+  T = positions_BxT.shape[1]
+  slot_BxS = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (starts_B.shape[0],
+                                                                         num_slots))
+  node_BxS = slot_BxS - starts_B[:, None]
+  in_tree_BxS = (node_BxS >= 0) & (node_BxS < T)
+  node_BxS = jnp.clip(node_BxS, 0, T - 1)
+  key_pos_BxS = jnp.where(in_tree_BxS, jnp.take_along_axis(positions_BxT, node_BxS, axis=1),
+                          slot_BxS)
+  allowed_BxTxS = ~in_tree_BxS[:, None, :] | jnp.take(tree_TxT, node_BxS, axis=1).transpose(
+      1, 0, 2)
+  return key_pos_BxS, allowed_BxTxS
+
+
 class Attention(nn.Module):
   """Multi-head attention with K kv heads shared by groups of G query heads (MHA, GQA, MQA).
 
@@ -177,7 +194,7 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxTxD, norm: RMSNorm, positions_BxT, layer_cache, keep_BxL=None,
-               counts_B=None, post_norm: RMSNorm | None = None):
+               counts_B=None, post_norm: RMSNorm | None = None, tree_TxT=None):
     c = self.config
     # The first R dims of each head rotate (`rotary_dims`; none with learned positions).
     freqs_R2 = (rope.frequencies(c, self.layer) if c.position == 'rope'
@@ -216,6 +233,9 @@ class Attention(nn.Module):
       norm_qk = lambda q, k: (native.rms_norm(q, q_scale_H, c.norm_eps).astype(dt),
                               native.rms_norm(k, k_scale_H, c.norm_eps).astype(dt))
     written = None
+    if packed and tree_TxT is not None:
+      raise ValueError('Token trees run on XLA\'s attention: pass an unpacked model (the native '
+                       'CPU kernels attend causally only).')
     if packed and layer_cache is not None:
       # Rotation, cache writes and attention in one native call that reads only the slots in
       # use (a cached call's positions are starts + t, `api.extend`).
@@ -250,14 +270,21 @@ class Attention(nn.Module):
         q_BxTxNxH = native.rope(q_BxTxNxH, positions_BxT, freqs_R2, amplitude)
         k_BxTxKxH = native.rope(k_BxTxKxH, positions_BxT, freqs_R2, amplitude)
       q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, N // K, H)
+      allowed_BxTxS = None  # A token tree's nodes see their ancestors only among the new keys.
       if layer_cache is None:  # Full causal pass: keys are the new positions themselves.
         keys_BxSxKxH, values_BxSxKxH, key_pos_BxS = k_BxTxKxH, v_BxTxKxH, positions_BxT
+        if tree_TxT is not None:
+          allowed_BxTxS = jnp.broadcast_to(tree_TxT, (B, T, T))
       elif options['window'] is not None:  # A ring (kv_cache): as it was, then the new keys.
         cache_k, cache_v, starts_B = layer_cache
         keys_BxSxKxH = jnp.concatenate([cache_k, k_BxTxKxH.astype(cache_k.dtype)], axis=1)
         values_BxSxKxH = jnp.concatenate([cache_v, v_BxTxKxH.astype(cache_v.dtype)], axis=1)
         key_pos_BxS = jnp.concatenate(
             [kv_cache.ring_positions(starts_B, cache_k.shape[1]), positions_BxT], axis=1)
+        if tree_TxT is not None:
+          allowed_BxTxS = jnp.broadcast_to(
+              jnp.concatenate([jnp.ones((T, cache_k.shape[1]), bool), tree_TxT], axis=1),
+              (B, T, cache_k.shape[1] + T))
         written = (kv_cache.ring_write(cache_k, k_BxTxKxH, starts_B, counts_B),
                    kv_cache.ring_write(cache_v, v_BxTxKxH, starts_B, counts_B))
       else:  # Write this call's positions first, then attend over the whole cache.
@@ -266,8 +293,11 @@ class Attention(nn.Module):
         values_BxSxKxH = native.write_rows(cache_v, v_BxTxKxH, starts_B)
         key_pos_BxS = jnp.broadcast_to(jnp.arange(keys_BxSxKxH.shape[1]),
                                        keys_BxSxKxH.shape[:2])
+        if tree_TxT is not None:
+          key_pos_BxS, allowed_BxTxS = _tree_slots(tree_TxT, positions_BxT, starts_B,
+                                                   keys_BxSxKxH.shape[1])
       out_BxTxKxGxH = native.attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT,
-                                    key_pos_BxS, **options)
+                                    key_pos_BxS, allowed_BxTxS=allowed_BxTxS, **options)
     # One contracting dim of N * H: wo is then only reshaped. With (N, H) contracted as two dims,
     # XLA's CPU layout assignment transposes wo instead of the small activation, a copy of the
     # weight on every call that it does not hoist out of the decode loop.
@@ -382,13 +412,14 @@ or in parallel (`parallel_residual`)."""
   layer: int = 0
 
   @nn.compact
-  def __call__(self, x_BxTxD, positions_BxT, layer_cache, keep_BxL=None, counts_B=None):
+  def __call__(self, x_BxTxD, positions_BxT, layer_cache, keep_BxL=None, counts_B=None,
+               tree_TxT=None):
     c = self.config
     post_norm = lambda name: RMSNorm(c, name=name) if c.post_norms else None
     block_in_BxTxD = x_BxTxD
     x_BxTxD, new_kv = Attention(c, self.layer, name='attn')(
         x_BxTxD, RMSNorm(c, name='attn_norm'), positions_BxT, layer_cache, keep_BxL, counts_B,
-        post_norm('attn_post_norm'))
+        post_norm('attn_post_norm'), tree_TxT)
     mlp_counts_B = counts_B if keep_BxL is None else _kept_counts(keep_BxL, counts_B)
     if c.parallel_residual:  # The MLP reads the block's input (at the kept positions).
       if keep_BxL is not None:
@@ -416,12 +447,14 @@ class Transformer(nn.Module):
   head reads) at every position, [B, T, D] in the model's dtype, also with `logits_at` (whose
   positions alone get logits; the last layer then runs on every position): the target's hidden
   states for a feature-level drafter, from the same forward (without it the program is as before).
+  With `tree_TxT` (bool, `token_tree.TokenTree.ancestors`) the T tokens are a tree's nodes: each
+  attends to the cache and to its ancestors among them (XLA's attention only).
   """
   config: TransformerConfig
 
   @nn.compact
   def __call__(self, tokens_BxT, positions_BxT, cache=None, logits_at_BxL=None, counts_B=None,
-               features=False):
+               features=False, tree_TxT=None):
     c = self.config
     _check_kernels(self, c)
     packed = c.kernels == 'native'
@@ -442,7 +475,7 @@ class Transformer(nn.Module):
       # x is then [B, L, D]; features are wanted at every position.
       keep_BxL = logits_at_BxL if i == c.num_layers - 1 and not (features or streams) else None
       x_BxTxD, (k, v) = Block(c, i, name=f'layer_{i}')(x_BxTxD, positions_BxT, layer_cache,
-                                                      keep_BxL, counts_B)
+                                                      keep_BxL, counts_B, tree_TxT)
       new_k.append(k)
       new_v.append(v)
     kv = (tuple(new_k), tuple(new_v))

@@ -74,12 +74,12 @@ def write_rows(cache_BxSxNxH: jax.Array, new_BxTxNxH: jax.Array, starts_B: jax.A
 
 
 def attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT, key_positions_BxS, *,
-           scale=None, window=None, softcap=None):
+           scale=None, window=None, softcap=None, allowed_BxTxS=None):
   """XLA ops: each query at `positions` sees the keys at `key_positions` up to its own, and with
   a `window` only those after its position - window (a sliding window: its own position and the
   window - 1 before it); scores in float32, q.k times `scale` (None: 1 / sqrt(H)), with a
   `softcap` then softcap tanh(score / softcap) (Gemma 2). The model's attention on every path but
-  the kernel's.
+  the kernel's. `allowed_BxTxS` (bool) masks more keys (a token tree's: only a node's ancestors).
 
   The scores keep the products' natural order, S last ([B, K, T, G, S]: query dims before key
   dims, so jnp.einsum keeps q as the left operand): XLA:GPU then makes the softmax over S one
@@ -90,6 +90,8 @@ def attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT, key_positio
   mask_BxTxS = key_positions_BxS[:, None, :] <= positions_BxT[:, :, None]
   if window is not None:
     mask_BxTxS &= key_positions_BxS[:, None, :] > positions_BxT[:, :, None] - window
+  if allowed_BxTxS is not None:
+    mask_BxTxS &= allowed_BxTxS
   scores_BxKxTxGxS = jnp.einsum('BTKGH,BSKH->BKTGS', q_BxTxKxGxH, keys_BxSxKxH,
                                 preferred_element_type=jnp.float32) * (
                                     H**-0.5 if scale is None else scale)

@@ -10,11 +10,15 @@ HEAD_KINDS = ('feature', 'heads')
 
 
 def build(kind: str = 'model', *, max_ngram: int = 3, min_ngram: int = 1,
-          stop_below: float = 0.0) -> Drafter:
-  """`model` (with `stop_below` > 0: dynamic k), `lookup` (n-grams from `max_ngram` down to
-  `min_ngram`), `hybrid` (both), `feature` (an EAGLE head) or `heads` (parallel heads)."""
+          stop_below: float = 0.0, alternatives: int = 0) -> Drafter:
+  """`model` (with `stop_below` > 0: dynamic k; with `alternatives` > 0: a tree, that many
+  other tokens beside each draft), `lookup` (n-grams from `max_ngram` down to `min_ngram`),
+  `hybrid` (both), `feature` (an EAGLE head) or `heads` (parallel heads)."""
   if kind not in KINDS:
     raise ValueError(f'Unknown drafter {kind!r}; known: {list(KINDS)}.')
+  if alternatives and kind not in ('model', 'hybrid'):
+    raise ValueError(f'alternatives={alternatives}: trees of drafts are drawn by a draft model '
+                     f'(drafter model or hybrid), not by the {kind} drafter.')
   if stop_below and kind == 'lookup':
     raise ValueError(f'stop_below={stop_below}: prompt lookup has no draft model whose '
                      f'confidence could stop it; use drafter hybrid or model.')
@@ -22,9 +26,10 @@ def build(kind: str = 'model', *, max_ngram: int = 3, min_ngram: int = 1,
     raise ValueError(f'stop_below={stop_below}: dynamic k is implemented for draft models '
                      f'(drafter model or hybrid), not for the {kind} drafter.')
   if kind == 'model':
-    return ModelDrafter(stop_below=stop_below)
+    return ModelDrafter(stop_below=stop_below, alternatives=alternatives)
   if kind == 'hybrid':
-    return Hybrid(stop_below=stop_below, max_ngram=max_ngram, min_ngram=min_ngram)
+    return Hybrid(stop_below=stop_below, max_ngram=max_ngram, min_ngram=min_ngram,
+                  alternatives=alternatives)
   if kind == 'lookup':
     return PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram)
   return FeatureDrafter() if kind == 'feature' else HeadsDrafter()

@@ -29,19 +29,23 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from spsjax.models import KVCache, Model, extend, kv_cache, prefill
+from spsjax.models import KVCache, Model, TokenTree, extend, kv_cache, prefill
 from spsjax.sampling import common
-from spsjax.sampling.processors import mark_present, probabilities_and_sample_with, uniforms
+from spsjax.sampling.processors import (mark_present, probabilities_and_sample_with, typed_keys,
+                                        uniforms)
 
 
 @flax.struct.dataclass
 class Proposal:
   """A drafter's proposal for one loop (module docstring): per row a chain, slot i following slot
-  i - 1 and slot 0 the last committed token. (A tree of drafts would add each slot's parent
-  here; the loop's score and accept steps are the only readers that assume a chain.)"""
+  i - 1 and slot 0 the last committed token; or, with `tree`, the tree's N nodes (slot i is node
+  i + 1, after its parent: `models.TokenTree`), `valid_BxK` saying which were proposed and
+  q_BxKxV each node's law given its earlier siblings (`rejection.accept_tree`)."""
   tokens_BxK: jax.Array  # int32; slots >= num_B hold valid ids, never accepted.
   q_BxKxV: jax.Array  # float32: the law each token was drawn from (a point mass if deterministic).
-  num_B: jax.Array  # int32 in [0, k]: tokens proposed for each row.
+  num_B: jax.Array  # int32 in [0, k]: tokens proposed for each row (a tree's: along its chain).
+  valid_BxK: jax.Array | None = None  # bool, with a tree: the nodes proposed.
+  tree: TokenTree | None = flax.struct.field(pytree_node=False, default=None)
 
 
 @flax.struct.dataclass
@@ -55,6 +59,9 @@ class Verdict:
   # positions base_B .. base_B + k (the last committed token, then the drafts), from the scoring
   # forward (`models.extend_with_features`); valid up to target_lengths_B (the accepted ones).
   features_BxKp1xD: jax.Array | None = None
+  # With a tree of drafts: the node accepted at each depth (the root first, -1 past the last;
+  # `rejection.accept_tree`), for idle rows the root alone. None for a chain.
+  path_BxD: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -142,6 +149,11 @@ class Drafter(abc.ABC):
     and output layer) the two together, the target's arrays not copied."""
     del target
     return draft
+
+  def tree(self, k: int) -> TokenTree | None:
+    """The token tree it proposes for lookahead k, or None for a chain of up to k drafts."""
+    del k
+    return None
 
   @abc.abstractmethod
   def init(self, loop, draft, prompts_BxP, prompt_lengths_B, capacity: int,
@@ -242,14 +254,54 @@ class _Drafts:
   q_BxKxV: jax.Array
   num_B: jax.Array  # int32: drafts proposed; a row still drafting has num_B == i.
   cache: KVCache
+  alternatives: '_Alternatives | None' = None  # Per slot, [B, K, A, ...]; None without.
 
   @classmethod
-  def first(cls, k: int, d_B, q_BxV, cache: KVCache) -> '_Drafts':
+  def first(cls, k: int, d_B, q_BxV, cache: KVCache, alternatives=None) -> '_Drafts':
     """After slot 0, which every row proposes."""
     B, V = q_BxV.shape
-    return cls(i=jnp.int32(1), tokens_BxK=jnp.zeros((B, k), jnp.int32).at[:, 0].set(d_B),
-               q_BxKxV=jnp.zeros((B, k, V), jnp.float32).at[:, 0].set(q_BxV),
-               num_B=jnp.ones((B,), jnp.int32), cache=cache)
+    slots = lambda x: jnp.zeros((B, k) + x.shape[1:], x.dtype).at[:, 0].set(x)
+    return cls(i=jnp.int32(1), tokens_BxK=slots(d_B.astype(jnp.int32)), q_BxKxV=slots(q_BxV),
+               num_B=jnp.ones((B,), jnp.int32), cache=cache,
+               alternatives=None if alternatives is None else jax.tree.map(slots, alternatives))
+
+
+@flax.struct.dataclass
+class _Alternatives:
+  """A slot's other tokens besides its draft (`ModelDrafter.alternatives`): [B, A] tokens, the
+  law each was drawn from given the draft and the ones before it [B, A, V], and whether each was
+  proposed [B, A] (the law had mass left for it)."""
+  tokens_BxA: jax.Array
+  q_BxAxV: jax.Array
+  valid_BxA: jax.Array
+
+
+def _alternatives(loop, key_B, logits_BxV, q_BxV, d_B, count: int) -> _Alternatives:
+  """`count` tokens other than the draft d_B, each in turn from q without d_B and the ones before
+  it, by Gumbel top-k (sampling without replacement); the law of each is q without the earlier
+  ones, renormalised. Under a greedy draft (q a point mass) they are the draft logits' next
+  best, as point masses. Either way each token's law given the earlier ones is the one returned,
+  which is all the tree's accept step needs to stay exact."""
+  B, V = q_BxV.shape
+  ids_V = jnp.arange(V, dtype=jnp.int32)
+  not_drawn_BxV = ids_V[None, :] != d_B[:, None]
+  if loop.draft_sampling.greedy:
+    scores_BxV = jnp.where(not_drawn_BxV, logits_BxV.astype(jnp.float32), -jnp.inf)
+    top_BxA, tokens_BxA = jax.lax.top_k(scores_BxV, count)
+    return _Alternatives(tokens_BxA.astype(jnp.int32),
+                         jax.nn.one_hot(tokens_BxA, V, dtype=jnp.float32), top_BxA > -jnp.inf)
+  rest_BxV = jnp.where(not_drawn_BxV, q_BxV, 0.0)
+  gumbel_BxV = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(key_B)
+  scores_BxV = jnp.where(rest_BxV > 0, jnp.log(jnp.where(rest_BxV > 0, rest_BxV, 1.0)) + gumbel_BxV,
+                         -jnp.inf)
+  top_BxA, tokens_BxA = jax.lax.top_k(scores_BxV, count)
+  laws = []
+  for j in range(count):
+    mass_Bx1 = jnp.sum(rest_BxV, axis=1, keepdims=True)
+    laws.append(rest_BxV / jnp.where(mass_Bx1 > 0, mass_Bx1, 1.0))
+    rest_BxV = jnp.where(ids_V[None, :] == tokens_BxA[:, j, None], 0.0, rest_BxV)
+  return _Alternatives(tokens_BxA.astype(jnp.int32), jnp.stack(laws, axis=1),
+                       top_BxA > -jnp.inf)
 
 
 def draw_draft(loop, uniforms_B: jax.Array, logits_BxV: jax.Array,
@@ -277,13 +329,20 @@ class ModelDrafter(Drafter):
   probability below it; the first draft is always proposed, and drafting ends for the batch when
   every row has stopped.
 
+  `alternatives` > 0 proposes a tree (`models.TokenTree.chain_with_alternatives`): besides each
+  slot's draft, that many other tokens from the same draft law, without replacement
+  (`_alternatives`), as leaves the target scores in the same call; where the chain's draft is
+  rejected they are tried in turn (`rejection.accept_tree`), and an accepted one is followed by
+  the target's token after it. The draft model runs the chain only.
+
   Cache invariant (with c_b committed tokens): the draft cache holds at least the first c_b - 2
   tokens. Each loop's first call feeds the last two committed tokens at position c_b - 2
   (rewriting one position where the draft already had it), which covers the case where every
   draft was accepted (the draft never consumed the last one; the next loop feeds it with the
-  bonus token).
+  bonus token) and the case where an alternative was accepted (the draft read the chain's).
   """
   stop_below: float = 0.0
+  alternatives: int = 0
 
   needs_model = True
 
@@ -296,6 +355,20 @@ class ModelDrafter(Drafter):
     if not 0.0 <= self.stop_below <= 1.0:
       raise ValueError(f'stop_below (dynamic k confidence threshold) must be in [0, 1], got '
                        f'{self.stop_below}.')
+    if int(self.alternatives) != self.alternatives or self.alternatives < 0:
+      raise ValueError(f'alternatives must be an integer >= 0, got {self.alternatives}.')
+    if self.alternatives and self.ragged:
+      raise ValueError('A draft with alternatives drafts every slot: it takes no stop_below '
+                       '(dynamic k).')
+
+  def tree(self, k: int) -> TokenTree | None:
+    return (TokenTree.chain_with_alternatives(k, self.alternatives) if self.alternatives
+            else None)
+
+  def check(self, target: Model, draft) -> None:
+    if self.alternatives >= target.config.vocab_size:
+      raise ValueError(f'{self.alternatives} alternatives need a vocabulary of more than that '
+                       f'many tokens, got {target.config.vocab_size}.')
 
   def draft_steps(self, k: int, proposed_per_loop: float) -> float:
     """k; with dynamic k, the drafts proposed (exact at batch 1; a batch drafts on until its
@@ -318,40 +391,63 @@ class ModelDrafter(Drafter):
     the model's draw, and the model reads them as it would its own."""
     k, B = loop.k, keys_BxK.shape[0]
     # Uniforms at once: per step, threefry is a handful of small ops.
-    choose = functools.partial(self._choose, loop, uniforms(keys_BxK), forced_BxK, num_forced_B)
+    alternative_keys_BxK = None
+    if self.alternatives:  # Their own streams, apart from the drafts' uniforms.
+      alternative_keys_BxK = jax.vmap(jax.vmap(lambda key: jax.random.fold_in(key, 1)))(
+          typed_keys(keys_BxK))
+    choose = functools.partial(self._choose, loop, uniforms(keys_BxK), forced_BxK, num_forced_B,
+                               alternative_keys_BxK=alternative_keys_BxK)
     # Slot 0, always proposed, from the last two committed tokens (the cache invariant).
     cache = cache.with_lengths(committed.lengths_B - 2)
     last2_Bx2 = jnp.stack([committed.last(2), committed.last(1)], axis=1)
     logits_Bx1xV, cache = extend(draft.config, draft.params, cache, last2_Bx2,
                                  logits_at_BxL=jnp.ones((B, 1), jnp.int32),  # The second's.
                                  counts_B=committed.counts(2))
-    q_BxV, d_B, _ = choose(0, logits_Bx1xV[:, 0], committed.present_BxV)
-    drafts = _Drafts.first(k, d_B, q_BxV, cache)
+    q_BxV, d_B, _, alternatives = choose(0, logits_Bx1xV[:, 0], committed.present_BxV)
+    drafts = _Drafts.first(k, d_B, q_BxV, cache, alternatives)
     step = functools.partial(self._step, draft, committed, choose)
     if self.ragged:  # Stops when no row drafts on.
       drafts = jax.lax.while_loop(lambda d: (d.i < k) & jnp.any(d.num_B == d.i), step, drafts)
     else:
       drafts = jax.lax.fori_loop(1, k, lambda _, d: step(d), drafts, unroll=loop.drafts_unrolled)
-    return Proposal(drafts.tokens_BxK, drafts.q_BxKxV, drafts.num_B), drafts.cache
+    if drafts.alternatives is None:
+      return Proposal(drafts.tokens_BxK, drafts.q_BxKxV, drafts.num_B), drafts.cache
+    return self._tree_proposal(k, drafts), drafts.cache
+
+  def _tree_proposal(self, k: int, drafts: '_Drafts') -> Proposal:
+    """The chain's k drafts as nodes 1 .. k, then each slot's alternatives
+    (`TokenTree.chain_with_alternatives`'s order)."""
+    alt = drafts.alternatives
+    B, _, A = alt.tokens_BxA.shape
+    nodes = lambda chain, alts: jnp.concatenate(
+        [chain, alts.reshape((B, k * A) + alts.shape[3:])], axis=1)
+    return Proposal(
+        nodes(drafts.tokens_BxK, alt.tokens_BxA), nodes(drafts.q_BxKxV, alt.q_BxAxV),
+        drafts.num_B, nodes(jnp.ones((B, k), bool), alt.valid_BxA), tree=self.tree(k))
 
   def _choose(self, loop, uniforms_BxK, forced_BxK, num_forced_B, i, logits_BxV,
-              present_BxV=None):
-    """Slot i of every row: (q, draft, whether the row drafts on), the tokens `present_BxV`
-    before it with a repetition penalty. The plain model draft (no forced tokens, fixed k) pays
-    for nothing else per step."""
+              present_BxV=None, alternative_keys_BxK=None):
+    """Slot i of every row: (q, draft, whether the row drafts on, the slot's `_Alternatives`
+    or None), the tokens `present_BxV` before it with a repetition penalty. The plain model draft
+    (no forced tokens, fixed k) pays for nothing else per step."""
     B, V = logits_BxV.shape
     # Whole rows on a mesh: the confidence's reductions need no collectives either.
     logits_BxV = common.whole_vocabulary(logits_BxV, loop.mesh, loop.rules)
     q_BxV, d_B = draw_draft(loop, uniforms_BxK[:, i], logits_BxV, present_BxV)
+    model_q_BxV = q_BxV
     forced_B = jnp.zeros((B,), bool)
     if forced_BxK is not None:
       forced_B = i < num_forced_B
       q_BxV = jnp.where(forced_B[:, None], jax.nn.one_hot(forced_BxK[:, i], V), q_BxV)
       d_B = jnp.where(forced_B, forced_BxK[:, i], d_B)
+    alternatives = None
+    if self.alternatives:  # From the model's law without the slot's token, forced or drawn.
+      alternatives = _alternatives(loop, alternative_keys_BxK[:, i], logits_BxV, model_q_BxV, d_B,
+                                   self.alternatives)
     if not self.ragged:
-      return q_BxV, d_B, jnp.ones((B,), bool)
+      return q_BxV, d_B, jnp.ones((B,), bool), alternatives
     confidence_B = jnp.max(jax.nn.softmax(logits_BxV.astype(jnp.float32), -1), -1)
-    return q_BxV, d_B, forced_B | (confidence_B >= self.stop_below)
+    return q_BxV, d_B, forced_B | (confidence_B >= self.stop_below), alternatives
 
   def _step(self, draft: Model, committed: Committed, choose, d: '_Drafts') -> '_Drafts':
     """Slot d.i: the model reads slot d.i - 1's draft and draws the next."""
@@ -369,16 +465,25 @@ class ModelDrafter(Drafter):
     if committed.present_BxV is not None:  # The committed tokens and the slots before d.i.
       present_BxV = mark_present(committed.present_BxV, d.tokens_BxK,
                                  jnp.full(d.num_B.shape, d.i, jnp.int32))
-    q_BxV, d_B, confident_B = choose(d.i, logits_Bx1xV[:, 0], present_BxV)
+    q_BxV, d_B, confident_B, alternatives = choose(d.i, logits_Bx1xV[:, 0], present_BxV)
+    if alternatives is not None:
+      alternatives = jax.tree.map(lambda all_, one: all_.at[:, d.i].set(one), d.alternatives,
+                                  alternatives)
     return _Drafts(i=d.i + 1, tokens_BxK=d.tokens_BxK.at[:, d.i].set(d_B),
                    q_BxKxV=d.q_BxKxV.at[:, d.i].set(q_BxV),
                    num_B=jnp.where((d.num_B == d.i) & confident_B, d.i + 1, d.num_B),
-                   cache=cache)
+                   cache=cache, alternatives=alternatives)
 
   def rollback(self, loop, cache: KVCache, verdict: Verdict) -> KVCache:
     # The draft keeps at most what it wrote this loop (its cache length after drafting) and no
-    # more than the target kept; idle rows keep theirs.
+    # more than the target kept; idle rows keep theirs. After a tree, only the chain's drafts
+    # the path accepted (an accepted alternative is not what the draft read).
     lengths_B = jnp.minimum(verdict.target_lengths_B, cache.lengths)
+    if verdict.path_BxD is not None:
+      depth_D = jnp.arange(1, verdict.path_BxD.shape[1], dtype=jnp.int32)
+      on_chain_B = jnp.sum(jnp.cumprod((verdict.path_BxD[:, 1:] == depth_D[None]).astype(
+          jnp.int32), axis=1), axis=1)
+      lengths_B = jnp.minimum(lengths_B, verdict.base_B + 1 + on_chain_B)
     return kv_cache.constrain(cache.with_lengths(lengths_B), loop.mesh, loop.rules)
 
 

@@ -5,7 +5,8 @@ with probability min(1, p_i(d_i) / q_i(d_i)), left to right; at the first reject
 norm(max(0, p - q)) at that position; if all k are accepted draw a bonus token from p_{k+1}. A
 drafter may propose fewer than k (per row): the first `num` drafts are then the only ones tried.
 Lenience l < 1 (Leviathan et al.; opt-in, LOSSY) accepts more drafts than exactness allows. The
-emitted tokens are then distributed exactly as sampling from p one token at a time.
+emitted tokens are then distributed exactly as sampling from p one token at a time. A tree of
+drafts (`accept_tree`) tries a node's children one after another against what is left of p.
 
 Numerics: acceptance compares u * q < p (no division, so no NaN for q = 0 or p = 0; u in [0, 1)
 never accepts a token with p = 0); a residual with zero mass (p equal to q up to rounding) falls back
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from spsjax import native
+from spsjax.models.token_tree import TokenTree
 from spsjax.native import library
 from spsjax.sampling.processors import draw_with, uniforms
 
@@ -82,6 +84,64 @@ def accept_with(u_K: jax.Array, u_token: jax.Array, p_Kp1xV: jax.Array, q_KxV: j
   residual_V = jnp.where(jnp.sum(residual_V) > 0, residual_V, p_V)
   token = draw_with(u_token, residual_V)
   return n.astype(jnp.int32), token.astype(jnp.int32)
+
+
+def _residual(r_V: jax.Array, q_V: jax.Array) -> jax.Array:
+  """norm(max(0, r - q)); r itself where that has no mass (r equal to q up to rounding)."""
+  residual_V = jnp.maximum(r_V - q_V, 0.0)
+  mass = jnp.sum(residual_V)
+  return jnp.where(mass > 0, residual_V / jnp.where(mass > 0, mass, 1.0), r_V)
+
+
+def accept_tree(key: jax.Array, p_Np1xV: jax.Array, q_NxV: jax.Array, tokens_N: jax.Array,
+                valid_N: jax.Array, tree: TokenTree) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """One row of a token tree (`models.TokenTree`): (path int32[depth + 1]: the node accepted at
+  each depth, the root first and -1 past the last; n, the drafts accepted; the token after them).
+
+  Recursive rejection sampling (SpecInfer's, Miao et al. 2024): at the node reached, its children
+  are tried in order against r, starting from p at that node; child c (token t_c, drawn from q_c
+  given its earlier siblings) is accepted with probability min(1, r(t_c) / q_c(t_c)), else r
+  becomes norm(max(0, r - q_c)) and the next child is tried. An accepted child is the next node;
+  when none is (or the node has no valid child) the token is drawn from r. Each step is a
+  rejection step of r against the law its candidate was drawn from given the earlier ones, so the
+  path and the token follow p exactly, whatever the tree. `p_Np1xV[i]` is the target's law after
+  node i (0: the root); `q_NxV[i - 1]`, `tokens_N[i - 1]` and `valid_N[i - 1]` are node i's law,
+  token and whether it was proposed (a node not proposed is never tried).
+  """
+  N = tokens_N.shape[0]
+  u_N, token_key = _split(key, N)
+  return accept_tree_with(u_N, uniforms(token_key), p_Np1xV, q_NxV, tokens_N, valid_N, tree)
+
+
+def accept_tree_with(u_N, u_token, p_Np1xV, q_NxV, tokens_N, valid_N, tree: TokenTree):
+  """`accept_tree` with its uniform numbers given: node i's test u_N[i - 1], the token's draw
+  `u_token`."""
+  children_Np1xM = jnp.asarray(tree.children)
+  p_Np1xV, q_NxV = p_Np1xV.astype(jnp.float32), q_NxV.astype(jnp.float32)
+  depth = tree.depth
+
+  def level(d, carry):
+    node, path_D, law_V, done = carry  # law: r where the walk stopped, else unused.
+    r_V = p_Np1xV[node]
+    chosen = jnp.int32(-1)
+    for j in range(children_Np1xM.shape[1]):
+      child = children_Np1xM[node, j]
+      i = jnp.maximum(child, 1) - 1
+      tried = (child > 0) & valid_N[i] & (chosen < 0)
+      ok = u_N[i] * q_NxV[i, tokens_N[i]] < r_V[tokens_N[i]]
+      chosen = jnp.where(tried & ok, child, chosen)
+      r_V = jnp.where(tried & ~ok, _residual(r_V, q_NxV[i]), r_V)
+    step = ~done & (chosen > 0)
+    stops = ~done & ~step
+    return (jnp.where(step, chosen, node), path_D.at[d + 1].set(jnp.where(step, chosen, -1)),
+            jnp.where(stops, r_V, law_V), done | stops)
+
+  path_D = jnp.full((depth + 1,), -1, jnp.int32).at[0].set(0)
+  node, path_D, law_V, done = jax.lax.fori_loop(
+      0, depth, level, (jnp.int32(0), path_D, jnp.zeros_like(p_Np1xV[0]), jnp.bool_(False)))
+  law_V = jnp.where(done, law_V, p_Np1xV[node])  # Every level accepted: the bonus token.
+  n = jnp.sum(path_D[1:] >= 0).astype(jnp.int32)
+  return path_D, n, draw_with(u_token, law_V).astype(jnp.int32)
 
 
 def _split(key: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

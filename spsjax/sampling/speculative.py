@@ -6,10 +6,12 @@ through the same steps, whatever the drafter:
 - draft: the drafter proposes up to k tokens per row with the laws q they were drawn from
   (`drafters.Drafter.propose`; its steps unrolled on accelerators: `Loop.drafts_unrolled`);
 - score: the target on the last committed token and the drafts, k + 1 positions in one call
-  (`Loop._score`);
-- accept: modified rejection sampling per row (`Loop._accept`, `spsjax.sampling.rejection`);
+  (`Loop._score`; a drafter's tree of N nodes: N + 1 positions, `models.TokenTree`);
+- accept: modified rejection sampling per row (`Loop._accept`, `spsjax.sampling.rejection`; for
+  a tree, recursive rejection down the tree, `Loop._accept_tree`);
 - commit and roll back: each row appends what it accepted and the token after it, and its caches
-  roll back by moving that row's length, nothing recomputed or copied
+  roll back by moving that row's length, nothing recomputed or copied (after a tree the target
+  first moves the accepted path's keys and values to their positions' slots)
   (`Loop._commit_and_roll_back`);
 - statistics: the counts of `common.SampleOutput`, for the rows active in the loop
   (`Loop._statistics`).
@@ -26,12 +28,14 @@ Positions written reach c_b + k - 1 < prompt length + max_new_tokens + k - 1, so
 positions of headroom past prompt + max_new_tokens within max_seq_len. A loop drops at most k of
 the positions it wrote (the k + 1 scored keep at least one; a model drafter's k drafts): on XLA's
 path the caches' sliding-window layers are rings of window - 1 + k slots
-(`kv_cache.init_cache`). With `trim_score`, a ragged drafter (fewer than k drafts in some rows) has the target score only as many positions as the
+(`kv_cache.init_cache`). A tree of N nodes writes N slots past the length (positions up to the
+tree's depth k): the target's capacity and rings have N of room instead of k. With `trim_score`, a ragged drafter (fewer than k drafts in some rows) has the target score only as many positions as the
 longest proposal of the loop needs (`_target_logits`); off by default: on this CPU the branch
 costs more than the positions it saves (docs/sampling.md).
 """
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,13 +45,14 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from spsjax import sharding
-from spsjax.models import KVCache, Model, extend, extend_with_features, kv_cache, prefill
+from spsjax.models import (KVCache, Model, TokenTree, extend, extend_with_features, kv_cache,
+                           prefill, unpack)
 from spsjax.sampling import common, drafters
 from spsjax.sampling.processors import (SamplingConfig, mark_present, native_probabilities,
                                         present_through, probabilities,
                                         probabilities_and_sample)
 from spsjax.sampling.drafters import Drafter
-from spsjax.sampling.rejection import accept_and_resample_rows, check_lenience
+from spsjax.sampling.rejection import accept_and_resample_rows, accept_tree, check_lenience
 
 
 @flax.struct.dataclass
@@ -74,7 +79,7 @@ def headroom(k: int) -> int:
 
 
 def _target_logits(target: Model, cache: KVCache, tokens_BxKp1, active_B, num_B, longest,
-                   features: bool = False):
+                   features: bool = False, tree: TokenTree | None = None):
   """The target's logits on the last committed token and the drafts: (float32[B, k + 1, V],
   cache, and with `features` their hidden states [B, k + 1, D] from the same forward, else None).
 
@@ -85,9 +90,13 @@ def _target_logits(target: Model, cache: KVCache, tokens_BxKp1, active_B, num_B,
   finished first would otherwise pay for positions nobody reads.
   With `longest` (the most drafts any active row proposed, traced) only its first longest + 1
   positions are scored, by one of k + 1 compiled branches; the others' logits are zeros (uniform
-  laws).
+  laws). With a `tree` the tokens are its root and N nodes, all scored ([B, N + 1, V]).
   """
   Kp1 = tokens_BxKp1.shape[1]
+  if tree is not None:
+    counts_B = jnp.where(active_B, Kp1, 0).astype(jnp.int32)
+    return extend(target.config, target.params, cache, tokens_BxKp1, counts_B=counts_B,
+                  tree=tree) + (None,)
   counts_B = jnp.where(active_B, num_B + 1, 0).astype(jnp.int32)
 
   def forward(cache, tokens_BxN, counts_B):
@@ -134,6 +143,17 @@ class Loop(common.LoopSettings):
   unroll_drafts: bool | None = None  # None: `drafts_unrolled` chooses by platform.
 
   @property
+  def tree(self) -> TokenTree | None:
+    """The drafter's token tree for this k (`Drafter.tree`), or None for a chain."""
+    return self.drafter.tree(self.k)
+
+  @property
+  def scored(self) -> int:
+    """Positions the target writes past a row's length in a loop and may drop: k, or a tree's
+    N nodes."""
+    return self.k if self.tree is None else self.tree.num_nodes
+
+  @property
   def drafts_unrolled(self) -> bool:
     """Whether a drafter's k - 1 steps after the first are straight-line code instead of a
     `fori_loop` (`unroll_drafts`; by default on accelerators, not on a CPU). On a GPU an inner
@@ -151,17 +171,17 @@ class Loop(common.LoopSettings):
     """Prefills the target and the drafter; the first token comes from the target's prefill."""
     k, mesh, rules = self.k, self.mesh, self.rules
     B, P = prompts_BxP.shape
-    capacity = P + self.max_new_tokens + k
+    capacity = P + self.max_new_tokens + self.scored
     row_keys_B = common.row_keys(rng, B)
     if self.drafter.reads_features:
       first_logits_Bx1xV, features_BxPxD, target_cache = prefill(
           target.config, target.params, prompts_BxP, prompt_lengths_B, capacity, last_only=True,
-          with_features=True, rollback=k)
+          with_features=True, rollback=self.scored)
     else:
       features_BxPxD = None
       first_logits_Bx1xV, target_cache = prefill(target.config, target.params, prompts_BxP,
                                                  prompt_lengths_B, capacity, last_only=True,
-                                                 rollback=k)
+                                                 rollback=self.scored)
     draft_state = self.drafter.init(self, self.drafter.bind(target, draft), prompts_BxP,
                                     prompt_lengths_B, capacity, features_BxPxD)
     first_logits_BxV = common.whole_vocabulary(first_logits_Bx1xV[:, 0], self.mesh, self.rules)
@@ -200,9 +220,13 @@ class Loop(common.LoopSettings):
       logits_BxKp1xV, target_cache, features_BxKp1xD = self._score(
           target, state.target_cache, committed, proposal)
     with jax.named_scope('accept'):  # The profile's accept phase: everything after the scoring.
-      n_B, token_B = self._accept(accept_keys_B, logits_BxKp1xV, proposal, state.present_BxV)
+      if proposal.tree is None:
+        path_BxD = None
+        n_B, token_B = self._accept(accept_keys_B, logits_BxKp1xV, proposal, state.present_BxV)
+      else:
+        path_BxD, n_B, token_B = self._accept_tree(accept_keys_B, logits_BxKp1xV, proposal)
       state = self._commit_and_roll_back(state, committed, proposal, n_B, token_B, target_cache,
-                                         draft_state, features_BxKp1xD)
+                                         draft_state, features_BxKp1xD, path_BxD)
       return self._statistics(state, active_B, proposal.num_B, n_B)
 
   def _score(self, target: Model, cache: KVCache, committed: drafters.Committed,
@@ -215,7 +239,7 @@ class Loop(common.LoopSettings):
     longest = (jnp.max(jnp.where(active_B, proposal.num_B, 0))
                if self.trim_score and self.drafter.ragged else None)
     return _target_logits(target, cache, tokens_BxKp1, active_B, proposal.num_B, longest,
-                          features=self.drafter.reads_features)
+                          features=self.drafter.reads_features, tree=proposal.tree)
 
   def _accept(self, keys_B, logits_BxKp1xV, proposal: drafters.Proposal, present_BxV=None):
     """Modified rejection sampling per row: (n_B, token_B), the drafts accepted and the token
@@ -233,23 +257,38 @@ class Loop(common.LoopSettings):
                                     proposal.num_B, self.lenience,
                                     native_kernel=self.native_kernel)
 
+  def _accept_tree(self, keys_B, logits_BxNp1xV, proposal: drafters.Proposal):
+    """A tree's accept step per row (`rejection.accept_tree`): (path [B, depth + 1], n_B,
+    token_B)."""
+    p_BxNp1xV = (native_probabilities(logits_BxNp1xV, self.sampling) if self.native_kernel
+                 else probabilities(logits_BxNp1xV, self.sampling))
+    return jax.vmap(functools.partial(accept_tree, tree=proposal.tree))(
+        keys_B, p_BxNp1xV, proposal.q_BxKxV, proposal.tokens_BxK, proposal.valid_BxK)
+
   def _commit_and_roll_back(self, state: _State, committed: drafters.Committed,
                             proposal: drafters.Proposal, n_B, token_B, target_cache: KVCache,
-                            draft_state, features_BxKp1xD=None) -> _State:
+                            draft_state, features_BxKp1xD=None, path_BxD=None) -> _State:
     """Appends each active row's n_B accepted drafts and the token after them to its output (up
     to an eos or max_new_tokens, `common.commit`), then rolls the caches back to the cache
     invariant by moving each row's lengths: the target keeps every committed token but the last,
-    the drafter what it may (`Drafter.rollback`); idle rows keep theirs."""
+    the drafter what it may (`Drafter.rollback`); idle rows keep theirs. After a tree
+    (`path_BxD`: its node at each depth) the target first moves the path's keys and values to
+    the slots of their positions (`kv_cache.keep_path`)."""
     k = self.k
+    base_B = committed.lengths_B - 1
+    drafted_BxK = proposal.tokens_BxK
+    if path_BxD is not None:  # The accepted nodes' tokens, as a chain.
+      drafted_BxK = jnp.take_along_axis(proposal.tokens_BxK,
+                                        jnp.maximum(path_BxD[:, 1:] - 1, 0), axis=1)
+      target_cache = kv_cache.keep_path(target_cache, base_B, path_BxD)
     block_BxKp1 = jnp.where(jnp.arange(k + 1)[None, :] < n_B[:, None],
-                            jnp.pad(proposal.tokens_BxK, ((0, 0), (0, 1))), token_B[:, None])
+                            jnp.pad(drafted_BxK, ((0, 0), (0, 1))), token_B[:, None])
     tokens_BxW, num_generated_B, done_B, emitted_B = common.commit(
         state.tokens_BxW, state.num_generated_B, state.done_B, block_BxKp1, n_B + 1,
         eos_id=self.eos_id, max_new_tokens=self.max_new_tokens)
-    base_B = committed.lengths_B - 1
     target_lengths_B = jnp.where(committed.active_B, base_B + emitted_B, base_B)
     draft_state = self.drafter.rollback(
-        self, draft_state, drafters.Verdict(base_B, target_lengths_B, features_BxKp1xD))
+        self, draft_state, drafters.Verdict(base_B, target_lengths_B, features_BxKp1xD, path_BxD))
     target_cache = kv_cache.constrain(target_cache.with_lengths(target_lengths_B), self.mesh,
                                       self.rules)
     present_BxV = (None if state.present_BxV is None
@@ -309,6 +348,30 @@ def check_pair(target: Model, draft: Model | None, k: int,
   drafter.check(target, draft)
 
 
+def _check_tree(target: Model, lenience: float, *samplings: SamplingConfig) -> None:
+  """What a tree of drafts does not run with (yet): a packed target (the native attention
+  kernel is causal only), lenience, a repetition penalty (a node's law would read its
+  ancestors')."""
+  if target.config.kernels == 'native':
+    raise ValueError('A tree of drafts needs an unpacked target (XLA\'s attention takes its '
+                     'mask; the native CPU kernels are causal only): load it without '
+                     '`for_decoding` (the draft may stay packed).')
+  if lenience != 1.0:
+    raise ValueError(f'A tree of drafts is exact only: lenience must be 1, got {lenience}.')
+  if any(s.repetition_penalty != 1.0 for s in samplings):
+    raise ValueError('A tree of drafts does not take a repetition penalty (yet).')
+
+
+def target_for(target: Model, drafter: Drafter, k: int) -> Model:
+  """The target as `drafter` at lookahead k needs it: unpacked (`models.unpack`, the same
+  weights on XLA's ops) if it proposes a tree and the target is packed for the native CPU
+  kernels, whose attention is causal only; else `target` itself. The binaries call it once
+  after loading; `speculative_sample` refuses a packed target with a tree."""
+  if drafter.tree(k) is None or target.config.kernels != 'native':
+    return target
+  return unpack(target)
+
+
 def prepare(target: Model, draft: Model | None, prompts, prompt_lengths, *, k: int,
             max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
             draft_sampling: SamplingConfig | None = None, eos_id: common.EosIds = None,
@@ -321,6 +384,8 @@ def prepare(target: Model, draft: Model | None, prompts, prompt_lengths, *, k: i
   """
   check_pair(target, draft, k, drafter)
   check_lenience(lenience)
+  if drafter.tree(k) is not None:
+    _check_tree(target, lenience, sampling, draft_sampling or sampling)
   for model in (target, draft) if draft is not None else (target,):
     common.check_inputs(model, prompts, prompt_lengths, max_new_tokens=max_new_tokens,
                         eos_id=eos_id, mesh=mesh, headroom=headroom(k))

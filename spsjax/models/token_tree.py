@@ -1,0 +1,80 @@
+"""A static tree of draft tokens, and the target's view of it: depths and ancestors.
+
+Node 0 is the root (the last committed token); nodes 1 .. N are drafts, each after its parent
+(`parents[i - 1]` is node i's parent, a node before it). A target call on a tree (`models.extend`'s
+`tree`) writes node i's keys and values at cache slot `length + i` and rotates them at position
+`length + depth(i)`; node i attends to the cached positions and to its ancestors and itself only.
+The children of a node are tried in node order (`children`): the first is the draft model's own
+draw, the later ones its alternatives.
+
+Invariant: parents come before children, so the depth of node i is at most i: a root-to-node
+path moved to slots `length + depth` (`kv_cache.keep_path`) never reads a slot it has written.
+"""
+
+import dataclasses
+import functools
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenTree:
+  """`parents`: node i's parent for i = 1 .. N (0 is the root)."""
+  parents: tuple[int, ...]
+
+  def __post_init__(self):
+    if not self.parents:
+      raise ValueError('A token tree needs at least one draft node.')
+    for i, parent in enumerate(self.parents, start=1):
+      if not 0 <= parent < i:
+        raise ValueError(f'Node {i} of a token tree has parent {parent}: parents must be earlier '
+                         f'nodes (0 is the root), got parents {self.parents}.')
+
+  @classmethod
+  def chain_with_alternatives(cls, k: int, alternatives: int) -> 'TokenTree':
+    """A chain of k drafts (nodes 1 .. k) and, after each of the chain's first k nodes (the root
+    included), `alternatives` other tokens as leaves: nodes k + 1 + i * alternatives + j, the j-th
+    alternative to chain node i + 1."""
+    if k < 1 or alternatives < 0:
+      raise ValueError(f'A chain with alternatives needs k >= 1 and alternatives >= 0, got k={k}, '
+                       f'alternatives={alternatives}.')
+    chain = tuple(range(k))
+    leaves = tuple(i for i in range(k) for _ in range(alternatives))
+    return cls(chain + leaves)
+
+  @property
+  def num_nodes(self) -> int:
+    """N: the draft nodes (the root not counted)."""
+    return len(self.parents)
+
+  @functools.cached_property
+  def depths(self) -> np.ndarray:
+    """int32[N + 1]: each node's depth (the root's 0)."""
+    depth = [0]
+    for parent in self.parents:
+      depth.append(depth[parent] + 1)
+    return np.asarray(depth, np.int32)
+
+  @property
+  def depth(self) -> int:
+    """The deepest node's depth: the most drafts one loop can accept."""
+    return int(self.depths.max())
+
+  @functools.cached_property
+  def ancestors(self) -> np.ndarray:
+    """bool[N + 1, N + 1]: [i, j] iff node j is node i or one of its ancestors."""
+    n = self.num_nodes + 1
+    out = np.eye(n, dtype=bool)
+    for i, parent in enumerate(self.parents, start=1):
+      out[i] |= out[parent]
+    return out
+
+  @functools.cached_property
+  def children(self) -> np.ndarray:
+    """int32[N + 1, M]: each node's children in node order, padded with -1 (M: the most any node
+    has, at least 1)."""
+    kids = [[] for _ in range(self.num_nodes + 1)]
+    for i, parent in enumerate(self.parents, start=1):
+      kids[parent].append(i)
+    width = max(1, max(len(k) for k in kids))
+    return np.asarray([k + [-1] * (width - len(k)) for k in kids], np.int32)

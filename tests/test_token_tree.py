@@ -1,0 +1,268 @@
+"""Trees of drafts: the tree's structure, the target's call on a tree against the reference
+forward, keeping a path in the cache, the tree's accept step against its exact law, and SpS with
+alternatives (exact, greedy parity with ArS)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spsjax import models
+from spsjax.sharding import mesh_from_axes
+from spsjax.models import TokenTree, kv_cache
+from spsjax.sampling import SamplingConfig, autoregressive_sample, drafters, speculative_sample
+from spsjax.sampling.rejection import accept_tree
+from tests.forwards import full_logits
+from tests.stats import exact_sequence_law, g_test_pvalue, sequence_counts
+from tests.test_drafters import NEW, PROMPT, V_SMALL, tiny_pair  # pylint: disable=unused-import
+
+P_MIN = 1e-5  # Each G-test fails a correct sampler with this probability.
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+def test_tree_structure():
+  tree = TokenTree((0, 0, 1, 1, 2, 4, 4, 3))
+  np.testing.assert_array_equal(tree.depths, [0, 1, 1, 2, 2, 2, 3, 3, 3])
+  assert tree.depth == 3 and tree.num_nodes == 8
+  np.testing.assert_array_equal(np.flatnonzero(tree.ancestors[6]), [0, 1, 4, 6])
+  np.testing.assert_array_equal(tree.children[1], [3, 4])
+  np.testing.assert_array_equal(tree.children[6], [-1, -1])
+  chain = TokenTree.chain_with_alternatives(3, 2)
+  assert chain.parents == (0, 1, 2, 0, 0, 1, 1, 2, 2)
+  np.testing.assert_array_equal(chain.children[0], [1, 4, 5])
+  assert TokenTree.chain_with_alternatives(2, 0) == TokenTree((0, 1))
+  for parents in [(), (1,), (0, 2), (0, -1)]:
+    with pytest.raises(ValueError):
+      TokenTree(parents)
+
+
+# --- The target's call on a tree -------------------------------------------------------------
+
+VOCAB = 61
+TREE = TokenTree((0, 0, 1, 1, 2, 4, 4, 3))
+N_TREE = TREE.num_nodes
+_extend = jax.jit(models.extend, static_argnums=0, static_argnames='tree')
+_tree_logits = jax.jit(models.tree_logits, static_argnums=(0, 3))
+
+
+def _path_logits(config, params, prefixes, tokens_BxT, tree: TokenTree) -> np.ndarray:
+  """float32[B, N + 1, V]: for each row and node, the uncached forward's logits at the end of the
+  row's prefix followed by the node's root-to-node tokens (one padded batch, one program)."""
+  width = 48
+  rows = []
+  for prefix, tokens_T in zip(prefixes, tokens_BxT):
+    for node in range(tree.num_nodes + 1):
+      seq = np.concatenate([prefix, tokens_T[tree.ancestors[node]]])
+      rows.append((np.pad(seq, (0, width - len(seq))), len(seq) - 1))
+  out = np.asarray(full_logits(config, params, jnp.asarray(np.stack([r[0] for r in rows]))))
+  last = out[np.arange(len(rows)), [r[1] for r in rows]]
+  return last.reshape(len(prefixes), tree.num_nodes + 1, -1)
+
+
+def test_tree_logits_are_each_paths_forward():
+  config = models.TransformerConfig(vocab_size=VOCAB, d_model=32, num_layers=2, num_heads=4,
+                                    num_kv_heads=2, d_ff=64, max_seq_len=64)
+  params = models.init_params(config, jax.random.key(0))
+  tokens_BxT = np.asarray(jax.random.randint(jax.random.key(1), (2, N_TREE + 1), 0, VOCAB))
+  expected = _path_logits(config, params, [np.zeros((0,), np.int32)] * 2, tokens_BxT, TREE)
+  np.testing.assert_allclose(_tree_logits(config, params, jnp.asarray(tokens_BxT), TREE),
+                             expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize('layout,window', [('xla', None), ('fused', None), ('xla', 3)])
+def test_a_tree_call_and_its_kept_path_decode_the_reference(layout, window):
+  """Rows at ragged lengths, each loop: a tree call whose root is the row's next token, one
+  random path carrying the sequence's true tokens and other tokens elsewhere. Every node's
+  logits are the uncached forward's on the row's tokens and the node's root-to-node tokens; the
+  path is then kept (`kv_cache.keep_path`) and decoding goes on from it. With a sliding window
+  (Gemma 2's layers) the rings hold window - 1 + N slots. Without keeping the path the next
+  loops' logits are wrong (so the check can fail)."""
+  extra = dict(sliding_window=window, global_layers=(1,)) if window else {}
+  config = models.TransformerConfig(vocab_size=VOCAB, d_model=32, num_layers=2, num_heads=4,
+                                    num_kv_heads=2, d_ff=64, max_seq_len=64, **extra)
+  params = models.init_params(config, jax.random.key(0))
+  model = models.Model(config, params)
+  if layout == 'fused':
+    model = models.fuse(model)
+  sequence_BxL = np.asarray(jax.random.randint(jax.random.key(1), (2, 40), 0, VOCAB))
+  rng = np.random.default_rng(0)
+  N = TREE.num_nodes
+
+  def run(keep):
+    lengths = np.array([3, 6])
+    _, cache = models.prefill(model.config, model.params, jnp.asarray(sequence_BxL[:, :6]),
+                              jnp.asarray(lengths), 48, rollback=N)
+    worst = 0.0
+    for _ in range(8):
+      if lengths.max() + TREE.depth + 1 >= 40:
+        break
+      ends = rng.integers(1, N + 1, size=2)  # Each row's path: the ancestors of one node.
+      tokens_BxT = rng.integers(0, VOCAB, size=(2, N + 1))
+      path_BxD = np.full((2, TREE.depth + 1), -1)
+      for b, (l, end) in enumerate(zip(lengths, ends)):
+        path = np.flatnonzero(TREE.ancestors[end])
+        path_BxD[b, :len(path)] = path
+        tokens_BxT[b, path] = sequence_BxL[b, l:l + len(path)]
+      out_BxTxV, cache = _extend(model.config, model.params,
+                                 cache.with_lengths(jnp.asarray(lengths)),
+                                 jnp.asarray(tokens_BxT), tree=TREE)
+      expected = _path_logits(config, params, [sequence_BxL[b, :l] for b, l in enumerate(lengths)],
+                              tokens_BxT, TREE)
+      worst = max(worst, float(np.abs(np.asarray(out_BxTxV) - expected).max()))
+      if keep:
+        cache = kv_cache.keep_path(cache, jnp.asarray(lengths), jnp.asarray(path_BxD))
+      lengths = lengths + (path_BxD >= 0).sum(1)
+    return worst
+
+  assert run(keep=True) < 1e-4
+  assert run(keep=False) > 1e-3
+
+
+def test_a_packed_target_refuses_a_tree():
+  config = models.TransformerConfig(vocab_size=VOCAB, d_model=32, num_layers=1, num_heads=4,
+                                    d_ff=64, max_seq_len=32)
+  model = models.pack(models.Model(config, models.init_params(config, jax.random.key(0))))
+  cache = models.init_cache(model.config, 1, 16)
+  with pytest.raises(ValueError, match='unpacked'):
+    models.extend(model.config, model.params, cache, jnp.zeros((1, N_TREE + 1), jnp.int32),
+                  tree=TREE)
+
+
+
+# --- The accept step against its exact law ---------------------------------------------------
+
+def _bigram_tree_draws(P, Q, tree: TokenTree, n: int, point_alternatives: bool, seed: int):
+  """n rows of a tree drafted from bigram laws Q (row V: after the root), children of a node
+  without replacement (the first drawn from Q, the others by Gumbel top-k of Q without the
+  earlier ones, or as point masses on Q's next best); the target's laws P likewise. Returns
+  the accept step's (path, n, token) and the node tokens."""
+  V = P.shape[1]
+  children = tree.children
+
+  def one(key):
+    draw_keys, gumbel_keys, accept_key = jnp.split(
+        jax.random.split(key, 2 * tree.num_nodes + 3), [tree.num_nodes + 1,
+                                                        2 * tree.num_nodes + 2])
+    tokens = [jnp.int32(V)] + [None] * tree.num_nodes  # The root's bigram row is V.
+    q = [None] * tree.num_nodes
+    valid = [None] * tree.num_nodes
+    for node in range(tree.num_nodes + 1):
+      kids = [c for c in children[node] if c > 0]
+      if not kids:
+        continue
+      law = Q[tokens[node]]
+      first = jax.random.categorical(draw_keys[node], jnp.log(law)).astype(jnp.int32)
+      rest = law.at[first].set(0.0)
+      if point_alternatives:
+        others = jnp.argsort(-rest)
+      else:
+        others = jnp.argsort(-(jnp.log(rest) + jax.random.gumbel(gumbel_keys[node], (V,))))
+      for j, c in enumerate(kids):
+        if j == 0:
+          tokens[c], q[c - 1], valid[c - 1] = first, law, jnp.bool_(True)
+          continue
+        t = others[j - 1].astype(jnp.int32)
+        tokens[c], valid[c - 1] = t, rest[t] > 0
+        q[c - 1] = (jax.nn.one_hot(t, V) if point_alternatives
+                    else rest / jnp.maximum(rest.sum(), 1e-30))
+        rest = rest.at[t].set(0.0)
+    p = jnp.stack([P[t] for t in tokens])
+    nodes = jnp.stack(tokens[1:])
+    return accept_tree(accept_key[0], p, jnp.stack(q), nodes, jnp.stack(valid), tree) + (nodes,)
+
+  return jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(seed), n))
+
+
+@pytest.mark.parametrize('point_alternatives', [False, True])
+def test_tree_accept_law_exact(point_alternatives):
+  """Bigram target and draft laws (V = 5) on a chain of 2 with 2 alternatives per slot: the
+  first 3 emitted tokens (the path's, the token after it, then drawn from P to complete rows that
+  emitted fewer) follow the target's joint law, the alternatives drawn without replacement or
+  as point masses; alternatives are accepted in a fifth of the rows or more. Skipping the
+  residual update after a rejected child fails this (p-value 0 in a trial)."""
+  V = 5
+  rng = np.random.default_rng(0)
+  P = rng.dirichlet(np.full(V, 0.7), size=V + 1).astype(np.float32)
+  Q = rng.dirichlet(np.full(V, 0.7), size=V + 1).astype(np.float32)
+  tree = TokenTree.chain_with_alternatives(2, 2)
+  n_rows = 100_000
+  path, n, token, nodes = map(np.asarray, _bigram_tree_draws(
+      jnp.asarray(P), jnp.asarray(Q), tree, n_rows, point_alternatives, seed=1))
+  all_tokens = np.concatenate([np.full((n_rows, 1), -1), nodes], axis=1)
+  emitted = np.zeros((n_rows, 3), np.int64)
+  for r in range(n_rows):
+    row = [all_tokens[r, node] for node in path[r, 1:n[r] + 1]] + [token[r]]
+    while len(row) < 3:
+      row.append(rng.choice(V, p=P[row[-1]] / P[row[-1]].sum()))
+    emitted[r] = row[:3]
+  counts = np.zeros((V, V, V))
+  np.add.at(counts, tuple(emitted.T), 1)
+  law = np.einsum('a,ab,bc->abc', P[V], P[:V], P[:V])
+  assert g_test_pvalue(counts, law) > P_MIN
+  assert np.mean((path > tree.depth).any(axis=1)) > 0.1  # Alternatives were accepted.
+
+
+# --- SpS with alternatives --------------------------------------------------------------------
+
+ROWS = 100_000
+
+
+@pytest.mark.parametrize('sampling,draft_sampling,k', [
+    (SamplingConfig(), None, 3),
+    (SamplingConfig(temperature=0.9, top_p=0.8), GREEDY, 2)])
+def test_sps_with_alternatives_samples_the_target_law(tiny_pair, sampling, draft_sampling, k):
+  """100,000 rows, 3 tokens each, 2 alternatives per slot (sampled without replacement, or the
+  greedy draft's next best as point masses), against the enumerated law; the tree accepts more
+  drafts a loop than the chain. Power as test_speculative's law tests (TV 0.012-0.018)."""
+  target, draft = tiny_pair
+  prompts = np.tile(np.array(PROMPT, np.int32), (ROWS, 1))
+  lengths = np.full((ROWS,), len(PROMPT), np.int32)
+  run = lambda drafter, rows=ROWS: speculative_sample(
+      target, draft, prompts[:rows], lengths[:rows], jax.random.key(k), k=k, max_new_tokens=NEW,
+      sampling=sampling, draft_sampling=draft_sampling, drafter=drafter)
+  out = run(drafters.ModelDrafter(alternatives=2))
+  pvalue = g_test_pvalue(sequence_counts(np.asarray(out.tokens), V_SMALL),
+                         exact_sequence_law(target, PROMPT, NEW, sampling))
+  assert pvalue > P_MIN, f'G-test p-value {pvalue:.2e}'
+  chain = run(drafters.ModelDrafter(), ROWS // 10)
+  per_loop = lambda o: float(np.sum(o.num_accepted)) / float(np.sum(o.num_loops))
+  assert per_loop(out) > 1.3 * per_loop(chain)
+
+
+def test_greedy_sps_with_alternatives_is_greedy_ars(tiny_pair):
+  """Ragged prompts, an eos: greedy SpS with 3 alternatives a slot gives ArS's tokens, k = 1 and
+  4, with prompt lookup's drafts (`Hybrid`) at k = 3, and on a 4 x 2 mesh at k = 2."""
+  target, draft = tiny_pair
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(0, V_SMALL, (8, 4)).astype(np.int32)
+  lengths = np.array([4, 3, 1, 4, 2, 4, 3, 1], np.int32)
+  ars = autoregressive_sample(target, prompts, lengths, jax.random.key(0), max_new_tokens=9,
+                              sampling=GREEDY, eos_id=5)
+  for k, drafter, mesh in [(1, drafters.ModelDrafter(alternatives=3), None),
+                           (4, drafters.ModelDrafter(alternatives=3), None),
+                           (3, drafters.Hybrid(alternatives=3), None),
+                           (2, drafters.ModelDrafter(alternatives=3), mesh_from_axes(4, 2))]:
+    out = speculative_sample(target, draft, prompts, lengths, jax.random.key(0), k=k,
+                             max_new_tokens=9, sampling=GREEDY, eos_id=5, drafter=drafter,
+                             mesh=mesh)
+    np.testing.assert_array_equal(out.tokens, ars.tokens, err_msg=f'k={k}, {drafter}, {mesh}')
+    np.testing.assert_array_equal(out.num_generated, ars.num_generated)
+
+
+def test_alternatives_refuse_what_they_do_not_run_with(tiny_pair):
+  target, draft = tiny_pair
+  call = lambda t=target, **kw: speculative_sample(
+      t, draft, np.zeros((1, 2), np.int32), np.array([2], np.int32), jax.random.key(0), k=2,
+      max_new_tokens=4, drafter=kw.pop('drafter', drafters.ModelDrafter(alternatives=1)), **kw)
+  with pytest.raises(ValueError, match='lenience'):
+    call(lenience=0.5)
+  with pytest.raises(ValueError, match='repetition penalty'):
+    call(sampling=SamplingConfig(repetition_penalty=1.2))
+  with pytest.raises(ValueError, match='unpacked'):
+    call(t=models.pack(target))
+  with pytest.raises(ValueError, match='vocabulary'):
+    call(drafter=drafters.ModelDrafter(alternatives=V_SMALL))
+  with pytest.raises(ValueError, match='stop_below'):
+    drafters.ModelDrafter(alternatives=1, stop_below=0.5)
+  with pytest.raises(ValueError, match='alternatives'):
+    drafters.ModelDrafter(alternatives=-1)
