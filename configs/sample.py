@@ -10,8 +10,9 @@ axes), runlocal (fewer tokens); drafter (model | lookup | hybrid | feature | hea
 `spsjax.sampling.drafter_config`; feature and heads draft with `draft_name`, a head trained by
 configs/train.py model=feature or heads, e.g. draft_name=feature), max_ngram, min_ngram
 (prompt lookup's n-grams), stop_below (dynamic k: a model draft stops below this confidence),
-alternatives (a tree: that many other tokens beside each model draft; the target then runs on
-XLA's attention, unpacked),
+alternatives (a tree: that many other tokens beside each model draft), branching (drafter tree:
+children per node at each depth joined by +, e.g. 3+2+1, k its length); with a tree the target
+(and the tree drafter's draft) run unpacked, on XLA's attention,
 lenience (in (0, 1]; below 1 is LOSSY: SpS no longer samples the target's law); hf_target,
 hf_draft (Hugging Face checkpoint directories with config.json, safetensors and tokenizer.json, in
 place of root's target and draft); hf_sampling (sample as the hf_target's generation_config.json
@@ -33,8 +34,8 @@ def get_config(arg=None):
                 top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, seed=0, data=1,
                 model_axis=1, runlocal=False,
                 draft_weights='w8a8', drafter='model', max_ngram=3, min_ngram=1,
-                stop_below=0.0, alternatives=0, lenience=1.0, hf_target='', hf_draft='',
-                hf_sampling=False, hf_ignore='')
+                stop_below=0.0, alternatives=0, branching='', lenience=1.0, hf_target='',
+                hf_draft='', hf_sampling=False, hf_ignore='')
   c = ml_collections.ConfigDict()
   c.root = a.root
   c.target_name = a.hf_target or 'target'
@@ -45,14 +46,18 @@ def get_config(arg=None):
     raise ValueError(f'k must be an integer >= 1 or auto, got {a.k!r}.')
   if a.k_max < 1:
     raise ValueError(f'k_max must be >= 1, got {a.k_max}.')
-  if a.k == 'auto' and a.alternatives:
+  if a.k == 'auto' and (a.alternatives or a.branching or a.drafter == 'tree'):
     raise ValueError('k=auto chooses among chains of drafts (its cost model has no trees); pass '
-                     'a k with alternatives.')
+                     'a k with alternatives or a tree.')
+  if a.branching and a.k != str(len(a.branching.split('+'))):
+    raise ValueError(f'branching={a.branching} drafts trees of depth '
+                     f'{len(a.branching.split("+"))}: pass that as k (got k={a.k}).')
   c.k = a.k if a.k == 'auto' else int(a.k)
   c.k_max = a.k_max  # With k=auto: the largest k the policy considers.
   c.recalibrate = a.recalibrate
   c.drafter = dict(kind=a.drafter, max_ngram=a.max_ngram, min_ngram=a.min_ngram,
-                   stop_below=a.stop_below, alternatives=a.alternatives)
+                   stop_below=a.stop_below, alternatives=a.alternatives,
+                   branching=a.branching)
   c.lenience = a.lenience  # < 1: LOSSY (Leviathan et al.'s lenience), labelled in the output.
   c.model = presets.get(a.model)
   c.draft = presets.get(a.draft)

@@ -17,8 +17,10 @@ float32; SpS stays exact, the target is float32 either way; float32 for the draf
 drafter (model | lookup |
 hybrid | feature | heads: `spsjax.sampling.drafter_config`; feature and heads take a head trained by
 configs/train.py model=feature or heads as `draft`), max_ngram, min_ngram, stop_below (dynamic k),
-alternatives (a tree of drafts: that many other tokens beside each; ArS and SpS then share an
-unpacked target, XLA's attention), lenience (in (0, 1]; below 1 is LOSSY, labelled in the title and the SpS rows with its total variation);
+alternatives (a tree of drafts: that many other tokens beside each), branching (drafter tree:
+children per node at each depth joined by +, k its length; with a tree ArS and SpS share an
+unpacked target on XLA's attention), lenience (in (0, 1]; below 1 is LOSSY, labelled in the title
+and the SpS rows with its total variation);
 hf_target, hf_draft (Hugging Face checkpoint directories in place of root's target and draft).
 The table (printed and in `table.md`) opens with `title`, a template of config fields (`{root}`),
 and for the demo and runlocal variants a note that they check the pipeline and measure little.
@@ -38,8 +40,8 @@ def get_config(arg=None):
   a = parse_arg(arg, root=REFERENCE_ROOT, draft='', k='4', k_max=8, humaneval=164,
                 docstrings=200, code=200, batches='1+8', seed=0, results='', runlocal=False, demo=False,
                 data=1, model_axis=1, draft_weights='w8a8', drafter='model', max_ngram=3,
-                min_ngram=1, stop_below=0.0, alternatives=0, lenience=1.0, hf_target='',
-                hf_draft='', recalibrate=False)
+                min_ngram=1, stop_below=0.0, alternatives=0, branching='', lenience=1.0,
+                hf_target='', hf_draft='', recalibrate=False)
   if a.demo:
     a.humaneval, a.docstrings, a.code, a.batches = 8, 8, 8, '1'
   c = ml_collections.ConfigDict()
@@ -50,15 +52,19 @@ def get_config(arg=None):
   c.target_path = a.hf_target or os.path.join(a.root, 'target')
   c.draft_weights = a.draft_weights  # The draft's packed weights (native CPU path).
   c.drafter = dict(kind=a.drafter, max_ngram=a.max_ngram, min_ngram=a.min_ngram,
-                   stop_below=a.stop_below, alternatives=a.alternatives)
+                   stop_below=a.stop_below, alternatives=a.alternatives,
+                   branching=a.branching)
   c.lenience = a.lenience  # < 1: LOSSY.
   if a.k != 'auto' and not (a.k.isdigit() and int(a.k) >= 1):
     raise ValueError(f'k must be an integer >= 1 or auto, got {a.k!r}.')
   if a.k_max < 1:
     raise ValueError(f'k_max must be >= 1, got {a.k_max}.')
-  if a.k == 'auto' and a.alternatives:
+  if a.k == 'auto' and (a.alternatives or a.branching or a.drafter == 'tree'):
     raise ValueError('k=auto chooses among chains of drafts (its cost model has no trees); pass '
-                     'a k with alternatives.')
+                     'a k with alternatives or a tree.')
+  if a.branching and a.k != str(len(a.branching.split('+'))):
+    raise ValueError(f'branching={a.branching} drafts trees of depth '
+                     f'{len(a.branching.split("+"))}: pass that as k (got k={a.k}).')
   c.k = a.k if a.k == 'auto' else int(a.k)
   c.k_max = a.k_max  # k=auto: each row calibrates, then each call runs at k in 0 .. k_max.
   c.recalibrate = a.recalibrate
@@ -79,7 +85,7 @@ def get_config(arg=None):
   if a.drafter != 'model' or a.stop_below or a.alternatives:
     c.title += (f'\n\nDrafter: {a.drafter} (n-grams {a.max_ngram} down to {a.min_ngram}; '
                 f'dynamic k below confidence {a.stop_below}; 0: fixed k; '
-                f'{a.alternatives} alternatives a slot).')
+                f'{a.alternatives} alternatives a slot; tree branching {a.branching or "-"}).')
   if a.lenience < 1:
     c.title += (f'\n\nLOSSY: lenience {a.lenience} accepts a draft with probability '
                 f'min(1, p / ({a.lenience} q)); SpS does not sample the target\'s law. TV: the mean '

@@ -53,11 +53,12 @@ def main(argv):
                                             draft_weights=c.draft_weights)
   draft = drafts.get(c.draft)
   if c.k != 'auto':
-    unpacked = speculative.target_for(target, drafter, c.k)
-    if unpacked is not target:
-      print0('NOTE: ArS and SpS run the target unpacked, on XLA\'s attention (a tree of drafts '
-             'needs its mask; the native CPU kernels are causal only).')
-    target = unpacked
+    unpacked = speculative.models_for(target, draft, drafter, c.k)
+    if unpacked[0] is not target or unpacked[1] is not draft:
+      print0('NOTE: unpacked for XLA\'s attention (a tree of drafts needs its mask; the native '
+             'CPU kernels are causal only): the target (ArS runs it too)' + (
+                 ' and the draft' if unpacked[1] is not draft else '') + '.')
+    target, draft = unpacked
   draft_params = models.num_params(draft.params) if draft else 0
   c_hat = draft_params / models.num_params(target.params)
   lossy = (f'; LOSSY: lenience {c.lenience}, the output law is not the target\'s'

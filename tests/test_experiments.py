@@ -86,16 +86,24 @@ def test_sample_sps_on_random_models_with_k_auto(tmp_path):
   assert 'auto chooses k = ' in run.stdout and 'k=auto chose k = [' in run.stdout
 
 
-@pytest.mark.parametrize('drafter', ['lookup', 'hybrid,stop_below=0.2,lenience=0.5'])
-def test_sample_sps_with_other_drafters(drafter):
+@pytest.mark.parametrize('drafter,name', [
+    ('lookup', 'PromptLookup(max_ngram=3'),
+    ('hybrid,stop_below=0.2,lenience=0.5', 'Hybrid(stop_below=0.2'),
+    ('tree,branching=2+1+1', 'TreeDrafter(branching=(2, 1, 1))'),
+    ('model,alternatives=2', 'ModelDrafter(stop_below=0.0, alternatives=2)')])
+def test_sample_sps_with_other_drafters(drafter, name):
   run = _run('experiments/sample.py',
              f'--config=configs/sample.py:method=sps,k=3,batch=2,runlocal,drafter={drafter}',
              '--config.repeats=1')
   assert run.returncode == 0, run.stderr[-3000:]
-  name = 'PromptLookup(max_ngram=3' if drafter == 'lookup' else 'Hybrid(stop_below=0.2'
   assert f'drafter {name}' in run.stdout and run.stdout.count('--- row ') == 2, run.stdout[-2000:]
   assert ('LOSSY: lenience 0.5' in run.stdout) == ('lenience' in drafter)
-  assert 'proposed-drafts histogram [' in run.stdout  # Both drafters are ragged.
+  ragged = drafter.startswith(('lookup', 'hybrid'))
+  assert ('proposed-drafts histogram [' in run.stdout) == ragged
+  # A tree runs the target (and the tree drafter's draft) unpacked, on XLA's attention.
+  unpacked = 'NOTE: unpacked for XLA\'s attention'
+  assert (unpacked in run.stdout) == (not ragged), run.stdout[-2000:]
+  assert (' and the draft.' in run.stdout) == drafter.startswith('tree')
 
 
 def test_bad_config_argument_is_a_clear_error(run_to_error):
@@ -156,7 +164,11 @@ def _one_line_error(run, *parts):
       'stop_below=0.5'],
      ['stop_below=0.5: prompt lookup has no draft model']),
     (['experiments/sample.py', '--config=configs/sample.py:method=sps,drafter=ngram'],
-     ["Unknown drafter 'ngram'; known: ['model', 'lookup', 'hybrid', 'feature', 'heads']."]),
+     ["Unknown drafter 'ngram'; known: ['model', 'lookup', 'hybrid', 'feature', 'heads', "
+      "'tree']."]),
+    (['experiments/sample.py', '--config=configs/sample.py:method=sps,drafter=tree,'
+      'branching=2+1'],
+     ['branching=2+1 drafts trees of depth 2: pass that as k (got k=4).']),
     (['experiments/sample.py', '--config=configs/sample.py:method=sps,k=0'],
      ["k must be an integer >= 1 or auto, got '0'."]),
     (['experiments/sweep.py', '--config=configs/sweep.py:sweep=drafter,ks=2+x'],

@@ -1,6 +1,8 @@
-"""Trees of drafts: the tree's structure, the target's call on a tree against the reference
-forward, keeping a path in the cache, the tree's accept step against its exact law, and SpS with
-alternatives (exact, greedy parity with ArS)."""
+"""Trees of drafts: the tree's structure, a model's call on a tree against the reference forward,
+keeping a path in the cache, the tree's accept step against its exact law, and SpS with
+alternatives and with a tree drafter (exact, greedy parity with ArS, caches after every loop)."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -10,11 +12,15 @@ import pytest
 from spsjax import models
 from spsjax.sharding import mesh_from_axes
 from spsjax.models import TokenTree, kv_cache
-from spsjax.sampling import SamplingConfig, autoregressive_sample, drafters, speculative_sample
+from spsjax.sampling import (SamplingConfig, autoregressive_sample, drafter_config, drafters,
+                             speculative, speculative_sample)
 from spsjax.sampling.rejection import accept_tree
+from spsjax.sampling.tree_drafters import TreeDrafter
 from tests.forwards import full_logits
 from tests.stats import exact_sequence_law, g_test_pvalue, sequence_counts
 from tests.test_drafters import NEW, PROMPT, V_SMALL, tiny_pair  # pylint: disable=unused-import
+from tests.test_speculative import (  # pylint: disable=unused-import
+    _ragged, _run_checking_caches, pair)
 
 P_MIN = 1e-5  # Each G-test fails a correct sampler with this probability.
 GREEDY = SamplingConfig(temperature=0.0)
@@ -34,6 +40,13 @@ def test_tree_structure():
   for parents in [(), (1,), (0, 2), (0, -1)]:
     with pytest.raises(ValueError):
       TokenTree(parents)
+  full = TokenTree.full((2, 3, 1))
+  assert full.parents == (0, 0, 1, 1, 1, 2, 2, 2) + tuple(range(3, 9))
+  assert full.levels == ((0, 1), (1, 2), (3, 6), (9, 6))
+  with pytest.raises(ValueError, match='breadth-first'):
+    _ = chain.levels  # The chain's nodes come before the alternatives of depth 1.
+  with pytest.raises(ValueError):
+    TokenTree.full((2, 0))
 
 
 # --- The target's call on a tree -------------------------------------------------------------
@@ -229,23 +242,27 @@ def test_sps_with_alternatives_samples_the_target_law(tiny_pair, sampling, draft
   assert per_loop(out) > 1.3 * per_loop(chain)
 
 
-def test_greedy_sps_with_alternatives_is_greedy_ars(tiny_pair):
-  """Ragged prompts, an eos: greedy SpS with 3 alternatives a slot gives ArS's tokens, k = 1 and
-  4, with prompt lookup's drafts (`Hybrid`) at k = 3, and on a 4 x 2 mesh at k = 2."""
+def test_greedy_sps_with_trees_is_greedy_ars(tiny_pair):
+  """Ragged prompts, an eos: greedy SpS gives ArS's tokens with 3 alternatives a slot (k = 1 and
+  4; `Hybrid`'s lookup drafts at k = 3) and with tree drafters of three shapes, one of each on a
+  4 x 2 mesh."""
   target, draft = tiny_pair
   rng = np.random.default_rng(0)
   prompts = rng.integers(0, V_SMALL, (8, 4)).astype(np.int32)
   lengths = np.array([4, 3, 1, 4, 2, 4, 3, 1], np.int32)
   ars = autoregressive_sample(target, prompts, lengths, jax.random.key(0), max_new_tokens=9,
                               sampling=GREEDY, eos_id=5)
-  for k, drafter, mesh in [(1, drafters.ModelDrafter(alternatives=3), None),
-                           (4, drafters.ModelDrafter(alternatives=3), None),
-                           (3, drafters.Hybrid(alternatives=3), None),
-                           (2, drafters.ModelDrafter(alternatives=3), mesh_from_axes(4, 2))]:
+  mesh = mesh_from_axes(4, 2)
+  for k, drafter, on in [(1, drafters.ModelDrafter(alternatives=3), None),
+                         (4, drafters.ModelDrafter(alternatives=3), None),
+                         (3, drafters.Hybrid(alternatives=3), None),
+                         (2, drafters.ModelDrafter(alternatives=3), mesh),
+                         (1, TreeDrafter((3,)), None), (4, TreeDrafter((1, 2, 2, 1)), None),
+                         (2, TreeDrafter((2, 2)), mesh)]:
     out = speculative_sample(target, draft, prompts, lengths, jax.random.key(0), k=k,
                              max_new_tokens=9, sampling=GREEDY, eos_id=5, drafter=drafter,
-                             mesh=mesh)
-    np.testing.assert_array_equal(out.tokens, ars.tokens, err_msg=f'k={k}, {drafter}, {mesh}')
+                             mesh=on)
+    np.testing.assert_array_equal(out.tokens, ars.tokens, err_msg=f'k={k}, {drafter}, {on}')
     np.testing.assert_array_equal(out.num_generated, ars.num_generated)
 
 
@@ -266,3 +283,68 @@ def test_alternatives_refuse_what_they_do_not_run_with(tiny_pair):
     drafters.ModelDrafter(alternatives=1, stop_below=0.5)
   with pytest.raises(ValueError, match='alternatives'):
     drafters.ModelDrafter(alternatives=-1)
+
+
+# --- A draft model drafting a full tree -------------------------------------------------------
+
+def test_sps_with_a_tree_drafter_samples_the_target_law(tiny_pair):
+  """100,000 rows, 3 tokens each, a draft drafting a tree of branching (2, 2) at temperature 1,
+  against the enumerated law (power as test_speculative's, TV 0.018); it accepts more drafts a
+  loop than the chain of 2."""
+  target, draft = tiny_pair
+  prompts = np.tile(np.array(PROMPT, np.int32), (ROWS, 1))
+  lengths = np.full((ROWS,), len(PROMPT), np.int32)
+  run = lambda drafter, rows=ROWS: speculative_sample(
+      target, draft, prompts[:rows], lengths[:rows], jax.random.key(3), k=2, max_new_tokens=NEW,
+      drafter=drafter)
+  out = run(TreeDrafter((2, 2)))
+  pvalue = g_test_pvalue(sequence_counts(np.asarray(out.tokens), V_SMALL),
+                         exact_sequence_law(target, PROMPT, NEW, SamplingConfig()))
+  assert pvalue > P_MIN, f'G-test p-value {pvalue:.2e}'
+  chain = run(drafters.ModelDrafter(), ROWS // 10)
+  per_loop = lambda o: float(np.sum(o.num_accepted)) / float(np.sum(o.num_loops))
+  assert per_loop(out) > 1.3 * per_loop(chain)
+
+
+@pytest.mark.parametrize('drafter', [TreeDrafter((2, 2, 1)),
+                                     drafters.ModelDrafter(alternatives=2)], ids=str)
+def test_tree_caches_equal_fresh_prefill_after_every_loop(pair, drafter):
+  """Stepping the loop: after every loop the target cache holds exactly the committed tokens but
+  the last and the draft cache at least all but the last two, slot for slot as a fresh prefill
+  (the accepted path moved to its positions' slots), with every outcome of the tree seen."""
+  target, draft = pair
+  prompts, lengths = _ragged(5, batch=6)
+  loop = speculative.Loop(k=3, max_new_tokens=14, sampling=SamplingConfig(temperature=1.5),
+                          draft_sampling=SamplingConfig(temperature=1.5), drafter=drafter)
+  accepted = _run_checking_caches(target, draft, loop, prompts, lengths, jax.random.key(4))
+  assert set(np.concatenate(accepted).tolist()) - {-1} == {0, 1, 2, 3}
+
+
+def test_the_tree_drafter_refuses_what_it_does_not_run_with(tiny_pair):
+  target, draft = tiny_pair
+  call = lambda d=draft, k=2, drafter=TreeDrafter((2, 1)): speculative_sample(
+      target, d, np.zeros((1, 2), np.int32), np.array([2], np.int32), jax.random.key(0), k=k,
+      max_new_tokens=4, drafter=drafter)
+  with pytest.raises(ValueError, match='k=2'):
+    call(k=3)
+  with pytest.raises(ValueError, match='unpacked draft'):
+    call(d=models.pack(draft))
+  windowed = models.Model(dataclasses.replace(draft.config, sliding_window=2), draft.params)
+  with pytest.raises(ValueError, match='sliding-window'):
+    call(d=windowed)
+  with pytest.raises(ValueError, match='more children'):
+    call(drafter=TreeDrafter((V_SMALL + 1, 1)))
+  packed_target, packed_draft = models.pack(target), models.pack(draft)
+  unpacked = speculative.models_for(packed_target, packed_draft, TreeDrafter((2, 1)), 2)
+  assert [m.config.kernels for m in unpacked] == ['xla', 'xla']
+  unpacked = speculative.models_for(packed_target, packed_draft,
+                                    drafters.ModelDrafter(alternatives=1), 2)
+  assert unpacked[0].config.kernels == 'xla' and unpacked[1] is packed_draft
+  as_is = speculative.models_for(packed_target, packed_draft, drafters.ModelDrafter(), 2)
+  assert as_is[0] is packed_target and as_is[1] is packed_draft
+  assert drafter_config.build('tree', branching='3+2') == TreeDrafter((3, 2))
+  assert drafter_config.build('tree') == TreeDrafter()
+  for kw in [dict(kind='model', branching='2'),
+             dict(kind='tree', branching='2+x'), dict(kind='lookup', alternatives=1)]:
+    with pytest.raises(ValueError):
+      drafter_config.build(**kw)

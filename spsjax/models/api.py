@@ -139,7 +139,8 @@ def extend_with_features(config: TransformerConfig, params, cache: kv_cache.KVCa
 
 def extend(config: TransformerConfig, params, cache: kv_cache.KVCache, tokens_BxT: jax.Array,
            logits_at_BxL: jax.Array | None = None, counts_B: jax.Array | None = None,
-           tree: TokenTree | None = None) -> tuple[jax.Array, kv_cache.KVCache]:
+           tree: TokenTree | None = None, first_node: int = 0
+           ) -> tuple[jax.Array, kv_cache.KVCache]:
   """Appends T tokens to each row at its own offset: (float32[B, T, V], cache with lengths + T).
 
   `logits_at_BxL` (int32 indices into T): return only those positions' logits, [B, L, V], and
@@ -147,26 +148,28 @@ def extend(config: TransformerConfig, params, cache: kv_cache.KVCache, tokens_Bx
   `counts_B`: only row b's first counts[b] tokens are real (right padding; 0 for a row that
   decodes no more): the others' logits and cache slots are unspecified, and a model packed for
   CPU decoding skips their work.
-  `tree`: the T tokens are a token tree's root and nodes (T = tree.num_nodes + 1): node t is
-  written at slot lengths + t, at position lengths + its depth, and attends to the cache and its
-  ancestors (`token_tree`; unpacked models). The cache's lengths still advance by T: the caller
-  keeps a path (`kv_cache.keep_path`) and sets the lengths.
+  `tree`: the T tokens are a token tree's nodes `first_node` .. first_node + T - 1 (all of them,
+  the root first, by default), its root at the cache's length: node m is written at slot
+  lengths + m, at position lengths + its depth, and attends to the cache before the root and to
+  its ancestors (`token_tree`; unpacked models; a call on part of a tree reads the nodes earlier
+  calls wrote, and needs full caches, no rings). The returned lengths are lengths + first_node +
+  T: the caller keeps a path (`kv_cache.keep_path`) and sets the lengths.
   The caller guarantees lengths + T <= cache capacity (a write past the end would be clamped).
   """
   T = tokens_BxT.shape[1]
-  offsets_T = jnp.arange(T, dtype=jnp.int32) if tree is None else _tree_depths(tree, T)
-  positions_BxT = cache.lengths[:, None] + offsets_T[None, :]
-  out, (k, v) = Transformer(config).apply(
-      {'params': params}, tokens_BxT, positions_BxT, cache, logits_at_BxL, counts_B,
-      tree_TxT=None if tree is None else jnp.asarray(tree.ancestors))
+  mask = None
+  if tree is None and first_node:
+    raise ValueError(f'first_node={first_node} is a node of a tree: pass the tree.')
+  if tree is None:
+    offsets_T = jnp.arange(T, dtype=jnp.int32)
+  else:
+    mask = tree.mask(first_node, T)
+    offsets_T = mask.depths_M[first_node:first_node + T]
+    cache = cache.with_lengths(cache.lengths + first_node)  # Where the call's first node goes.
+  positions_BxT = cache.lengths[:, None] - first_node + offsets_T[None, :]
+  out, (k, v) = Transformer(config).apply({'params': params}, tokens_BxT, positions_BxT, cache,
+                                          logits_at_BxL, counts_B, tree=mask)
   return out, kv_cache.KVCache(k=k, v=v, lengths=cache.lengths + T)
-
-
-def _tree_depths(tree: TokenTree, T: int) -> jax.Array:
-  if T != tree.num_nodes + 1:
-    raise ValueError(f'A call on a token tree of {tree.num_nodes} nodes takes {tree.num_nodes + 1} '
-                     f'tokens (the root first), got {T}.')
-  return jnp.asarray(tree.depths)
 
 
 def tree_logits(config: TransformerConfig, params, tokens_BxT: jax.Array,
@@ -174,9 +177,9 @@ def tree_logits(config: TransformerConfig, params, tokens_BxT: jax.Array,
   """No cache: a token tree's root (at position 0) and nodes, each seeing its ancestors:
   float32[B, N + 1, V]; node t's logits are `logits` of its root-to-node path at its last
   position (the reference for `extend`'s `tree`)."""
-  positions_BxT = jnp.broadcast_to(_tree_depths(tree, tokens_BxT.shape[1]), tokens_BxT.shape)
-  out, _ = Transformer(config).apply({'params': params}, tokens_BxT, positions_BxT,
-                                     tree_TxT=jnp.asarray(tree.ancestors))
+  mask = tree.mask(0, tokens_BxT.shape[1])
+  positions_BxT = jnp.broadcast_to(mask.depths_M, tokens_BxT.shape)
+  out, _ = Transformer(config).apply({'params': params}, tokens_BxT, positions_BxT, tree=mask)
   return out
 
 

@@ -1,9 +1,11 @@
-"""A static tree of draft tokens, and the target's view of it: depths and ancestors.
+"""A static tree of draft tokens, and a model's view of it: depths and ancestors.
 
 Node 0 is the root (the last committed token); nodes 1 .. N are drafts, each after its parent
-(`parents[i - 1]` is node i's parent, a node before it). A target call on a tree (`models.extend`'s
+(`parents[i - 1]` is node i's parent, a node before it). A model call on a tree (`models.extend`'s
 `tree`) writes node i's keys and values at cache slot `length + i` and rotates them at position
 `length + depth(i)`; node i attends to the cached positions and to its ancestors and itself only.
+A call may write a run of nodes only (`first_node`): a draft model extends a tree level by level
+(`levels`, for a tree in breadth-first order), reading the levels it wrote before.
 The children of a node are tried in node order (`children`): the first is the draft model's own
 draw, the later ones its alternatives.
 
@@ -13,8 +15,18 @@ path moved to slots `length + depth` (`kv_cache.keep_path`) never reads a slot i
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+
+class TreeMask(NamedTuple):
+  """What a model call on the nodes first .. first + T - 1 of a tree of M = N + 1 nodes needs."""
+  ancestors_TxM: jax.Array  # bool: [t, m] iff node m is node first + t or one of its ancestors.
+  depths_M: jax.Array  # int32: every node's depth.
+  first: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +53,20 @@ class TokenTree:
     chain = tuple(range(k))
     leaves = tuple(i for i in range(k) for _ in range(alternatives))
     return cls(chain + leaves)
+
+  @classmethod
+  def full(cls, branching) -> 'TokenTree':
+    """Every node at depth d - 1 with branching[d - 1] children (d = 1 .. len(branching)), in
+    breadth-first order: sum over d of prod(branching[:d]) nodes."""
+    branching = tuple(int(b) for b in branching)
+    if not branching or min(branching) < 1:
+      raise ValueError(f'A full tree needs branching factors >= 1, got {branching}.')
+    parents, level = [], [0]
+    for b in branching:
+      first = len(parents) + 1
+      parents += [node for node in level for _ in range(b)]
+      level = list(range(first, len(parents) + 1))
+    return cls(tuple(parents))
 
   @property
   def num_nodes(self) -> int:
@@ -78,3 +104,23 @@ class TokenTree:
       kids[parent].append(i)
     width = max(1, max(len(k) for k in kids))
     return np.asarray([k + [-1] * (width - len(k)) for k in kids], np.int32)
+
+  @functools.cached_property
+  def levels(self) -> tuple[tuple[int, int], ...]:
+    """(first node, count) of each depth 0 .. depth, for a tree in breadth-first order (its
+    depths never decrease along the nodes); ValueError otherwise."""
+    depths = self.depths
+    if np.any(np.diff(depths) < 0):
+      raise ValueError(f'The tree {self.parents} is not in breadth-first order: a draft model '
+                       'extends trees level by level.')
+    return tuple((int(np.argmax(depths == d)), int(np.sum(depths == d)))
+                 for d in range(self.depth + 1))
+
+  def mask(self, first: int = 0, count: int | None = None) -> TreeMask:
+    """The `TreeMask` of a call on nodes first .. first + count - 1 (default: to the last)."""
+    count = self.num_nodes + 1 - first if count is None else count
+    if not (0 <= first and count >= 1 and first + count <= self.num_nodes + 1):
+      raise ValueError(f'Nodes {first} .. {first + count - 1} are not in a tree of '
+                       f'{self.num_nodes + 1} nodes (the root included).')
+    return TreeMask(jnp.asarray(self.ancestors[first:first + count]), jnp.asarray(self.depths),
+                    first)

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from spsjax import native
 from spsjax.models import kv_cache, rope
 from spsjax.models.config import GATED_MLPS, TransformerConfig
+from spsjax.models.token_tree import TreeMask
 
 
 def _param(module, name, shape, names, fan_in, dtype, zeros=False):
@@ -155,21 +156,28 @@ class RMSNorm(nn.Module):
     return self(x_BxTxD), None
 
 
-def _tree_slots(tree_TxT, positions_BxT, starts_B, num_slots: int):
-  """A full cache's key positions and mask for a token tree written at slots starts + t
-  (`token_tree`): slot starts + t holds node t at positions[t]; node t sees the slots before
-  starts and, of the tree's, its ancestors' only."""
-  T = positions_BxT.shape[1]
-  slot_BxS = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (starts_B.shape[0],
+def _tree_slots(tree: TreeMask, roots_B, num_slots: int):
+  """A full cache's key positions and mask for a call on a tree whose root is at slot roots
+  (`token_tree`): slot roots + m holds node m at position roots + depth(m); the call's nodes see
+  the slots before the root and, of the tree's, their ancestors' only."""
+  M = tree.depths_M.shape[0]
+  slot_BxS = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (roots_B.shape[0],
                                                                          num_slots))
-  node_BxS = slot_BxS - starts_B[:, None]
-  in_tree_BxS = (node_BxS >= 0) & (node_BxS < T)
-  node_BxS = jnp.clip(node_BxS, 0, T - 1)
-  key_pos_BxS = jnp.where(in_tree_BxS, jnp.take_along_axis(positions_BxT, node_BxS, axis=1),
-                          slot_BxS)
-  allowed_BxTxS = ~in_tree_BxS[:, None, :] | jnp.take(tree_TxT, node_BxS, axis=1).transpose(
-      1, 0, 2)
+  node_BxS = slot_BxS - roots_B[:, None]
+  in_tree_BxS = (node_BxS >= 0) & (node_BxS < M)
+  node_BxS = jnp.clip(node_BxS, 0, M - 1)
+  key_pos_BxS = jnp.where(in_tree_BxS, roots_B[:, None] + tree.depths_M[node_BxS], slot_BxS)
+  allowed_BxTxS = ~in_tree_BxS[:, None, :] | jnp.take(tree.ancestors_TxM, node_BxS,
+                                                      axis=1).transpose(1, 0, 2)
   return key_pos_BxS, allowed_BxTxS
+
+
+def _whole_tree(tree: TreeMask, T: int, where: str) -> jax.Array:
+  """The mask of a call on a whole tree (first node 0, all M nodes), which `where` needs."""
+  if tree.first != 0 or tree.ancestors_TxM.shape[1] != T:
+    raise ValueError(f'{where} takes a token tree in one call, root first (got nodes from '
+                     f'{tree.first}, {T} of {tree.ancestors_TxM.shape[1]}).')
+  return tree.ancestors_TxM
 
 
 class Attention(nn.Module):
@@ -194,7 +202,7 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxTxD, norm: RMSNorm, positions_BxT, layer_cache, keep_BxL=None,
-               counts_B=None, post_norm: RMSNorm | None = None, tree_TxT=None):
+               counts_B=None, post_norm: RMSNorm | None = None, tree: TreeMask | None = None):
     c = self.config
     # The first R dims of each head rotate (`rotary_dims`; none with learned positions).
     freqs_R2 = (rope.frequencies(c, self.layer) if c.position == 'rope'
@@ -233,7 +241,7 @@ class Attention(nn.Module):
       norm_qk = lambda q, k: (native.rms_norm(q, q_scale_H, c.norm_eps).astype(dt),
                               native.rms_norm(k, k_scale_H, c.norm_eps).astype(dt))
     written = None
-    if packed and tree_TxT is not None:
+    if packed and tree is not None:
       raise ValueError('Token trees run on XLA\'s attention: pass an unpacked model (the native '
                        'CPU kernels attend causally only).')
     if packed and layer_cache is not None:
@@ -273,17 +281,18 @@ class Attention(nn.Module):
       allowed_BxTxS = None  # A token tree's nodes see their ancestors only among the new keys.
       if layer_cache is None:  # Full causal pass: keys are the new positions themselves.
         keys_BxSxKxH, values_BxSxKxH, key_pos_BxS = k_BxTxKxH, v_BxTxKxH, positions_BxT
-        if tree_TxT is not None:
-          allowed_BxTxS = jnp.broadcast_to(tree_TxT, (B, T, T))
+        if tree is not None:
+          allowed_BxTxS = jnp.broadcast_to(_whole_tree(tree, T, 'An uncached forward'), (B, T, T))
       elif options['window'] is not None:  # A ring (kv_cache): as it was, then the new keys.
         cache_k, cache_v, starts_B = layer_cache
         keys_BxSxKxH = jnp.concatenate([cache_k, k_BxTxKxH.astype(cache_k.dtype)], axis=1)
         values_BxSxKxH = jnp.concatenate([cache_v, v_BxTxKxH.astype(cache_v.dtype)], axis=1)
         key_pos_BxS = jnp.concatenate(
             [kv_cache.ring_positions(starts_B, cache_k.shape[1]), positions_BxT], axis=1)
-        if tree_TxT is not None:
-          allowed_BxTxS = jnp.broadcast_to(
-              jnp.concatenate([jnp.ones((T, cache_k.shape[1]), bool), tree_TxT], axis=1),
+        if tree is not None:  # Its ring holds no node a call wrote before.
+          allowed_BxTxS = jnp.broadcast_to(jnp.concatenate(
+              [jnp.ones((T, cache_k.shape[1]), bool),
+               _whole_tree(tree, T, 'A sliding-window layer')], axis=1),
               (B, T, cache_k.shape[1] + T))
         written = (kv_cache.ring_write(cache_k, k_BxTxKxH, starts_B, counts_B),
                    kv_cache.ring_write(cache_v, v_BxTxKxH, starts_B, counts_B))
@@ -293,8 +302,8 @@ class Attention(nn.Module):
         values_BxSxKxH = native.write_rows(cache_v, v_BxTxKxH, starts_B)
         key_pos_BxS = jnp.broadcast_to(jnp.arange(keys_BxSxKxH.shape[1]),
                                        keys_BxSxKxH.shape[:2])
-        if tree_TxT is not None:
-          key_pos_BxS, allowed_BxTxS = _tree_slots(tree_TxT, positions_BxT, starts_B,
+        if tree is not None:  # The call's first node is written at starts.
+          key_pos_BxS, allowed_BxTxS = _tree_slots(tree, starts_B - tree.first,
                                                    keys_BxSxKxH.shape[1])
       out_BxTxKxGxH = native.attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT,
                                     key_pos_BxS, allowed_BxTxS=allowed_BxTxS, **options)
@@ -413,13 +422,13 @@ or in parallel (`parallel_residual`)."""
 
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, layer_cache, keep_BxL=None, counts_B=None,
-               tree_TxT=None):
+               tree: TreeMask | None = None):
     c = self.config
     post_norm = lambda name: RMSNorm(c, name=name) if c.post_norms else None
     block_in_BxTxD = x_BxTxD
     x_BxTxD, new_kv = Attention(c, self.layer, name='attn')(
         x_BxTxD, RMSNorm(c, name='attn_norm'), positions_BxT, layer_cache, keep_BxL, counts_B,
-        post_norm('attn_post_norm'), tree_TxT)
+        post_norm('attn_post_norm'), tree)
     mlp_counts_B = counts_B if keep_BxL is None else _kept_counts(keep_BxL, counts_B)
     if c.parallel_residual:  # The MLP reads the block's input (at the kept positions).
       if keep_BxL is not None:
@@ -447,14 +456,15 @@ class Transformer(nn.Module):
   head reads) at every position, [B, T, D] in the model's dtype, also with `logits_at` (whose
   positions alone get logits; the last layer then runs on every position): the target's hidden
   states for a feature-level drafter, from the same forward (without it the program is as before).
-  With `tree_TxT` (bool, `token_tree.TokenTree.ancestors`) the T tokens are a tree's nodes: each
-  attends to the cache and to its ancestors among them (XLA's attention only).
+  With `tree` (`token_tree.TreeMask`) the T tokens are a tree's nodes tree.first .. + T - 1,
+  the first written at the cache's length: each attends to the cache before the tree's root and
+  to its ancestors (XLA's attention only).
   """
   config: TransformerConfig
 
   @nn.compact
   def __call__(self, tokens_BxT, positions_BxT, cache=None, logits_at_BxL=None, counts_B=None,
-               features=False, tree_TxT=None):
+               features=False, tree: TreeMask | None = None):
     c = self.config
     _check_kernels(self, c)
     packed = c.kernels == 'native'
@@ -475,7 +485,7 @@ class Transformer(nn.Module):
       # x is then [B, L, D]; features are wanted at every position.
       keep_BxL = logits_at_BxL if i == c.num_layers - 1 and not (features or streams) else None
       x_BxTxD, (k, v) = Block(c, i, name=f'layer_{i}')(x_BxTxD, positions_BxT, layer_cache,
-                                                      keep_BxL, counts_B, tree_TxT)
+                                                      keep_BxL, counts_B, tree)
       new_k.append(k)
       new_v.append(v)
     kv = (tuple(new_k), tuple(new_v))

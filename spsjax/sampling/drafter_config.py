@@ -2,27 +2,33 @@
 
 from spsjax.sampling.drafters import Drafter, Hybrid, ModelDrafter, PromptLookup
 from spsjax.sampling.feature_drafters import FeatureDrafter, HeadsDrafter
+from spsjax.sampling.tree_drafters import TreeDrafter
 
-KINDS = ('model', 'lookup', 'hybrid', 'feature', 'heads')
+KINDS = ('model', 'lookup', 'hybrid', 'feature', 'heads', 'tree')
 # The kinds whose draft is a head over the target's features (`models.feature_head`), not a
 # transformer: the binaries load their checkpoint as one.
 HEAD_KINDS = ('feature', 'heads')
 
 
 def build(kind: str = 'model', *, max_ngram: int = 3, min_ngram: int = 1,
-          stop_below: float = 0.0, alternatives: int = 0) -> Drafter:
+          stop_below: float = 0.0, alternatives: int = 0, branching: str = '') -> Drafter:
   """`model` (with `stop_below` > 0: dynamic k; with `alternatives` > 0: a tree, that many
   other tokens beside each draft), `lookup` (n-grams from `max_ngram` down to `min_ngram`),
-  `hybrid` (both), `feature` (an EAGLE head) or `heads` (parallel heads)."""
+  `hybrid` (both), `feature` (an EAGLE head), `heads` (parallel heads) or `tree` (the draft
+  model drafts a full tree, `branching` children per node at each depth, e.g. '3+2+1' (default
+  `TreeDrafter`'s 2+2+1+1): k must be its depth)."""
   if kind not in KINDS:
     raise ValueError(f'Unknown drafter {kind!r}; known: {list(KINDS)}.')
   if alternatives and kind not in ('model', 'hybrid'):
     raise ValueError(f'alternatives={alternatives}: trees of drafts are drawn by a draft model '
                      f'(drafter model or hybrid), not by the {kind} drafter.')
+  if branching and kind != 'tree':
+    raise ValueError(f'branching={branching!r}: branching factors are the tree drafter\'s '
+                     f'(drafter tree), not the {kind} drafter\'s.')
   if stop_below and kind == 'lookup':
     raise ValueError(f'stop_below={stop_below}: prompt lookup has no draft model whose '
                      f'confidence could stop it; use drafter hybrid or model.')
-  if stop_below and kind in HEAD_KINDS:
+  if stop_below and kind in HEAD_KINDS + ('tree',):
     raise ValueError(f'stop_below={stop_below}: dynamic k is implemented for draft models '
                      f'(drafter model or hybrid), not for the {kind} drafter.')
   if kind == 'model':
@@ -32,4 +38,17 @@ def build(kind: str = 'model', *, max_ngram: int = 3, min_ngram: int = 1,
                   alternatives=alternatives)
   if kind == 'lookup':
     return PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram)
+  if kind == 'tree':
+    return TreeDrafter(branching_factors(branching)) if branching else TreeDrafter()
   return FeatureDrafter() if kind == 'feature' else HeadsDrafter()
+
+
+def branching_factors(text: str) -> tuple[int, ...]:
+  """'3+2+1' -> (3, 2, 1); ValueError for anything else."""
+  try:
+    factors = tuple(int(b) for b in text.split('+'))
+  except ValueError:
+    factors = ()
+  if not factors or min(factors) < 1:
+    raise ValueError(f'branching must be integers >= 1 joined by + (e.g. 3+2+1), got {text!r}.')
+  return factors

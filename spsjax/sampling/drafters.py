@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from spsjax.models import KVCache, Model, TokenTree, extend, kv_cache, prefill
-from spsjax.sampling import common
+from spsjax.sampling import common, siblings
 from spsjax.sampling.processors import (mark_present, probabilities_and_sample_with, typed_keys,
                                         uniforms)
 
@@ -155,6 +155,9 @@ class Drafter(abc.ABC):
     del k
     return None
 
+  # Whether its draft model reads the tree (XLA's attention with the tree's mask), not a chain.
+  draws_on_tree = False
+
   @abc.abstractmethod
   def init(self, loop, draft, prompts_BxP, prompt_lengths_B, capacity: int,
            features_BxPxD=None) -> Any:
@@ -254,7 +257,7 @@ class _Drafts:
   q_BxKxV: jax.Array
   num_B: jax.Array  # int32: drafts proposed; a row still drafting has num_B == i.
   cache: KVCache
-  alternatives: '_Alternatives | None' = None  # Per slot, [B, K, A, ...]; None without.
+  alternatives: 'siblings.Siblings | None' = None  # Per slot, [B, K, A, ...]; None without.
 
   @classmethod
   def first(cls, k: int, d_B, q_BxV, cache: KVCache, alternatives=None) -> '_Drafts':
@@ -264,44 +267,6 @@ class _Drafts:
     return cls(i=jnp.int32(1), tokens_BxK=slots(d_B.astype(jnp.int32)), q_BxKxV=slots(q_BxV),
                num_B=jnp.ones((B,), jnp.int32), cache=cache,
                alternatives=None if alternatives is None else jax.tree.map(slots, alternatives))
-
-
-@flax.struct.dataclass
-class _Alternatives:
-  """A slot's other tokens besides its draft (`ModelDrafter.alternatives`): [B, A] tokens, the
-  law each was drawn from given the draft and the ones before it [B, A, V], and whether each was
-  proposed [B, A] (the law had mass left for it)."""
-  tokens_BxA: jax.Array
-  q_BxAxV: jax.Array
-  valid_BxA: jax.Array
-
-
-def _alternatives(loop, key_B, logits_BxV, q_BxV, d_B, count: int) -> _Alternatives:
-  """`count` tokens other than the draft d_B, each in turn from q without d_B and the ones before
-  it, by Gumbel top-k (sampling without replacement); the law of each is q without the earlier
-  ones, renormalised. Under a greedy draft (q a point mass) they are the draft logits' next
-  best, as point masses. Either way each token's law given the earlier ones is the one returned,
-  which is all the tree's accept step needs to stay exact."""
-  B, V = q_BxV.shape
-  ids_V = jnp.arange(V, dtype=jnp.int32)
-  not_drawn_BxV = ids_V[None, :] != d_B[:, None]
-  if loop.draft_sampling.greedy:
-    scores_BxV = jnp.where(not_drawn_BxV, logits_BxV.astype(jnp.float32), -jnp.inf)
-    top_BxA, tokens_BxA = jax.lax.top_k(scores_BxV, count)
-    return _Alternatives(tokens_BxA.astype(jnp.int32),
-                         jax.nn.one_hot(tokens_BxA, V, dtype=jnp.float32), top_BxA > -jnp.inf)
-  rest_BxV = jnp.where(not_drawn_BxV, q_BxV, 0.0)
-  gumbel_BxV = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(key_B)
-  scores_BxV = jnp.where(rest_BxV > 0, jnp.log(jnp.where(rest_BxV > 0, rest_BxV, 1.0)) + gumbel_BxV,
-                         -jnp.inf)
-  top_BxA, tokens_BxA = jax.lax.top_k(scores_BxV, count)
-  laws = []
-  for j in range(count):
-    mass_Bx1 = jnp.sum(rest_BxV, axis=1, keepdims=True)
-    laws.append(rest_BxV / jnp.where(mass_Bx1 > 0, mass_Bx1, 1.0))
-    rest_BxV = jnp.where(ids_V[None, :] == tokens_BxA[:, j, None], 0.0, rest_BxV)
-  return _Alternatives(tokens_BxA.astype(jnp.int32), jnp.stack(laws, axis=1),
-                       top_BxA > -jnp.inf)
 
 
 def draw_draft(loop, uniforms_B: jax.Array, logits_BxV: jax.Array,
@@ -331,7 +296,7 @@ class ModelDrafter(Drafter):
 
   `alternatives` > 0 proposes a tree (`models.TokenTree.chain_with_alternatives`): besides each
   slot's draft, that many other tokens from the same draft law, without replacement
-  (`_alternatives`), as leaves the target scores in the same call; where the chain's draft is
+  (`siblings.draw`), as leaves the target scores in the same call; where the chain's draft is
   rejected they are tried in turn (`rejection.accept_tree`), and an accepted one is followed by
   the target's token after it. The draft model runs the chain only.
 
@@ -418,18 +383,18 @@ class ModelDrafter(Drafter):
     """The chain's k drafts as nodes 1 .. k, then each slot's alternatives
     (`TokenTree.chain_with_alternatives`'s order)."""
     alt = drafts.alternatives
-    B, _, A = alt.tokens_BxA.shape
+    B, _, A = alt.tokens_RxA.shape
     nodes = lambda chain, alts: jnp.concatenate(
         [chain, alts.reshape((B, k * A) + alts.shape[3:])], axis=1)
     return Proposal(
-        nodes(drafts.tokens_BxK, alt.tokens_BxA), nodes(drafts.q_BxKxV, alt.q_BxAxV),
-        drafts.num_B, nodes(jnp.ones((B, k), bool), alt.valid_BxA), tree=self.tree(k))
+        nodes(drafts.tokens_BxK, alt.tokens_RxA), nodes(drafts.q_BxKxV, alt.q_RxAxV),
+        drafts.num_B, nodes(jnp.ones((B, k), bool), alt.valid_RxA), tree=self.tree(k))
 
   def _choose(self, loop, uniforms_BxK, forced_BxK, num_forced_B, i, logits_BxV,
               present_BxV=None, alternative_keys_BxK=None):
-    """Slot i of every row: (q, draft, whether the row drafts on, the slot's `_Alternatives`
-    or None), the tokens `present_BxV` before it with a repetition penalty. The plain model draft
-    (no forced tokens, fixed k) pays for nothing else per step."""
+    """Slot i of every row: (q, draft, whether the row drafts on, the slot's alternatives
+    (`siblings.Siblings`) or None), the tokens `present_BxV` before it with a repetition
+    penalty. The plain model draft (no forced tokens, fixed k) pays for nothing else per step."""
     B, V = logits_BxV.shape
     # Whole rows on a mesh: the confidence's reductions need no collectives either.
     logits_BxV = common.whole_vocabulary(logits_BxV, loop.mesh, loop.rules)
@@ -442,8 +407,8 @@ class ModelDrafter(Drafter):
       d_B = jnp.where(forced_B, forced_BxK[:, i], d_B)
     alternatives = None
     if self.alternatives:  # From the model's law without the slot's token, forced or drawn.
-      alternatives = _alternatives(loop, alternative_keys_BxK[:, i], logits_BxV, model_q_BxV, d_B,
-                                   self.alternatives)
+      alternatives = siblings.draw(alternative_keys_BxK[:, i], logits_BxV, model_q_BxV, d_B,
+                                   self.alternatives, greedy=loop.draft_sampling.greedy)
     if not self.ragged:
       return q_BxV, d_B, jnp.ones((B,), bool), alternatives
     confidence_B = jnp.max(jax.nn.softmax(logits_BxV.astype(jnp.float32), -1), -1)

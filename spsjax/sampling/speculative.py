@@ -362,14 +362,18 @@ def _check_tree(target: Model, lenience: float, *samplings: SamplingConfig) -> N
     raise ValueError('A tree of drafts does not take a repetition penalty (yet).')
 
 
-def target_for(target: Model, drafter: Drafter, k: int) -> Model:
-  """The target as `drafter` at lookahead k needs it: unpacked (`models.unpack`, the same
-  weights on XLA's ops) if it proposes a tree and the target is packed for the native CPU
-  kernels, whose attention is causal only; else `target` itself. The binaries call it once
-  after loading; `speculative_sample` refuses a packed target with a tree."""
-  if drafter.tree(k) is None or target.config.kernels != 'native':
-    return target
-  return unpack(target)
+def models_for(target: Model, draft: Model | None, drafter: Drafter,
+               k: int) -> tuple[Model, Model | None]:
+  """(target, draft) as `drafter` at lookahead k needs them: a target packed for the native CPU
+  kernels (whose attention is causal only) unpacked (`models.unpack`: the same weights on XLA's
+  ops) if the drafter proposes a tree, and the draft too if it drafts on the tree
+  (`Drafter.draws_on_tree`); else as they are. The binaries call it once after loading;
+  `speculative_sample` refuses packed models there.
+  """
+  if drafter.tree(k) is None:
+    return target, draft
+  unpacked = lambda m: unpack(m) if m is not None and m.config.kernels == 'native' else m
+  return unpacked(target), unpacked(draft) if drafter.draws_on_tree else draft
 
 
 def prepare(target: Model, draft: Model | None, prompts, prompt_lengths, *, k: int,

@@ -1,0 +1,48 @@
+"""Draft tokens beside a draft: more children of one tree node, drawn so that each one's law
+given the ones before it is known (what `rejection.accept_tree` needs to stay exact).
+
+`draw` takes a row's draft law q and its first child (already drawn from q) and returns `count`
+more, each from q without the children before it, renormalised: sampling without replacement,
+by the Gumbel top-k trick (the j-th largest of log q + Gumbel noise, q without the first child).
+Under a greedy draft (q a point mass, nothing left to sample) they are instead the draft logits'
+next best, as point masses. Tokens the law has no mass left for are marked not proposed.
+"""
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class Siblings:
+  """Per row: `count` tokens [R, A], the law each was drawn from given the first child and the
+  ones before it [R, A, V], and whether each was proposed [R, A]."""
+  tokens_RxA: jax.Array
+  q_RxAxV: jax.Array
+  valid_RxA: jax.Array
+
+
+def draw(keys_R: jax.Array, logits_RxV: jax.Array, q_RxV: jax.Array, first_R: jax.Array,
+         count: int, *, greedy: bool) -> Siblings:
+  """`count` children after `first_R` per row (module docstring); `keys_R`: one key per row,
+  apart from the one `first_R` was drawn with."""
+  V = q_RxV.shape[-1]
+  ids_V = jnp.arange(V, dtype=jnp.int32)
+  others_RxV = ids_V[None, :] != first_R[:, None]
+  if greedy:
+    scores_RxV = jnp.where(others_RxV, logits_RxV.astype(jnp.float32), -jnp.inf)
+    top_RxA, tokens_RxA = jax.lax.top_k(scores_RxV, count)
+    return Siblings(tokens_RxA.astype(jnp.int32), jax.nn.one_hot(tokens_RxA, V, dtype=jnp.float32),
+                    top_RxA > -jnp.inf)
+  rest_RxV = jnp.where(others_RxV, q_RxV.astype(jnp.float32), 0.0)
+  gumbel_RxV = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(keys_R)
+  positive_RxV = rest_RxV > 0
+  scores_RxV = jnp.where(positive_RxV,
+                         jnp.log(jnp.where(positive_RxV, rest_RxV, 1.0)) + gumbel_RxV, -jnp.inf)
+  top_RxA, tokens_RxA = jax.lax.top_k(scores_RxV, count)
+  laws = []
+  for j in range(count):
+    mass_Rx1 = jnp.sum(rest_RxV, axis=1, keepdims=True)
+    laws.append(rest_RxV / jnp.where(mass_Rx1 > 0, mass_Rx1, 1.0))
+    rest_RxV = jnp.where(ids_V[None, :] == tokens_RxA[:, j, None], 0.0, rest_RxV)
+  return Siblings(tokens_RxA.astype(jnp.int32), jnp.stack(laws, axis=1), top_RxA > -jnp.inf)

@@ -1,0 +1,129 @@
+"""A draft model drafting a whole static tree: every node at depth d - 1 gets branching[d - 1]
+children (`models.TokenTree.full`), level by level.
+
+Per loop: the draft's first call feeds the last two committed tokens (as `drafters.ModelDrafter`),
+giving the root's law; each level's children are drawn from their parent's law (the first by
+the loop's draft key, the others without replacement, `siblings.draw`), and the draft model then
+reads the new level in one call on the tree (`models.extend`'s `tree` and `first_node`: each node
+sees the committed tokens and its ancestors), giving the next level's laws. The deepest level is
+scored by the target but never read by the draft: a loop runs one draft call per level but the
+last, k calls for a tree of depth k, on 1 + sum of the levels' sizes positions.
+
+Exactness: each node's token is drawn from the law reported for it given its earlier siblings,
+with randomness independent of the accept step's (`rejection.accept_tree`).
+
+Cache invariant (c_b committed tokens): the draft cache holds at least the first c_b - 2 tokens.
+The tree's nodes are written at slots base + node (base = c_b - 1, the root's slot, as the
+target's); after the accept step the accepted path moves to the slots of its positions
+(`kv_cache.keep_path`) and the draft keeps the path's nodes it read (all but a last one at the
+deepest level), which with the next loop's two-token call covers c_b' - 2.
+
+The draft runs on XLA's attention (a packed draft is refused; `speculative.models_for` unpacks
+it) with full caches: a sliding-window draft layer is refused (its ring does not hold the
+levels written before).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from spsjax.models import KVCache, Model, TokenTree, extend, kv_cache, prefill
+from spsjax.sampling import siblings
+from spsjax.sampling.drafters import Committed, Drafter, Proposal, Verdict, draw_draft
+from spsjax.sampling.processors import typed_keys, uniforms
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeDrafter(Drafter):
+  """`branching[d]`: children per node at depth d; its length is the loop's k (the tree's
+  depth)."""
+  branching: tuple[int, ...] = (2, 2, 1, 1)
+
+  needs_model = True
+  ragged = False
+  draws_on_tree = True
+
+  def __post_init__(self):
+    object.__setattr__(self, 'branching', tuple(int(b) for b in self.branching))
+    TokenTree.full(self.branching)  # Checks the factors.
+
+  def tree(self, k: int) -> TokenTree:
+    if k != len(self.branching):
+      raise ValueError(f'The tree drafter with branching {self.branching} drafts trees of depth '
+                       f'{len(self.branching)}: run it with k={len(self.branching)}, not {k}.')
+    return TokenTree.full(self.branching)
+
+  def check(self, target: Model, draft) -> None:
+    if draft.config.kernels == 'native':
+      raise ValueError('The tree drafter runs its draft model on the tree, with XLA\'s attention: '
+                       'pass an unpacked draft (`speculative.models_for`).')
+    if any(draft.config.window(i) is not None for i in range(draft.config.num_layers)):
+      raise ValueError('The tree drafter needs a draft without sliding-window layers (their '
+                       'rings do not hold the levels written before).')
+    if max(self.branching) > target.config.vocab_size:
+      raise ValueError(f'Branching {self.branching} asks for more children than the '
+                       f'{target.config.vocab_size} tokens of the vocabulary.')
+
+  def draft_steps(self, k: int, proposed_per_loop: float) -> float:
+    del proposed_per_loop
+    return float(k)
+
+  def init(self, loop, draft: Model, prompts_BxP, prompt_lengths_B, capacity,
+           features_BxPxD=None) -> KVCache:
+    del features_BxPxD
+    _, cache = prefill(draft.config, draft.params, prompts_BxP, prompt_lengths_B, capacity,
+                       last_only=True)
+    return kv_cache.constrain(cache, loop.mesh, loop.rules)
+
+  def propose(self, loop, draft: Model, cache: KVCache, committed: Committed, keys_BxK):
+    tree = self.tree(loop.k)
+    levels = tree.levels
+    B, V = keys_BxK.shape[0], committed.vocab_size
+    base_B = committed.lengths_B - 1
+    cache = cache.with_lengths(committed.lengths_B - 2)
+    last2_Bx2 = jnp.stack([committed.last(2), committed.last(1)], axis=1)
+    logits_BxLxV, cache = extend(draft.config, draft.params, cache, last2_Bx2,
+                                 logits_at_BxL=jnp.ones((B, 1), jnp.int32),
+                                 counts_B=committed.counts(2))
+    M = tree.num_nodes + 1
+    tokens_BxM = jnp.zeros((B, M), jnp.int32).at[:, 0].set(committed.last(1))
+    q_BxMxV = jnp.zeros((B, M, V), jnp.float32)
+    valid_BxM = jnp.zeros((B, M), bool)
+    for d, b in enumerate(self.branching):
+      parents, L = levels[d]
+      children = levels[d + 1][0]  # Node parents + j's children: children + j * b .. + b.
+      node_keys_BxL = jax.vmap(lambda key: jax.vmap(lambda j: jax.random.fold_in(key, j))(
+          jnp.arange(L)))(typed_keys(keys_BxK[:, d]))
+      rows = lambda x: x.reshape((B * L,) + x.shape[2:])
+      q_RxV, first_R = draw_draft(loop, rows(uniforms(node_keys_BxL)), rows(logits_BxLxV))
+      new_tokens, new_q, new_valid = [first_R[:, None]], [q_RxV[:, None]], [
+          jnp.ones((B * L, 1), bool)]
+      if b > 1:
+        more = siblings.draw(rows(jax.vmap(jax.vmap(lambda key: jax.random.fold_in(key, 1)))(
+            node_keys_BxL)), rows(logits_BxLxV), q_RxV, first_R, b - 1,
+                             greedy=loop.draft_sampling.greedy)
+        new_tokens.append(more.tokens_RxA)
+        new_q.append(more.q_RxAxV)
+        new_valid.append(more.valid_RxA)
+      level = slice(children, children + L * b)
+      tokens_BxM = tokens_BxM.at[:, level].set(
+          jnp.concatenate(new_tokens, axis=1).reshape(B, L * b))
+      q_BxMxV = q_BxMxV.at[:, level].set(jnp.concatenate(new_q, axis=1).reshape(B, L * b, V))
+      valid_BxM = valid_BxM.at[:, level].set(
+          jnp.concatenate(new_valid, axis=1).reshape(B, L * b))
+      if d + 1 < len(self.branching):  # The draft reads the new level (not the deepest).
+        logits_BxLxV, cache = extend(draft.config, draft.params, cache.with_lengths(base_B),
+                                     tokens_BxM[:, level], counts_B=committed.counts(L * b),
+                                     tree=tree, first_node=children)
+    proposal = Proposal(tokens_BxM[:, 1:], q_BxMxV[:, 1:], jnp.full((B,), loop.k, jnp.int32),
+                        valid_BxM[:, 1:], tree=tree)
+    return proposal, cache.with_lengths(base_B + levels[-1][0])
+
+  def rollback(self, loop, cache: KVCache, verdict: Verdict) -> KVCache:
+    # The path to the slots of its positions; the draft read its nodes but a deepest one.
+    cache = kv_cache.keep_path(cache, verdict.base_B, verdict.path_BxD)
+    accepted_B = jnp.sum(verdict.path_BxD[:, 1:] >= 0, axis=1)
+    read_B = verdict.base_B + 1 + jnp.minimum(accepted_B, loop.k - 1)
+    lengths_B = jnp.minimum(verdict.target_lengths_B, read_B)
+    return kv_cache.constrain(cache.with_lengths(lengths_B), loop.mesh, loop.rules)
