@@ -18,8 +18,7 @@ drafter (model | lookup |
 hybrid | feature | heads: `spsjax.sampling.drafter_config`; feature and heads take a head trained by
 configs/train.py model=feature or heads as `draft`), max_ngram, min_ngram, stop_below (dynamic k),
 alternatives (a tree of drafts: that many other tokens beside each), branching (drafter tree:
-children per node at each depth joined by +, k its length; with a tree ArS and SpS share an
-unpacked target on XLA's attention), lenience (in (0, 1]; below 1 is LOSSY, labelled in the title
+children per node at each depth joined by +, k its length), lenience (in (0, 1]; below 1 is LOSSY, labelled in the title
 and the SpS rows with its total variation);
 hf_target, hf_draft (Hugging Face checkpoint directories in place of root's target and draft).
 The table (printed and in `table.md`) opens with `title`, a template of config fields (`{root}`),

@@ -118,14 +118,6 @@ def main(argv):
     lengths = np.full((c.batch,), c.prompt_len, np.int32)
     eos_id = None if c.eos_id < 0 else c.eos_id
 
-  if c.method == 'sps' and c.k != 'auto':
-    unpacked = speculative.models_for(target, draft, drafter, c.k)
-    if unpacked[0] is not target or unpacked[1] is not draft:
-      print0('NOTE: unpacked for XLA\'s attention (a tree of drafts needs its mask; the native '
-             'CPU kernels are causal only): the target' + (' and the draft' if unpacked[1]
-                                                             is not draft else '') + '.')
-    target, draft = unpacked
-
   policy = {}
   if c.method == 'sps' and c.k == 'auto':
     if mesh is not None:

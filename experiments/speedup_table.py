@@ -18,7 +18,7 @@ from ml_collections import config_flags
 from spsjax import cli, distributed, models, sharding, storage
 from spsjax.bench import auto_k, comparison, decode, speedup, table1
 from spsjax.eval import tasks
-from spsjax.sampling import SamplingConfig, drafter_config, speculative
+from spsjax.sampling import SamplingConfig, drafter_config
 from spsjax.train import load
 
 print0 = distributed.print0
@@ -52,13 +52,6 @@ def main(argv):
   target, drafts, tok, _ = load.load_family(c.root, c.target, names, mesh=mesh,
                                             draft_weights=c.draft_weights)
   draft = drafts.get(c.draft)
-  if c.k != 'auto':
-    unpacked = speculative.models_for(target, draft, drafter, c.k)
-    if unpacked[0] is not target or unpacked[1] is not draft:
-      print0('NOTE: unpacked for XLA\'s attention (a tree of drafts needs its mask; the native '
-             'CPU kernels are causal only): the target (ArS runs it too)' + (
-                 ' and the draft' if unpacked[1] is not draft else '') + '.')
-    target, draft = unpacked
   draft_params = models.num_params(draft.params) if draft else 0
   c_hat = draft_params / models.num_params(target.params)
   lossy = (f'; LOSSY: lenience {c.lenience}, the output law is not the target\'s'

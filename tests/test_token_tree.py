@@ -82,21 +82,22 @@ def test_tree_logits_are_each_paths_forward():
                              expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize('layout,window', [('xla', None), ('fused', None), ('xla', 3)])
+@pytest.mark.parametrize('layout,window', [('xla', None), ('fused', None), ('xla', 3),
+                                           ('packed', None), ('packed', 3)])
 def test_a_tree_call_and_its_kept_path_decode_the_reference(layout, window):
   """Rows at ragged lengths, each loop: a tree call whose root is the row's next token, one
   random path carrying the sequence's true tokens and other tokens elsewhere. Every node's
   logits are the uncached forward's on the row's tokens and the node's root-to-node tokens; the
   path is then kept (`kv_cache.keep_path`) and decoding goes on from it. With a sliding window
-  (Gemma 2's layers) the rings hold window - 1 + N slots. Without keeping the path the next
-  loops' logits are wrong (so the check can fail)."""
+  (Gemma 2's layers) the rings hold window - 1 + N slots (a packed model's cache holds every
+  position; its products are the kernels', its attention on the tree XLA's). Without keeping the
+  path the next loops' logits are wrong (so the check can fail)."""
   extra = dict(sliding_window=window, global_layers=(1,)) if window else {}
   config = models.TransformerConfig(vocab_size=VOCAB, d_model=32, num_layers=2, num_heads=4,
                                     num_kv_heads=2, d_ff=64, max_seq_len=64, **extra)
   params = models.init_params(config, jax.random.key(0))
   model = models.Model(config, params)
-  if layout == 'fused':
-    model = models.fuse(model)
+  model = {'xla': lambda m: m, 'fused': models.fuse, 'packed': models.pack}[layout](model)
   sequence_BxL = np.asarray(jax.random.randint(jax.random.key(1), (2, 40), 0, VOCAB))
   rng = np.random.default_rng(0)
   N = TREE.num_nodes
@@ -129,17 +130,6 @@ def test_a_tree_call_and_its_kept_path_decode_the_reference(layout, window):
 
   assert run(keep=True) < 1e-4
   assert run(keep=False) > 1e-3
-
-
-def test_a_packed_target_refuses_a_tree():
-  config = models.TransformerConfig(vocab_size=VOCAB, d_model=32, num_layers=1, num_heads=4,
-                                    d_ff=64, max_seq_len=32)
-  model = models.pack(models.Model(config, models.init_params(config, jax.random.key(0))))
-  cache = models.init_cache(model.config, 1, 16)
-  with pytest.raises(ValueError, match='unpacked'):
-    models.extend(model.config, model.params, cache, jnp.zeros((1, N_TREE + 1), jnp.int32),
-                  tree=TREE)
-
 
 
 # --- The accept step against its exact law ---------------------------------------------------
@@ -245,8 +235,9 @@ def test_sps_with_alternatives_samples_the_target_law(tiny_pair, sampling, draft
 def test_greedy_sps_with_trees_is_greedy_ars(tiny_pair):
   """Ragged prompts, an eos: greedy SpS gives ArS's tokens with 3 alternatives a slot (k = 1 and
   4; `Hybrid`'s lookup drafts at k = 3) and with tree drafters of three shapes, one of each on a
-  4 x 2 mesh."""
+  4 x 2 mesh and one of each with both models packed for the native CPU kernels."""
   target, draft = tiny_pair
+  packed = (models.pack(target), models.pack(draft))
   rng = np.random.default_rng(0)
   prompts = rng.integers(0, V_SMALL, (8, 4)).astype(np.int32)
   lengths = np.array([4, 3, 1, 4, 2, 4, 3, 1], np.int32)
@@ -257,11 +248,13 @@ def test_greedy_sps_with_trees_is_greedy_ars(tiny_pair):
                          (4, drafters.ModelDrafter(alternatives=3), None),
                          (3, drafters.Hybrid(alternatives=3), None),
                          (2, drafters.ModelDrafter(alternatives=3), mesh),
+                         (3, drafters.ModelDrafter(alternatives=2), packed),
                          (1, TreeDrafter((3,)), None), (4, TreeDrafter((1, 2, 2, 1)), None),
-                         (2, TreeDrafter((2, 2)), mesh)]:
-    out = speculative_sample(target, draft, prompts, lengths, jax.random.key(0), k=k,
+                         (2, TreeDrafter((2, 2)), mesh), (3, TreeDrafter((2, 2, 1)), packed)]:
+    models_on, mesh_on = (on, None) if isinstance(on, tuple) else ((target, draft), on)
+    out = speculative_sample(*models_on, prompts, lengths, jax.random.key(0), k=k,
                              max_new_tokens=9, sampling=GREEDY, eos_id=5, drafter=drafter,
-                             mesh=on)
+                             mesh=mesh_on)
     np.testing.assert_array_equal(out.tokens, ars.tokens, err_msg=f'k={k}, {drafter}, {on}')
     np.testing.assert_array_equal(out.num_generated, ars.num_generated)
 
@@ -275,8 +268,6 @@ def test_alternatives_refuse_what_they_do_not_run_with(tiny_pair):
     call(lenience=0.5)
   with pytest.raises(ValueError, match='repetition penalty'):
     call(sampling=SamplingConfig(repetition_penalty=1.2))
-  with pytest.raises(ValueError, match='unpacked'):
-    call(t=models.pack(target))
   with pytest.raises(ValueError, match='vocabulary'):
     call(drafter=drafters.ModelDrafter(alternatives=V_SMALL))
   with pytest.raises(ValueError, match='stop_below'):
@@ -306,13 +297,16 @@ def test_sps_with_a_tree_drafter_samples_the_target_law(tiny_pair):
   assert per_loop(out) > 1.3 * per_loop(chain)
 
 
-@pytest.mark.parametrize('drafter', [TreeDrafter((2, 2, 1)),
-                                     drafters.ModelDrafter(alternatives=2)], ids=str)
-def test_tree_caches_equal_fresh_prefill_after_every_loop(pair, drafter):
+@pytest.mark.parametrize('drafter,packed', [(TreeDrafter((2, 2, 1)), False),
+                                            (TreeDrafter((2, 2, 1)), True),
+                                            (drafters.ModelDrafter(alternatives=2), False)],
+                         ids=str)
+def test_tree_caches_equal_fresh_prefill_after_every_loop(pair, drafter, packed):
   """Stepping the loop: after every loop the target cache holds exactly the committed tokens but
   the last and the draft cache at least all but the last two, slot for slot as a fresh prefill
-  (the accepted path moved to its positions' slots), with every outcome of the tree seen."""
-  target, draft = pair
+  (the accepted path moved to its positions' slots), with every outcome of the tree seen; also
+  with both models packed for the native CPU kernels."""
+  target, draft = (models.pack(m) for m in pair) if packed else pair
   prompts, lengths = _ragged(5, batch=6)
   loop = speculative.Loop(k=3, max_new_tokens=14, sampling=SamplingConfig(temperature=1.5),
                           draft_sampling=SamplingConfig(temperature=1.5), drafter=drafter)
@@ -327,21 +321,11 @@ def test_the_tree_drafter_refuses_what_it_does_not_run_with(tiny_pair):
       max_new_tokens=4, drafter=drafter)
   with pytest.raises(ValueError, match='k=2'):
     call(k=3)
-  with pytest.raises(ValueError, match='unpacked draft'):
-    call(d=models.pack(draft))
   windowed = models.Model(dataclasses.replace(draft.config, sliding_window=2), draft.params)
   with pytest.raises(ValueError, match='sliding-window'):
     call(d=windowed)
   with pytest.raises(ValueError, match='more children'):
     call(drafter=TreeDrafter((V_SMALL + 1, 1)))
-  packed_target, packed_draft = models.pack(target), models.pack(draft)
-  unpacked = speculative.models_for(packed_target, packed_draft, TreeDrafter((2, 1)), 2)
-  assert [m.config.kernels for m in unpacked] == ['xla', 'xla']
-  unpacked = speculative.models_for(packed_target, packed_draft,
-                                    drafters.ModelDrafter(alternatives=1), 2)
-  assert unpacked[0].config.kernels == 'xla' and unpacked[1] is packed_draft
-  as_is = speculative.models_for(packed_target, packed_draft, drafters.ModelDrafter(), 2)
-  assert as_is[0] is packed_target and as_is[1] is packed_draft
   assert drafter_config.build('tree', branching='3+2') == TreeDrafter((3, 2))
   assert drafter_config.build('tree') == TreeDrafter()
   for kw in [dict(kind='model', branching='2'),

@@ -241,10 +241,9 @@ class Attention(nn.Module):
       norm_qk = lambda q, k: (native.rms_norm(q, q_scale_H, c.norm_eps).astype(dt),
                               native.rms_norm(k, k_scale_H, c.norm_eps).astype(dt))
     written = None
-    if packed and tree is not None:
-      raise ValueError('Token trees run on XLA\'s attention: pass an unpacked model (the native '
-                       'CPU kernels attend causally only).')
-    if packed and layer_cache is not None:
+    # The attention kernel attends causally: a packed model attends over a tree by XLA's ops
+    # (after the packed product; its cache has the same layout).
+    if packed and layer_cache is not None and tree is None:
       # Rotation, cache writes and attention in one native call that reads only the slots in
       # use (a cached call's positions are starts + t, `api.extend`).
       if c.qk_norm:  # Normed by XLA's ops between the product and the attention kernel.
@@ -256,7 +255,7 @@ class Attention(nn.Module):
           rope_scale=amplitude, **options)
       out_BxTxKxGxH = out_BxTxKxGxH.astype(dt)
     else:
-      if packed:  # A full causal pass: XLA's attention after the packed product.
+      if packed:  # A full causal pass or a tree: XLA's attention after the packed product.
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = jnp.split(qkv_BxTxMxH, [N, N + K], axis=2)
       elif c.kernels == 'xla_fused':
         G = N // K
@@ -458,7 +457,7 @@ class Transformer(nn.Module):
   states for a feature-level drafter, from the same forward (without it the program is as before).
   With `tree` (`token_tree.TreeMask`) the T tokens are a tree's nodes tree.first .. + T - 1,
   the first written at the cache's length: each attends to the cache before the tree's root and
-  to its ancestors (XLA's attention only).
+  to its ancestors (by XLA's attention, also in a packed model).
   """
   config: TransformerConfig
 

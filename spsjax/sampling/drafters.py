@@ -155,9 +155,6 @@ class Drafter(abc.ABC):
     del k
     return None
 
-  # Whether its draft model reads the tree (XLA's attention with the tree's mask), not a chain.
-  draws_on_tree = False
-
   @abc.abstractmethod
   def init(self, loop, draft, prompts_BxP, prompt_lengths_B, capacity: int,
            features_BxPxD=None) -> Any:

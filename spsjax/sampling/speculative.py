@@ -29,9 +29,10 @@ positions of headroom past prompt + max_new_tokens within max_seq_len. A loop dr
 the positions it wrote (the k + 1 scored keep at least one; a model drafter's k drafts): on XLA's
 path the caches' sliding-window layers are rings of window - 1 + k slots
 (`kv_cache.init_cache`). A tree of N nodes writes N slots past the length (positions up to the
-tree's depth k): the target's capacity and rings have N of room instead of k. With `trim_score`, a ragged drafter (fewer than k drafts in some rows) has the target score only as many positions as the
-longest proposal of the loop needs (`_target_logits`); off by default: on this CPU the branch
-costs more than the positions it saves (docs/sampling.md).
+tree's depth k): the target's capacity and rings have N of room instead of k. With
+`trim_score`, a ragged drafter (fewer than k drafts in some rows) has the target score only as
+many positions as the longest proposal of the loop needs (`_target_logits`); off by default: on
+this CPU the branch costs more than the positions it saves (docs/sampling.md).
 """
 
 import dataclasses
@@ -46,7 +47,7 @@ from jax.sharding import Mesh
 
 from spsjax import sharding
 from spsjax.models import (KVCache, Model, TokenTree, extend, extend_with_features, kv_cache,
-                           prefill, unpack)
+                           prefill)
 from spsjax.sampling import common, drafters
 from spsjax.sampling.processors import (SamplingConfig, mark_present, native_probabilities,
                                         present_through, probabilities,
@@ -348,32 +349,13 @@ def check_pair(target: Model, draft: Model | None, k: int,
   drafter.check(target, draft)
 
 
-def _check_tree(target: Model, lenience: float, *samplings: SamplingConfig) -> None:
-  """What a tree of drafts does not run with (yet): a packed target (the native attention
-  kernel is causal only), lenience, a repetition penalty (a node's law would read its
-  ancestors')."""
-  if target.config.kernels == 'native':
-    raise ValueError('A tree of drafts needs an unpacked target (XLA\'s attention takes its '
-                     'mask; the native CPU kernels are causal only): load it without '
-                     '`for_decoding` (the draft may stay packed).')
+def _check_tree(lenience: float, *samplings: SamplingConfig) -> None:
+  """What a tree of drafts does not run with (yet): lenience, a repetition penalty (a node's law
+  would read its ancestors')."""
   if lenience != 1.0:
     raise ValueError(f'A tree of drafts is exact only: lenience must be 1, got {lenience}.')
   if any(s.repetition_penalty != 1.0 for s in samplings):
     raise ValueError('A tree of drafts does not take a repetition penalty (yet).')
-
-
-def models_for(target: Model, draft: Model | None, drafter: Drafter,
-               k: int) -> tuple[Model, Model | None]:
-  """(target, draft) as `drafter` at lookahead k needs them: a target packed for the native CPU
-  kernels (whose attention is causal only) unpacked (`models.unpack`: the same weights on XLA's
-  ops) if the drafter proposes a tree, and the draft too if it drafts on the tree
-  (`Drafter.draws_on_tree`); else as they are. The binaries call it once after loading;
-  `speculative_sample` refuses packed models there.
-  """
-  if drafter.tree(k) is None:
-    return target, draft
-  unpacked = lambda m: unpack(m) if m is not None and m.config.kernels == 'native' else m
-  return unpacked(target), unpacked(draft) if drafter.draws_on_tree else draft
 
 
 def prepare(target: Model, draft: Model | None, prompts, prompt_lengths, *, k: int,
@@ -389,7 +371,7 @@ def prepare(target: Model, draft: Model | None, prompts, prompt_lengths, *, k: i
   check_pair(target, draft, k, drafter)
   check_lenience(lenience)
   if drafter.tree(k) is not None:
-    _check_tree(target, lenience, sampling, draft_sampling or sampling)
+    _check_tree(lenience, sampling, draft_sampling or sampling)
   for model in (target, draft) if draft is not None else (target,):
     common.check_inputs(model, prompts, prompt_lengths, max_new_tokens=max_new_tokens,
                         eos_id=eos_id, mesh=mesh, headroom=headroom(k))

@@ -18,9 +18,9 @@ target's); after the accept step the accepted path moves to the slots of its pos
 (`kv_cache.keep_path`) and the draft keeps the path's nodes it read (all but a last one at the
 deepest level), which with the next loop's two-token call covers c_b' - 2.
 
-The draft runs on XLA's attention (a packed draft is refused; `speculative.models_for` unpacks
-it) with full caches: a sliding-window draft layer is refused (its ring does not hold the
-levels written before).
+The levels' calls attend by XLA's ops (a packed draft's products stay the kernels') over full
+caches: a sliding-window draft layer is refused (its ring does not hold the levels written
+before).
 """
 
 import dataclasses
@@ -42,7 +42,6 @@ class TreeDrafter(Drafter):
 
   needs_model = True
   ragged = False
-  draws_on_tree = True
 
   def __post_init__(self):
     object.__setattr__(self, 'branching', tuple(int(b) for b in self.branching))
@@ -55,9 +54,6 @@ class TreeDrafter(Drafter):
     return TokenTree.full(self.branching)
 
   def check(self, target: Model, draft) -> None:
-    if draft.config.kernels == 'native':
-      raise ValueError('The tree drafter runs its draft model on the tree, with XLA\'s attention: '
-                       'pass an unpacked draft (`speculative.models_for`).')
     if any(draft.config.window(i) is not None for i in range(draft.config.num_layers)):
       raise ValueError('The tree drafter needs a draft without sliding-window layers (their '
                        'rings do not hold the levels written before).')
