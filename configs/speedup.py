@@ -85,6 +85,9 @@ def get_config(arg=None):
     c.title += (f'\n\nDrafter: {a.drafter} (n-grams {a.max_ngram} down to {a.min_ngram}; '
                 f'dynamic k below confidence {a.stop_below}; 0: fixed k; '
                 f'{a.alternatives} alternatives a slot; tree branching {a.branching or "-"}).')
+  if a.alternatives or a.drafter == 'tree':
+    c.title += ('\n\nA tree of drafts: the theory columns are a chain\'s (s measured on k + 1 '
+                'positions, the loop\'s tokens geometric in alpha), not the tree\'s.')
   if a.lenience < 1:
     c.title += (f'\n\nLOSSY: lenience {a.lenience} accepts a draft with probability '
                 f'min(1, p / ({a.lenience} q)); SpS does not sample the target\'s law. TV: the mean '

@@ -55,7 +55,7 @@ def _release_compiled_programs():
 LONGEST_FIRST = ('test_speculative', 'test_drafters', 'test_feature_drafters', 'test_multihost',
                  'test_experiments', 'test_sharding', 'test_native', 'test_train',
                  'test_bench_harness', 'test_accelerator_check', 'test_autoregressive',
-                 'test_native_sanitized', 'test_storage')
+                 'test_native_sanitized', 'test_token_tree', 'test_storage')
 
 
 def pytest_collection_modifyitems(items):
