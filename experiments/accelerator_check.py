@@ -7,7 +7,7 @@
 Exactness on XLA's ops (SpS against the enumerated law in float32 and against ArS in bfloat16,
 greedy SpS == greedy ArS), one compiled program per generation, and per model preset and batch:
 ArS time per token and per step, the weights' read rate against the copy bandwidth, s(k + 1) for
-each k, and the perfect-draft ceiling at batch 1 (`spsjax.bench.accelerator`). The report goes to
+each k and the scoring call of trees of drafts (s(tree b)), and the perfect-draft ceiling at batch 1 (`spsjax.bench.accelerator`). The report goes to
 `--out` and stdout, with the wall time and the part of it spent compiling, by program (each log
 line has both too). Imports only what a stock accelerator image has (jax, flax, numpy, scipy,
 absl, etils): no datasets, tokenizers or config files.
@@ -34,6 +34,9 @@ _PRESETS = flags.DEFINE_list('presets', None, 'Model presets to time (default: l
 _DTYPE = flags.DEFINE_enum('dtype', 'bfloat16', ['bfloat16', 'float32'], 'Timed models\' dtype.')
 _BATCHES = flags.DEFINE_list('batches', None, 'Batch sizes (default 1, 8, 32; small: 1, 8).')
 _KS = flags.DEFINE_list('ks', None, 'Lookaheads k of s(k + 1) (default 1..8; small: 1, 4).')
+_TREES = flags.DEFINE_list('trees', None, 'Trees of drafts whose scoring call is timed (s(tree b) '
+                           'beside s(k + 1)), as branching factors joined by + (TreeDrafter\'s); '
+                           'default 2+2+1+1 (17 nodes and root); small: 2+1; empty: none.')
 _CEILING_KS = flags.DEFINE_list('ceiling_ks', None, 'k of the perfect-draft ceiling (default '
                                 '4, 8; small: 4; empty: no ceiling).')
 _CEILING_TOP_P = flags.DEFINE_float(
@@ -85,12 +88,19 @@ class _Plan:
   prompt_len: int
   max_new: int
   compile_threads: int
+  trees: tuple[str, ...] = ()  # Branching factors, '2+2+1+1'.
+
+  @property
+  def tree_models(self) -> dict[str, models.TokenTree]:
+    return {b: models.TokenTree.full(tuple(int(x) for x in b.split('+'))) for b in self.trees}
 
   @property
   def capacity(self) -> int:
     """The cache every cost is measured at: one size, so the ceilings reuse the figures'
     compiled `extend` programs."""
-    return self.prompt_len + self.max_new + max(self.ks + self.ceiling_ks) + 1
+    return self.prompt_len + self.max_new + max(
+        [k + 1 for k in self.ks + self.ceiling_ks]
+        + [t.num_nodes + 1 for t in self.tree_models.values()])
 
 
 def _plan() -> _Plan:
@@ -102,6 +112,11 @@ def _plan() -> _Plan:
   if min(plan.batches + plan.ks + plan.ceiling_ks + (plan.compile_threads,)) < 1:
     raise app.UsageError('--batches, --ks, --ceiling_ks and --compile_threads take positive '
                          'integers.')
+  try:
+    _ = plan.tree_models
+  except ValueError as e:
+    raise app.UsageError(f'--trees takes branching factors >= 1 joined by + (e.g. 2+2+1+1), '
+                         f'got {list(plan.trees)}.') from e
   if not 0.0 < _CEILING_TOP_P.value <= 1.0:
     raise app.UsageError(f'--ceiling_top_p must be in (0, 1], got {_CEILING_TOP_P.value}.')
   if unknown := [name for name in plan.presets if name not in presets.PRESETS]:
@@ -129,7 +144,9 @@ def _make_plan(small: bool) -> _Plan:
           int(k) for k in _CEILING_KS.value),
       rows=_ROWS.value or (20_000 if small else 100_000), repeats=_REPEATS.value or (
           2 if small else 7), prompt_len=16 if small else 128, max_new=16 if small else 128,
-      compile_threads=_COMPILE_THREADS.value)
+      compile_threads=_COMPILE_THREADS.value,
+      trees=tuple(_TREES.value if _TREES.value is not None else
+                  (['2+1'] if small else ['2+2+1+1'])))
 
 
 def _layout(model):
@@ -213,12 +230,14 @@ def _measure(plan, report, write, log):
       row = report.attempt(f'{name} batch {batch}', lambda: accelerator.decode_figures(
           timed, name + label, batch=batch, blocks=[k + 1 for k in plan.ks],
           prompt_len=plan.prompt_len, max_new_tokens=plan.max_new, repeats=plan.repeats,
-          capacity=plan.capacity, compile_threads=plan.compile_threads))
+          capacity=plan.capacity, compile_threads=plan.compile_threads,
+          trees=plan.tree_models))
       if row:
         report.rows.append(row)
         log(f'{name} batch {batch}: ArS {row.ars_step * 1e3:.3f} ms/step, weights '
             f'{row.weight_rate:.0f} GB/s, {row.launches} ops a step, s = '
-            + ', '.join(f'{T}: {s:.2f}' for T, s in sorted(row.s.items())))
+            + ', '.join(f'{T}: {s:.2f}' for T, s in sorted(row.s.items()))
+            + ''.join(f', tree {b}: {s:.2f}' for b, s in row.s_tree.items()))
       write()
       if j == 0:
         _ceilings(plan, report, name, timed, i, write, log)

@@ -73,7 +73,7 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
                  if line.startswith('| tiny_target fused | bfloat16 |')]
   assert [row.split('|')[3].strip() for row in decode_rows] == ['1']
   assert '| ops/step |' in report and int(decode_rows[0].split('|')[8]) > 0, decode_rows
-  assert 's(5)' in report
+  assert 's(5)' in report and 's(tree 2+1)' in report
   assert '| tiny_target / tiny_draft fused, top-p 0.9 | 4 |' in report
   # The ceiling's SpS loop profiled: its loops found in the trace, a wall time and each phase.
   loop = re.search(r'\| tiny_target / tiny_draft fused, top-p 0.9 \| 4 \| (\d+) \| ([\d.]+) \| '

@@ -11,7 +11,8 @@ Three parts, each usable alone:
   per phase (`profile.attribute`, through the CUDA graphs on a GPU).
 - `decode_figures` / `ceilings`: per model and batch, ArS time per token and per decoding step,
   the rate at which a step reads the weights against the device's copy bandwidth, s(k + 1) =
-  `extend` on k + 1 positions / on 1, and the perfect-draft ceiling (`bench.ceiling`).
+  `extend` on k + 1 positions / on 1, s(tree) = the call scoring a tree of drafts / one step,
+  and the perfect-draft ceiling (`bench.ceiling`).
 `markdown` puts them on one screen.
 """
 
@@ -20,7 +21,7 @@ import dataclasses
 import functools
 import tempfile
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import jax
@@ -306,6 +307,8 @@ class DecodeRow:
   ars_prefill: float  # The same call stopping after the prefill's token.
   max_new_tokens: int
   launches: int | None = None  # Operations a 1-position step runs (`decode.extend_launches`).
+  # Label -> a call on that token tree (its nodes and root) / `extend` of 1 position.
+  s_tree: dict[str, float] = dataclasses.field(default_factory=dict)
 
   @property
   def ars_step(self) -> float:
@@ -325,13 +328,18 @@ class DecodeRow:
 
 def decode_figures(model: models.Model, preset: str, *, batch: int, blocks: Sequence[int],
                    prompt_len: int, max_new_tokens: int, repeats: int,
-                   capacity: int | None = None, compile_threads: int = 1) -> DecodeRow:
-  """`extend` at 1 and each of `blocks` positions per row (at a cache of `capacity` slots,
-  default prompt, new tokens and the largest block), and ArS, at `batch` rows; each group's
-  programs compiled `compile_threads` at a time (`timing.warm`)."""
-  capacity = capacity or prompt_len + max_new_tokens + max(blocks)
-  times, _, _ = decode.extend_seconds(model, (1,) + tuple(blocks), capacity, repeats=repeats,
-                                      batch=batch, compile_threads=compile_threads)
+                   capacity: int | None = None, compile_threads: int = 1,
+                   trees: Mapping[str, models.TokenTree] | None = None) -> DecodeRow:
+  """`extend` at 1 and each of `blocks` positions per row and on each of `trees` (a label
+  each; the target's call scoring a tree of drafts), at a cache of `capacity` slots (default
+  prompt, new tokens and the largest block), and ArS, at `batch` rows; each group's programs
+  compiled `compile_threads` at a time (`timing.warm`)."""
+  trees = dict(trees or {})
+  largest = max(list(blocks) + [t.num_nodes + 1 for t in trees.values()])
+  capacity = capacity or prompt_len + max_new_tokens + largest
+  times, _, _ = decode.extend_seconds(model, (1,) + tuple(blocks) + tuple(trees.values()),
+                                      capacity, repeats=repeats, batch=batch,
+                                      compile_threads=compile_threads)
   prompts = (np.arange(batch * prompt_len, dtype=np.int32).reshape(batch, prompt_len) * 7
              + 1) % model.config.vocab_size
   lengths = np.full((batch,), prompt_len, np.int32)
@@ -349,7 +357,8 @@ def decode_figures(model: models.Model, preset: str, *, batch: int, blocks: Sequ
                    step=times[1], s={T: times[T] / times[1] for T in blocks},
                    ars_call=median['call'], ars_prefill=median['prefill'],
                    max_new_tokens=max_new_tokens,
-                   launches=decode.extend_launches(model, 1, capacity, batch=batch))
+                   launches=decode.extend_launches(model, 1, capacity, batch=batch),
+                   s_tree={label: times[tree] / times[1] for label, tree in trees.items()})
 
 
 def ceilings(target: models.Model, draft: models.Model, *, ks: Sequence[int], prompt_len: int,
@@ -445,17 +454,22 @@ def markdown(*, device: str, copy: decode.CopyBandwidth | None, checks: Sequence
   if rows:
     copy_text = f'{copy.best:.0f} GB/s (read + written, best of three copies)' if copy else '-'
     blocks = sorted({T for r in rows for T in r.s})
-    lines += [f'Copy bandwidth: {copy_text}. Random weights; ArS at temperature 1.', '',
+    trees = list(dict.fromkeys(label for r in rows for label in r.s_tree))
+    lines += [f'Copy bandwidth: {copy_text}. Random weights; ArS at temperature 1.'
+              + (' s(tree b): the target\'s call on a tree of drafts (branching b; its nodes '
+                 'and root) / one step.' if trees else ''), '',
               '| model | dtype | batch | params | ArS ms/token | ArS ms/step | weights GB/s (of copy) '
-              '| ops/step | ' + ' | '.join(f's({T})' for T in blocks) + ' |',
-              '|---|---|---|---|---|---|---|---|' + '---|' * len(blocks)]
+              '| ops/step | ' + ' | '.join([f's({T})' for T in blocks]
+                                          + [f's(tree {label})' for label in trees]) + ' |',
+              '|---|---|---|---|---|---|---|---|' + '---|' * (len(blocks) + len(trees))]
     for r in rows:
       share = f' ({r.weight_rate / copy.best:.0%})' if copy else ''
       lines.append(
           f'| {r.preset} | {r.dtype} | {r.batch} | {r.num_params / 1e6:.0f}M | '
           f'{r.ars_per_token * 1e3:.3f} | {r.ars_step * 1e3:.3f} | {r.weight_rate:.0f}{share} | '
           f'{"-" if r.launches is None else r.launches} | '
-          + ' | '.join(f'{r.s[T]:.2f}' for T in blocks) + ' |')
+          + ' | '.join([f'{r.s[T]:.2f}' for T in blocks]
+                       + [f'{r.s_tree[t]:.2f}' if t in r.s_tree else '-' for t in trees]) + ' |')
     lines.append('')
   if ceiling_rows:
     lines += ['| perfect draft | k | c | s | decoding SpS/ArS | formula (k+1)/(kc+s) | whole calls |',

@@ -78,36 +78,52 @@ def weight_bytes_per_token(config: models.TransformerConfig, params) -> int:
   return total - embedding.nbytes + embedding.nbytes // config.vocab_size
 
 
-def _extend_steps(config, steps, params, cache, tokens_BxT, lengths_B):
-  """`steps` calls of `extend` in one program, each at the same row lengths (so in bounds)."""
+def _extend_steps(config, steps, params, cache, tokens_BxT, lengths_B, tree=None):
+  """`steps` calls of `extend` in one program, each at the same row lengths (so in bounds); with
+  `tree` (`models.TokenTree`) calls on that tree: a tree of drafts' scoring."""
 
   def one(_, carry):
     cache, checksum_B = carry
-    logits_BxTxV, cache = models.extend(config, params, cache.with_lengths(lengths_B), tokens_BxT)
+    logits_BxTxV, cache = models.extend(config, params, cache.with_lengths(lengths_B), tokens_BxT,
+                                        tree=tree)
     return cache, checksum_B + logits_BxTxV[:, -1, 0]
 
   return jax.lax.fori_loop(0, steps, one, (cache, jnp.zeros(tokens_BxT.shape[:1], jnp.float32)))
 
 
-# One jitted program per (config, steps) and shapes, kept across calls: measuring the same
+# One jitted program per (config, steps, tree) and shapes, kept across calls: measuring the same
 # model's costs again (each row of a table, each ceiling) compiles nothing new. Donates the cache.
-extend_program = jax.jit(_extend_steps, static_argnums=(0, 1), donate_argnums=3)
+extend_program = jax.jit(_extend_steps, static_argnums=(0, 1), static_argnames='tree',
+                         donate_argnums=3)
 
 
-def _compile_extend(config, steps, params, cache, tokens_BxT, lengths_B) -> None:
-  extend_program.lower(config, steps, params, cache, tokens_BxT, lengths_B).compile()
+def _positions(block: 'int | models.TokenTree') -> int:
+  """Tokens per row of an `extend_seconds` block: T, or a tree's nodes and root."""
+  return block.num_nodes + 1 if isinstance(block, models.TokenTree) else block
+
+
+def _tree_kwargs(tree) -> dict:
+  """`extend_program`'s tree argument, passed only for a tree: a call without it is the same
+  compiled program as every other chain's (jit keys its cache on the arguments as passed)."""
+  return {} if tree is None else {'tree': tree}
+
+
+def _compile_extend(config, steps, params, cache, tokens_BxT, lengths_B, tree=None) -> None:
+  extend_program.lower(config, steps, params, cache, tokens_BxT, lengths_B,
+                       **_tree_kwargs(tree)).compile()
 
 
 def _extend_args(model, blocks, capacity, batch, mesh, rules):
   """(config, params, cache, {T: tokens}, lengths) of `extend_seconds`' programs, placed."""
   sharding.check_batch(batch, mesh)
   model = common.place_params(model, mesh, rules)
-  if max(blocks) > capacity:
-    raise ValueError(f'A block of {max(blocks)} tokens does not fit in the cache capacity '
+  longest = max(_positions(T) for T in blocks)
+  if longest > capacity:
+    raise ValueError(f'A block of {longest} tokens does not fit in the cache capacity '
                      f'{capacity}.')
-  lengths_B = jnp.full((batch,), capacity - max(blocks), jnp.int32)
+  lengths_B = jnp.full((batch,), capacity - longest, jnp.int32)
   cache = models.init_cache(model.config, batch, capacity)
-  tokens = {T: jnp.ones((batch, T), jnp.int32) for T in blocks}
+  tokens = {T: jnp.ones((batch, _positions(T)), jnp.int32) for T in blocks}
   if mesh is not None:
     rows = lambda x: sharding.named(('batch',) + (None,) * (x.ndim - 1), x.shape, mesh, rules)
     cache = sharding.put(cache, kv_cache.shardings(cache, mesh, rules))
@@ -131,7 +147,8 @@ def extend_seconds(model: models.Model, blocks: Sequence[int], capacity: int, *,
                    batch: int = 1, steps: int = 8, mesh: Mesh | None = None,
                    rules: sharding.Rules = sharding.DEFAULT_RULES, compile_threads: int = 1
                    ) -> tuple[dict[int, float], int, bool]:
-  """Median seconds of one `extend` appending T tokens per row, for each T in `blocks`.
+  """Median seconds of one `extend` appending T tokens per row, for each T in `blocks` (a
+  `models.TokenTree` in `blocks`: a call on that tree, its nodes and root, keyed by the tree).
 
   Each timed call runs `steps` extends in one jitted loop and counts a `steps`-th of its time:
   the cost of a step inside a decoding program, without the per-call dispatch of a jitted call
@@ -145,19 +162,22 @@ def extend_seconds(model: models.Model, blocks: Sequence[int], capacity: int, *,
   """
   config, params, cache, tokens, lengths_B = _extend_args(model, blocks, capacity, batch, mesh,
                                                           rules)
-  run = functools.partial(extend_program, config, steps)
   state = {'cache': cache}
   kv_bytes = sum(x.nbytes for x in state['cache'].k + state['cache'].v)
   first_buffer = lambda: state['cache'].k[0].addressable_shards[0].data.unsafe_buffer_pointer()
   buffer = first_buffer()
 
+  tree_of = lambda T: T if isinstance(T, models.TokenTree) else None
+
   def call(T):
-    state['cache'], checksum_B = run(params, state['cache'], tokens[T], lengths_B)
+    state['cache'], checksum_B = extend_program(config, steps, params, state['cache'], tokens[T],
+                                                lengths_B, **_tree_kwargs(tree_of(T)))
     return checksum_B
 
   if compile_threads > 1:  # Compiled, not run (the cache is donated); the first calls find them.
     timing.warm([functools.partial(_compile_extend, config, steps, params, state['cache'],
-                                   tokens[T], lengths_B) for T in blocks], threads=compile_threads)
+                                   tokens[T], lengths_B, tree_of(T)) for T in blocks],
+                threads=compile_threads)
 
   seconds = timing.medians({T: functools.partial(call, T) for T in blocks}, repeats=repeats,
                            warmup=2)  # The first call of each compiles.
