@@ -5,7 +5,7 @@
 #
 # PARTs, run in the order given (default: all four, 680 s at most; where a command may run 600 s,
 # two commands: `full variants`, then `nucleus loops`):
-#   full      the whole check (report full.md: the results table), 350 s
+#   full      the whole check (report full.md: the results table, s(tree 2+2+1+1) too), 350 s
 #   variants  llama1b batch 1: step variants, the profiled T = 1 ceiling at k = 4, the optimized
 #             HLO and traces (variants.md, dump.tgz), 130 s
 #   nucleus   sampling's cost a call by setting (top-k by lax.top_k and by search, top-p), the
@@ -29,7 +29,7 @@ done
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
-one="--exactness= --presets=${PRESETS:-llama1b} --batches=1"
+one="--exactness= --presets=${PRESETS:-llama1b} --batches=1 --trees="
 extra=${EXTRA:-}
 
 run() {  # run PART LIMIT_S ARGS...: one process, its report and log under $out

@@ -137,8 +137,10 @@ def accept_tree_with(u_N, u_token, p_Np1xV, q_NxV, tokens_N, valid_N, tree: Toke
             jnp.where(stops, r_V, law_V), done | stops)
 
   path_D = jnp.full((depth + 1,), -1, jnp.int32).at[0].set(0)
+  # Unrolled: a loop inside the SpS loop's body would split its CUDA graphs on a GPU.
   node, path_D, law_V, done = jax.lax.fori_loop(
-      0, depth, level, (jnp.int32(0), path_D, jnp.zeros_like(p_Np1xV[0]), jnp.bool_(False)))
+      0, depth, level, (jnp.int32(0), path_D, jnp.zeros_like(p_Np1xV[0]), jnp.bool_(False)),
+      unroll=True)
   law_V = jnp.where(done, law_V, p_Np1xV[node])  # Every level accepted: the bonus token.
   n = jnp.sum(path_D[1:] >= 0).astype(jnp.int32)
   return path_D, n, draw_with(u_token, law_V).astype(jnp.int32)
