@@ -22,7 +22,7 @@ drop, joined by +, e.g. no_repeat_ngram_size).
 
 import ml_collections
 
-from spsjax.config_args import parse_arg
+from spsjax.config_args import lookahead, parse_arg
 from spsjax.models import presets
 
 
@@ -41,17 +41,7 @@ def get_config(arg=None):
   c.draft_name = a.hf_draft or a.draft_name
   c.draft_weights = a.draft_weights  # The draft's packed weights (native CPU path).
   c.method = a.method
-  if a.k != 'auto' and not (a.k.isdigit() and int(a.k) >= 1):
-    raise ValueError(f'k must be an integer >= 1 or auto, got {a.k!r}.')
-  if a.k_max < 1:
-    raise ValueError(f'k_max must be >= 1, got {a.k_max}.')
-  if a.k == 'auto' and (a.alternatives or a.branching or a.drafter == 'tree'):
-    raise ValueError('k=auto chooses among chains of drafts (its cost model has no trees); pass '
-                     'a k with alternatives or a tree.')
-  if a.branching and a.k != str(len(a.branching.split('+'))):
-    raise ValueError(f'branching={a.branching} drafts trees of depth '
-                     f'{len(a.branching.split("+"))}: pass that as k (got k={a.k}).')
-  c.k = a.k if a.k == 'auto' else int(a.k)
+  c.k = lookahead(a)
   c.k_max = a.k_max  # With k=auto: the largest k the policy considers.
   c.recalibrate = a.recalibrate
   c.drafter = dict(kind=a.drafter, max_ngram=a.max_ngram, min_ngram=a.min_ngram,

@@ -31,7 +31,8 @@ import os
 
 import ml_collections
 
-from spsjax.config_args import REFERENCE_ROOT, best_draft, default_pair_note, parse_arg
+from spsjax.config_args import (REFERENCE_ROOT, best_draft, default_pair_note, lookahead,
+                                parse_arg)
 from spsjax.eval import tasks
 
 
@@ -54,17 +55,7 @@ def get_config(arg=None):
                    stop_below=a.stop_below, alternatives=a.alternatives,
                    branching=a.branching)
   c.lenience = a.lenience  # < 1: LOSSY.
-  if a.k != 'auto' and not (a.k.isdigit() and int(a.k) >= 1):
-    raise ValueError(f'k must be an integer >= 1 or auto, got {a.k!r}.')
-  if a.k_max < 1:
-    raise ValueError(f'k_max must be >= 1, got {a.k_max}.')
-  if a.k == 'auto' and (a.alternatives or a.branching or a.drafter == 'tree'):
-    raise ValueError('k=auto chooses among chains of drafts (its cost model has no trees); pass '
-                     'a k with alternatives or a tree.')
-  if a.branching and a.k != str(len(a.branching.split('+'))):
-    raise ValueError(f'branching={a.branching} drafts trees of depth '
-                     f'{len(a.branching.split("+"))}: pass that as k (got k={a.k}).')
-  c.k = a.k if a.k == 'auto' else int(a.k)
+  c.k = lookahead(a)
   c.k_max = a.k_max  # k=auto: each row calibrates, then each call runs at k in 0 .. k_max.
   c.recalibrate = a.recalibrate
   c.seed = a.seed

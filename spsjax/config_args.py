@@ -58,3 +58,21 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
       raise ValueError(f'Unknown config argument {key!r}; known: {sorted(defaults)}.')
     values[key] = _cast(key, text.strip(), defaults[key])
   return ml_collections.ConfigDict(values)
+
+
+def lookahead(a) -> int | str:
+  """The k of a sampling config's parsed arguments `a` (k, k_max, drafter, alternatives,
+  branching): an integer >= 1 or 'auto'; ValueError for a bad k or k_max, for k=auto with a tree
+  of drafts (its cost model has none), and for a tree drafter's k other than its depth."""
+  if a.k != 'auto' and not (a.k.isdigit() and int(a.k) >= 1):
+    raise ValueError(f'k must be an integer >= 1 or auto, got {a.k!r}.')
+  if a.k_max < 1:
+    raise ValueError(f'k_max must be >= 1, got {a.k_max}.')
+  if a.k == 'auto' and (a.alternatives or a.branching or a.drafter == 'tree'):
+    raise ValueError('k=auto chooses among chains of drafts (its cost model has no trees); pass '
+                     'a k with alternatives or a tree.')
+  depth = len(a.branching.split('+'))
+  if a.branching and a.k != str(depth):
+    raise ValueError(f'branching={a.branching} drafts trees of depth {depth}: pass that as k '
+                     f'(got k={a.k}).')
+  return a.k if a.k == 'auto' else int(a.k)

@@ -31,8 +31,7 @@ import jax.numpy as jnp
 
 from spsjax.models import KVCache, Model, TokenTree, extend, kv_cache, prefill
 from spsjax.sampling import common, siblings
-from spsjax.sampling.processors import (mark_present, probabilities_and_sample_with, typed_keys,
-                                        uniforms)
+from spsjax.sampling.processors import mark_present, probabilities_and_sample_with, uniforms
 
 
 @flax.struct.dataclass
@@ -355,8 +354,7 @@ class ModelDrafter(Drafter):
     # Uniforms at once: per step, threefry is a handful of small ops.
     alternative_keys_BxK = None
     if self.alternatives:  # Their own streams, apart from the drafts' uniforms.
-      alternative_keys_BxK = jax.vmap(jax.vmap(lambda key: jax.random.fold_in(key, 1)))(
-          typed_keys(keys_BxK))
+      alternative_keys_BxK = siblings.keys_apart(keys_BxK)
     choose = functools.partial(self._choose, loop, uniforms(keys_BxK), forced_BxK, num_forced_B,
                                alternative_keys_BxK=alternative_keys_BxK)
     # Slot 0, always proposed, from the last two committed tokens (the cache invariant).

@@ -12,6 +12,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from spsjax.sampling.processors import typed_keys
+
 
 @flax.struct.dataclass
 class Siblings:
@@ -22,10 +24,18 @@ class Siblings:
   valid_RxA: jax.Array
 
 
+def keys_apart(keys: jax.Array) -> jax.Array:
+  """Keys (any shape) for the siblings of the children drawn with `keys`: their own streams,
+  independent of the first child's draw."""
+  keys = typed_keys(keys)
+  flat = jax.vmap(lambda key: jax.random.fold_in(key, 1))(keys.reshape(-1))
+  return flat.reshape(keys.shape)
+
+
 def draw(keys_R: jax.Array, logits_RxV: jax.Array, q_RxV: jax.Array, first_R: jax.Array,
          count: int, *, greedy: bool) -> Siblings:
   """`count` children after `first_R` per row (module docstring); `keys_R`: one key per row,
-  apart from the one `first_R` was drawn with."""
+  apart from the one `first_R` was drawn with (`keys_apart`)."""
   V = q_RxV.shape[-1]
   ids_V = jnp.arange(V, dtype=jnp.int32)
   others_RxV = ids_V[None, :] != first_R[:, None]

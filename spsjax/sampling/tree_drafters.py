@@ -96,9 +96,8 @@ class TreeDrafter(Drafter):
       new_tokens, new_q, new_valid = [first_R[:, None]], [q_RxV[:, None]], [
           jnp.ones((B * L, 1), bool)]
       if b > 1:
-        more = siblings.draw(rows(jax.vmap(jax.vmap(lambda key: jax.random.fold_in(key, 1)))(
-            node_keys_BxL)), rows(logits_BxLxV), q_RxV, first_R, b - 1,
-                             greedy=loop.draft_sampling.greedy)
+        more = siblings.draw(rows(siblings.keys_apart(node_keys_BxL)), rows(logits_BxLxV),
+                             q_RxV, first_R, b - 1, greedy=loop.draft_sampling.greedy)
         new_tokens.append(more.tokens_RxA)
         new_q.append(more.q_RxAxV)
         new_valid.append(more.valid_RxA)
