@@ -17,8 +17,9 @@ ops): a mismatch raises. Sections:
   panels, and `counts` with padding, idle rows and out-of-range counts; matmul_rows: the cases
   whose paths depend on the number of rows only (for another threshold of the wide path);
 - attention: `native.cached_attention` at head dims 2..66, T * G = 4096 queries (the kernel's
-  limit), every row's positions ending at the cache's last slot, padding and idle rows, and a
-  row past the cache's end (an error);
+  limit), every row's positions ending at the cache's last slot, padding and idle rows, token
+  trees (a whole tree, its last level alone, 29 nodes in query blocks), and a row past the
+  cache's end or a tree's root before slot 0 (errors);
 - sampling: `native.probabilities_and_draw` (temperature, top-k, top-p) and `native.accept` at
   vocabularies 1..4100 and 50257, on one thread and over the kernels' threads, rows with NaN,
   +inf and -inf logits and logits far below the maximum, and a draft outside the vocabulary (an
@@ -260,6 +261,13 @@ ATTENTION_CASES = [
     # A part of each head rotated (GPT-NeoX), or none (GPT-2): `rotated` dims.
     ('a part rotated', 2, 40, 2, 3, 34, 5, [0, 35], None, dict(rotated=10)),
     ('none rotated', 2, 40, 1, 2, 18, 3, [7, 37], [3, 1], dict(rotated=0)),
+    # Token trees (`tree`: node i's parent for i = 1 ..; the call on its last T nodes).
+    ('tree, whole rows', 2, 40, 2, 3, 20, 7, [0, 33], None, dict(tree=(0, 0, 1, 1, 2, 2))),
+    ('tree level, padding', 3, 30, 1, 2, 8, 4, [3, 10, 26], [4, 2, 0],
+     dict(tree=(0, 0, 1, 1, 2, 2))),
+    ('tree in query blocks', 1, 64, 2, 1, 16, 29, [35], None,
+     dict(tree=(0,) * 4 + tuple(i for i in range(1, 5) for _ in range(2))
+          + tuple(i for i in range(5, 13) for _ in range(2)))),
 ]
 
 _libm = ctypes.CDLL(ctypes.util.find_library('m'))
@@ -273,12 +281,30 @@ def _inverse_frequencies(half):
                    for i in range(half)], np.float32)
 
 
+def tree_arrays(parents, T):
+  """(depths [W], allowed [T, W] as uint8) of a call on the last T of a tree's W = len(parents) +
+  1 nodes: allowed[t, w] iff node w is node W - T + t or one of its ancestors."""
+  parents = (-1, *parents)
+  W = len(parents)
+  depths, allowed = np.zeros(W, np.int32), np.zeros((T, W), np.uint8)
+  for w in range(1, W):
+    depths[w] = depths[parents[w]] + 1
+  for t in range(T):
+    node = W - T + t
+    while node >= 0:
+      allowed[t, node] = 1
+      node = parents[node]
+  return depths, allowed
+
+
 def attention_reference(qkv, keys, values, starts, counts, window=None, softcap=None,
-                        rotated=None):
+                        rotated=None, tree=None):
   """(outputs [B, T, K, G, H], keys, values) in float64 from float32 angles (position * the
   inverse frequency, as the model defines them); padding positions' outputs 0, their slots as
   they were; a query sees the last `window` slots up to its own, scores softcapped; the first
-  `rotated` dims of each head rotated (None: all)."""
+  `rotated` dims of each head rotated (None: all). With a `tree` (parents) the call's T
+  positions are its last T nodes, rotated at the root's slot + their depth, each seeing the slots
+  before the root and, of the tree's, its ancestors' and its own."""
   B, T, M, H = qkv.shape
   K = keys.shape[2]
   N, half = M - 2 * K, (H if rotated is None else rotated) // 2
@@ -289,7 +315,15 @@ def attention_reference(qkv, keys, values, starts, counts, window=None, softcap=
   for b in range(B):
     used = T if counts is None else int(np.clip(counts[b], 0, T))
     positions = starts[b] + np.arange(used)
-    angles = (positions.astype(np.float32)[:, None] * inv_freq[None, :]).astype(np.float64)
+    seen = [np.arange(n) for n in positions + 1]  # Each position's slots.
+    angle_positions = positions
+    if tree is not None:
+      depths, allowed = tree_arrays(tree, T)
+      root = starts[b] - (len(depths) - T)
+      angle_positions = root + depths[len(depths) - T:][:used]
+      seen = [np.concatenate([np.arange(root), root + np.flatnonzero(allowed[t])])
+              for t in range(used)]
+    angles = (angle_positions.astype(np.float32)[:, None] * inv_freq[None, :]).astype(np.float64)
     cos, sin = np.cos(angles)[:, None], np.sin(angles)[:, None]
     x = qkv[b, :used].astype(np.float64)
 
@@ -302,14 +336,13 @@ def attention_reference(qkv, keys, values, starts, counts, window=None, softcap=
     k_cache[b, positions] = rotate(x[:, N:N + K])
     v_cache[b, positions] = x[:, N + K:]
     for t in range(used):
-      n = starts[b] + t + 1
-      first = max(0, n - window) if window else 0
-      scores = np.einsum('kgh,skh->kgs', q[t], k_cache[b, first:n])
+      slots = seen[t][-window:] if window else seen[t]
+      scores = np.einsum('kgh,skh->kgs', q[t], k_cache[b, slots])
       if softcap:
         scores = softcap * np.tanh(scores / softcap)
       p = np.exp(scores - scores.max(axis=-1, keepdims=True))
       p /= p.sum(axis=-1, keepdims=True)
-      out[b, t] = np.einsum('kgs,skh->kgh', p, v_cache[b, first:n])
+      out[b, t] = np.einsum('kgs,skh->kgh', p, v_cache[b, slots])
   return out, k_cache, v_cache
 
 
@@ -319,6 +352,9 @@ def _attentions(cases, isas, options):
   for (qkv, keys, values, starts, counts), option in zip(cases, options, strict=True):
     option = dict(option)
     freqs = _inverse_frequencies(option.pop('rotated', qkv.shape[-1]) // 2)
+    if 'tree' in option:
+      option['tree_depths'], option['tree_allowed'] = tree_arrays(option.pop('tree'),
+                                                                   qkv.shape[1])
     calls.append({isa: native.cached_attention(qkv, keys, values, starts, rope_freqs=freqs,
                                                counts_B=counts, isa=isa, **option)
                   for isa in isas})
@@ -362,6 +398,14 @@ def attention(isas):
   expect_error('attention past the cache', 'exceed the cache', lambda: native.cached_attention(
       qkv, keys, values, np.array([0, 1, S - T + 1], np.int32),
       rope_freqs=_inverse_frequencies(qkv.shape[-1] // 2)))
+  # A tree's last level (from node 3) at slot 2: its root would sit before slot 0.
+  i = [case[0] for case in ATTENTION_CASES].index('tree level, padding')
+  qkv, keys, values, starts, _ = cases[i]
+  depths, allowed = tree_arrays(ATTENTION_CASES[i][9]['tree'], qkv.shape[1])
+  expect_error('a tree before the cache', 'exceed the cache', lambda: native.cached_attention(
+      qkv, keys, values, np.array([3, 2, 3], np.int32),
+      rope_freqs=_inverse_frequencies(qkv.shape[-1] // 2), tree_depths=depths,
+      tree_allowed=allowed))
   print(f'attention: {len(cases)} cases', flush=True)
 
 

@@ -500,6 +500,74 @@ def test_cached_attention_window_softcap_and_scale(isa, T):
     attention.cached_attention(qkv, keys, values, starts, rope_freqs=_freqs(qkv), window=0)
 
 
+def _tree_attention(qkv, keys, values, starts, freqs, parents, first):
+  """numpy: a call on nodes first .. first + T - 1 of the tree `parents` (node i's parent for i = 1
+  ..), the root at slot starts - first: each node rotated at the root's slot + its depth, written
+  at its slot, its query seeing the slots before the root, its ancestors' and its own."""
+  B, T, _, H = qkv.shape
+  K = keys.shape[2]
+  parents = (-1, *parents)
+  depth = [0] * len(parents)
+  for i in range(1, len(parents)):
+    depth[i] = depth[parents[i]] + 1
+  roots = np.asarray(starts) - first
+  positions = roots[:, None] + np.array(depth[first:first + T])[None]
+  rotate = lambda x: np.asarray(attention.rope(jnp.asarray(x), jnp.asarray(positions), freqs))
+  keys, values = np.array(keys, np.float64), np.array(values, np.float64)
+  for b, t in np.ndindex(B, T):
+    keys[b, starts[b] + t] = rotate(qkv[:, :, -2 * K:-K])[b, t]
+    values[b, starts[b] + t] = qkv[b, t, -K:]
+  q = rotate(qkv[:, :, :-2 * K])
+  G = q.shape[2] // K
+  out = np.zeros((B, T, K, G, H), np.float32)
+  for b, t, n in np.ndindex(B, T, K * G):
+    node, seen = first + t, list(range(roots[b]))
+    path = []
+    while node >= 0:
+      path.append(roots[b] + node)
+      node = parents[node]
+    seen = np.array(seen + path[::-1])
+    scores = keys[b, seen, n // G] @ q[b, t, n] * H**-0.5
+    probs = np.exp(scores - scores.max())
+    out[b, t, n // G, n % G] = probs / probs.sum() @ values[b, seen, n // G]
+  return out, keys, values
+
+
+@pytest.mark.parametrize('isa', ISAS)
+def test_cached_attention_on_a_tree(isa):
+  """A call on a token tree's nodes (a whole tree of 7, its last level of 4 alone, and a tree of
+  29 taken in blocks of 16 a kv head at a time): the kernel and XLA's ops against the tree written
+  out (`_tree_attention`): every output and cache slot. A window is refused with a tree."""
+  B, S, K, G, H = 3, 48, 2, 3, 16
+  keys, values = _normal(0, (B, S, K, H)), _normal(1, (B, S, K, H))
+  small = models.TokenTree.full((2, 2))
+  large = models.TokenTree.full((4, 2, 2))
+  for tree, first in ((small, 0), (small, 3), (large, 0)):
+    T = tree.num_nodes + 1 - first
+    qkv = _normal(T, (B, T, K * G + 2 * K, H), scale=3.0)
+    starts = np.array([first, 11, S - T], np.int32)
+    mask = tree.mask(first)
+    operands = dict(tree_depths=mask.depths_M[:first + T],
+                    tree_allowed=mask.ancestors_TxM[:, :first + T])
+    want = _tree_attention(qkv, keys, values, starts, _freqs(qkv), tree.parents, first)
+    for path in ('xla', 'kernel'):
+      call = attention.reference if path == 'xla' else functools.partial(
+          attention._kernel, isa=isa,  # pylint: disable=protected-access
+          counts_B=np.zeros((0,), np.int32))
+      got = jax.jit(lambda *a, call=call: call(*a[:4], freqs_H2=_freqs(qkv), **operands))(
+          qkv, keys, values, starts)
+      for name, g, w in zip(('outputs', 'keys', 'values'), got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=3e-5, atol=3e-5,
+                                   err_msg=f'{path}, {name}, {T} nodes from {first}')
+  with pytest.raises(ValueError, match='no window'):
+    attention.cached_attention(qkv, keys, values, starts, rope_freqs=_freqs(qkv), window=4,
+                               **operands)
+  with pytest.raises(ValueError, match='allowed'):
+    attention.cached_attention(qkv, keys, values, starts, rope_freqs=_freqs(qkv),
+                               tree_depths=operands['tree_depths'],
+                               tree_allowed=operands['tree_allowed'][1:])
+
+
 @pytest.mark.parametrize('isa', ISAS)
 @pytest.mark.parametrize('rotated', [0, 4, 10])
 def test_cached_attention_rotates_a_part_or_none(isa, rotated):

@@ -156,20 +156,11 @@ class RMSNorm(nn.Module):
     return self(x_BxTxD), None
 
 
-def _tree_slots(tree: TreeMask, roots_B, num_slots: int):
-  """A full cache's key positions and mask for a call on a tree whose root is at slot roots
-  (`token_tree`): slot roots + m holds node m at position roots + depth(m); the call's nodes see
-  the slots before the root and, of the tree's, their ancestors' only."""
-  M = tree.depths_M.shape[0]
-  slot_BxS = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (roots_B.shape[0],
-                                                                         num_slots))
-  node_BxS = slot_BxS - roots_B[:, None]
-  in_tree_BxS = (node_BxS >= 0) & (node_BxS < M)
-  node_BxS = jnp.clip(node_BxS, 0, M - 1)
-  key_pos_BxS = jnp.where(in_tree_BxS, roots_B[:, None] + tree.depths_M[node_BxS], slot_BxS)
-  allowed_BxTxS = ~in_tree_BxS[:, None, :] | jnp.take(tree.ancestors_TxM, node_BxS,
-                                                      axis=1).transpose(1, 0, 2)
-  return key_pos_BxS, allowed_BxTxS
+def _tree_operands(tree: TreeMask, T: int) -> dict:
+  """`native.cached_attention`'s tree operands for a call on T of a tree's nodes: its nodes up to
+  the call's last (`native.tree_slots`)."""
+  W = tree.first + T
+  return dict(tree_depths=tree.depths_M[:W], tree_allowed=tree.ancestors_TxM[:, :W])
 
 
 def _whole_tree(tree: TreeMask, T: int, where: str) -> jax.Array:
@@ -241,9 +232,10 @@ class Attention(nn.Module):
       norm_qk = lambda q, k: (native.rms_norm(q, q_scale_H, c.norm_eps).astype(dt),
                               native.rms_norm(k, k_scale_H, c.norm_eps).astype(dt))
     written = None
-    # The attention kernel attends causally: a packed model attends over a tree by XLA's ops
-    # (after the packed product; its cache has the same layout).
-    if packed and layer_cache is not None and tree is None:
+    # A packed model's cached call attends by the kernel, on a tree too, but for a windowed
+    # layer's: that attends over a whole tree by XLA's ops, as a ring (after the packed product;
+    # the cache has the same layout).
+    if packed and layer_cache is not None and (tree is None or options['window'] is None):
       # Rotation, cache writes and attention in one native call that reads only the slots in
       # use (a cached call's positions are starts + t, `api.extend`).
       if c.qk_norm:  # Normed by XLA's ops between the product and the attention kernel.
@@ -252,7 +244,7 @@ class Attention(nn.Module):
       cache_k, cache_v, starts_B = layer_cache
       out_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH = native.cached_attention(
           qkv_BxTxMxH, cache_k, cache_v, starts_B, rope_freqs=freqs_R2, counts_B=counts_B,
-          rope_scale=amplitude, **options)
+          rope_scale=amplitude, **options, **({} if tree is None else _tree_operands(tree, T)))
       out_BxTxKxGxH = out_BxTxKxGxH.astype(dt)
     else:
       if packed:  # A full causal pass or a tree: XLA's attention after the packed product.
@@ -302,8 +294,8 @@ class Attention(nn.Module):
         key_pos_BxS = jnp.broadcast_to(jnp.arange(keys_BxSxKxH.shape[1]),
                                        keys_BxSxKxH.shape[:2])
         if tree is not None:  # The call's first node is written at starts.
-          key_pos_BxS, allowed_BxTxS = _tree_slots(tree, starts_B - tree.first,
-                                                   keys_BxSxKxH.shape[1])
+          key_pos_BxS, allowed_BxTxS = native.tree_slots(
+              tree.depths_M, tree.ancestors_TxM, starts_B - tree.first, keys_BxSxKxH.shape[1])
       out_BxTxKxGxH = native.attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT,
                                     key_pos_BxS, allowed_BxTxS=allowed_BxTxS, **options)
     # One contracting dim of N * H: wo is then only reshaped. With (N, H) contracted as two dims,

@@ -14,7 +14,8 @@ XLA's ops for many rows, on other platforms and without the library. XLA's own o
 on TPU/GPU and for sharded models.
 """
 
-from spsjax.native.attention import attend, cached_attention, rope, rope_frequencies, write_rows
+from spsjax.native.attention import (attend, cached_attention, rope, rope_frequencies, tree_slots,
+                                     write_rows)
 from spsjax.native.distribution import accept, probabilities_and_draw
 from spsjax.native.library import ISAS, available, isas
 from spsjax.native.lookup import take_rows
@@ -23,5 +24,5 @@ from spsjax.native.packed import (PANEL, WEIGHT_DTYPES, PackedWeight, matmul, pa
 
 __all__ = ['ISAS', 'PANEL', 'PackedWeight', 'accept', 'attend', 'available', 'cached_attention',
            'isas', 'matmul', 'pack', 'probabilities_and_draw', 'quantize_rows', 'rms_norm',
-           'rope', 'rope_frequencies', 'silu_gate', 'take_rows', 'unpack', 'WEIGHT_DTYPES',
-           'write_rows']
+           'rope', 'rope_frequencies', 'silu_gate', 'take_rows', 'tree_slots', 'unpack',
+           'WEIGHT_DTYPES', 'write_rows']

@@ -11,7 +11,9 @@ ops are a rotation, two cache writes and dots that read (and on XLA:CPU transpos
 cache, five dispatches per layer. Its numbers are the reference's (`reference`, the model's own
 ops) up to float reassociation, sin and cos rounding and an exp accurate to ~2e-7. A prefill of
 right-padded prompts passes `counts_B` (each row's prompt length): the kernel then skips the
-padding positions, whose outputs and cache slots nothing reads.
+padding positions, whose outputs and cache slots nothing reads. A call on a token tree's nodes
+(`tree_depths`, `tree_allowed`: `tree_slots`) rotates each node at its depth's position and lets
+it see, of the tree's slots, its ancestors' only.
 
 `rope`, `write_rows` and `attend` are the model's own ops (`spsjax.models.transformer` uses them
 on every path but this kernel's).
@@ -104,38 +106,76 @@ def attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT, key_positio
   return out_BxKxTxGxH.transpose(0, 2, 1, 3, 4)
 
 
+def tree_slots(depths_W, allowed_TxW, roots_B, num_slots: int):
+  """(key positions [B, S], allowed [B, T, S]) of a full cache for a call on the last T of a token
+  tree's first W nodes, its root at slot roots[b]: slot roots + w holds node w at position roots +
+  depths[w] (the call's T nodes at its last T such slots); node W - T + t sees the slots before the
+  root and the tree's slots w where allowed[t, w] (itself and its ancestors). Slots past the W
+  nodes keep their own index as position, after every node's: causally masked."""
+  W = depths_W.shape[0]
+  slot_BxS = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (roots_B.shape[0],
+                                                                         num_slots))
+  node_BxS = slot_BxS - roots_B[:, None]
+  in_tree_BxS = (node_BxS >= 0) & (node_BxS < W)
+  node_BxS = jnp.clip(node_BxS, 0, W - 1)
+  key_pos_BxS = jnp.where(in_tree_BxS, roots_B[:, None] + depths_W[node_BxS], slot_BxS)
+  allowed_BxTxS = ~in_tree_BxS[:, None, :] | jnp.take(allowed_TxW, node_BxS,
+                                                      axis=1).transpose(1, 0, 2)
+  return key_pos_BxS, allowed_BxTxS
+
+
+def _tree_positions(starts_B, T, tree_depths_W):
+  """Positions [B, T] of a call's T positions from starts: starts + t, or on a tree (the call's
+  nodes the last T of W) root + depth."""
+  if tree_depths_W is None:
+    return starts_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+  W = tree_depths_W.shape[0]
+  return starts_B[:, None] - (W - T) + tree_depths_W[None, W - T:]
+
+
 def _split(qkv_BxTxMxH, K):
   N = qkv_BxTxMxH.shape[2] - 2 * K
   return jnp.split(qkv_BxTxMxH, [N, N + K], axis=2)
 
 
 def reference(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, freqs_H2, rope_scale=1.0,
-              **options):
+              tree_depths=None, tree_allowed=None, **options):
   """XLA ops: what `cached_attention` computes, as the model's own rotation (its amplitude
-  `rope_scale`), writes and attention (`options`: `attend`'s scale, window and softcap)."""
+  `rope_scale`), writes and attention (`options`: `attend`'s scale, window and softcap), on a
+  tree with `tree_slots`' mask."""
   B, T, _, H = qkv_BxTxMxH.shape
   K = keys_BxSxKxH.shape[2]
   q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = _split(qkv_BxTxMxH, K)
-  positions_BxT = starts_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+  positions_BxT = _tree_positions(starts_B, T, tree_depths)
   keys_BxSxKxH = write_rows(keys_BxSxKxH, rope(k_BxTxKxH, positions_BxT, freqs_H2, rope_scale),
                             starts_B)
   values_BxSxKxH = write_rows(values_BxSxKxH, v_BxTxKxH, starts_B)
   q_BxTxKxGxH = rope(q_BxTxNxH, positions_BxT, freqs_H2, rope_scale).reshape(B, T, K, -1, H)
   slots_BxS = jnp.broadcast_to(jnp.arange(keys_BxSxKxH.shape[1]), keys_BxSxKxH.shape[:2])
-  out = attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT, slots_BxS, **options)
+  allowed_BxTxS = None
+  if tree_depths is not None:
+    slots_BxS, allowed_BxTxS = tree_slots(tree_depths, tree_allowed,
+                                          starts_B - (tree_depths.shape[0] - T),
+                                          keys_BxSxKxH.shape[1])
+  out = attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT, slots_BxS,
+               allowed_BxTxS=allowed_BxTxS, **options)
   return out, keys_BxSxKxH, values_BxSxKxH
 
 
 def _kernel(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, counts_B, freqs_H2, isa, *,
-            scale=None, rope_scale=1.0, window=None, softcap=None):
+            scale=None, rope_scale=1.0, window=None, softcap=None, tree_depths=None,
+            tree_allowed=None):
   B, T, M, H = qkv_BxTxMxH.shape
   K = keys_BxSxKxH.shape[2]
   out = jax.ShapeDtypeStruct((B, T, K, (M - 2 * K) // K, H), jnp.float32)
   cache = jax.ShapeDtypeStruct(keys_BxSxKxH.shape, jnp.float32)
+  if tree_depths is None:  # Empty operands: no tree.
+    tree_depths, tree_allowed = jnp.zeros((0,), jnp.int32), jnp.zeros((0, 0), jnp.uint8)
   return jax.ffi.ffi_call('spsjax_cached_attention', (out, cache, cache),
                           vmap_method='sequential', input_output_aliases={1: 1, 2: 2})(
       qkv_BxTxMxH.astype(jnp.float32), keys_BxSxKxH, values_BxSxKxH, starts_B.astype(jnp.int32),
-      counts_B, freqs_H2, scale=np.float32(H**-0.5 if scale is None else scale),
+      counts_B, freqs_H2, tree_depths.astype(jnp.int32), tree_allowed.astype(jnp.uint8),
+      scale=np.float32(H**-0.5 if scale is None else scale),
       rope_scale=np.float32(rope_scale),
       window=np.int64(window or 0), softcap=np.float32(softcap or 0.0),
       isa=np.int32(library.isa_code(isa)))
@@ -154,7 +194,8 @@ def cached_attention(qkv_BxTxMxH: jax.Array, keys_BxSxKxH: jax.Array, values_BxS
                      starts_B: jax.Array, *, rope_freqs: jax.Array,
                      counts_B: jax.Array | None = None, scale: float | None = None,
                      rope_scale: float = 1.0, window: int | None = None,
-                     softcap: float | None = None,
+                     softcap: float | None = None, tree_depths: jax.Array | None = None,
+                     tree_allowed: jax.Array | None = None,
                      isa: str = 'best') -> tuple[jax.Array, jax.Array, jax.Array]:
   """(attention outputs [B, T, K, G, H], keys, values with this call's slots written); module
   docstring. qkv holds N = K G query heads, then K key and K value heads, before the rotation by
@@ -165,7 +206,13 @@ def cached_attention(qkv_BxTxMxH: jax.Array, keys_BxSxKxH: jax.Array, values_BxS
 
   `counts_B` (a prefill of right-padded prompts): row b's positions t >= counts[b] are padding;
   their outputs and cache slots (at or past the row's length) are left unspecified. The kernel
-  skips them (zeros, slots not written); XLA's ops compute them."""
+  skips them (zeros, slots not written); XLA's ops compute them.
+
+  `tree_depths` (int32[W]) and `tree_allowed` (bool[T, W], W >= T): the T positions are the last T
+  of a token tree's first W nodes, the tree's root at slot starts - (W - T); node w sits at slot
+  root + w and rotates at position root + depths[w]; the call's node t sees the slots before the
+  root and the tree's slots w where allowed[t, w] (itself and its ancestors: `tree_slots`). No
+  window with a tree."""
   K = keys_BxSxKxH.shape[2]
   M = qkv_BxTxMxH.shape[2]
   if M <= 2 * K or (M - 2 * K) % K:
@@ -182,7 +229,20 @@ def cached_attention(qkv_BxTxMxH: jax.Array, keys_BxSxKxH: jax.Array, values_BxS
                      f'(R / 2,), R <= {H} the rotated dims.')
   if window is not None and window < 1 or softcap is not None and not softcap > 0:
     raise ValueError(f'window must be >= 1 and softcap > 0 (or None), got {window}, {softcap}.')
-  options = dict(scale=scale, window=window, softcap=softcap, rope_scale=rope_scale)
+  T = qkv_BxTxMxH.shape[1]
+  if (tree_depths is None) != (tree_allowed is None):
+    raise ValueError('A tree needs both tree_depths and tree_allowed.')
+  if tree_depths is not None:
+    W = tree_depths.shape[0]
+    if tree_depths.ndim != 1 or tree_allowed.shape != (T, W) or W < T:
+      raise ValueError(f'A tree wants depths [W] and allowed [T, W] with W >= T = {T}, got '
+                       f'{tree_depths.shape} and {tree_allowed.shape}.')
+    if window is not None:
+      raise ValueError('A tree takes no window (a windowed layer attends over a tree by its '
+                       'ring, `spsjax.models.transformer`).')
+    tree_depths, tree_allowed = jnp.asarray(tree_depths, jnp.int32), jnp.asarray(tree_allowed)
+  options = dict(scale=scale, window=window, softcap=softcap, rope_scale=rope_scale,
+                 tree_depths=tree_depths, tree_allowed=tree_allowed)
   operands = (qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, counts_B.astype(jnp.int32),
               rope_freqs)
   xla = lambda ops: reference(*ops[:4], ops[5], **options)

@@ -10,7 +10,11 @@
 // prompts) row b takes its first counts[b] positions only: the padding is neither written nor
 // attended from, and its outputs are zeros. With window > 0 a query sees only the last `window`
 // slots up to its own (a sliding window: the slots before are not read); with softcap > 0 its
-// scores x become softcap tanh(x / softcap) before the softmax. The caches come back as outputs
+// scores x become softcap tanh(x / softcap) before the softmax. With a token tree (depths [W] and
+// allowed [T, W], W >= T; window 0) the T positions are nodes W - T .. W - 1 of a tree whose root
+// sits at slot root = starts[b] - (W - T): node w at slot root + w and position root + depths[w]
+// (its rotation's angle); query t sees the slots before the root, its own, and the tree's slots
+// root + w (w < W - T + t) where allowed[t, w] is nonzero (its ancestors'). The caches come back as outputs
 // aliased to the inputs (the call writes T slots in place; if XLA gave distinct buffers the cache
 // is copied first). Unlike XLA's dots over the whole cache, it reads only the slots in use and
 // never transposes the cache; unlike separate XLA ops for the rotation and the writes, it costs
@@ -29,10 +33,19 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// A token tree's mask for a block of queries: the tree's slot root + w is seen by the query at
+// slot start + t (t from the block's first) iff allowed[t * ld + w] (w below its own node); no
+// tree: allowed null.
+struct TreeRows {
+  const uint8_t* allowed;
+  int64_t ld;
+  int64_t root;
+};
+
 // AttendHead (one kv head) and AttendRow (all of a row's): (q, keys, values, slot stride, J, G, H,
-// S, start, window, softcap, scores, out).
+// S, start, window, softcap, tree, scores, out).
 using AttendFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t,
-                          int64_t, int64_t, int64_t, int64_t, float, float*, float*);
+                          int64_t, int64_t, int64_t, int64_t, float, TreeRows, float*, float*);
 
 #define SPSJAX_KERNEL_FILE "decode_attention_kernel.inc"
 #include "variants.inc"
@@ -71,7 +84,8 @@ void Rotate(const float* x, const float* cos_h, const float* sin_h, int64_t half
 ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
                                ffi::Buffer<ffi::F32> keys_in, ffi::Buffer<ffi::F32> values_in,
                                ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> counts,
-                               ffi::Buffer<ffi::F32> freqs, ffi::ResultBuffer<ffi::F32> out,
+                               ffi::Buffer<ffi::F32> freqs, ffi::Buffer<ffi::S32> tree_depths,
+                               ffi::Buffer<ffi::U8> tree_allowed, ffi::ResultBuffer<ffi::F32> out,
                                ffi::ResultBuffer<ffi::F32> keys, ffi::ResultBuffer<ffi::F32> values,
                                float scale, float rope_scale, int64_t window, float softcap,
                                int32_t isa) {
@@ -110,9 +124,23 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
   if (2 * half > H) {
     return ffi::Error::InvalidArgument("cached_attention: freqs must be [R / 2], R <= H.");
   }
+  // A tree: W nodes up to this call's last, the first W - T written before (tree_first).
+  const bool tree = tree_allowed.element_count() != 0;
+  const auto a_dims = tree_allowed.dimensions();
+  const int64_t W = tree && a_dims.size() == 2 ? a_dims[1] : 0, tree_first = tree ? W - T : 0;
+  if (tree && (a_dims.size() != 2 || a_dims[0] != T || W < T ||
+               static_cast<int64_t>(tree_depths.element_count()) != W)) {
+    return ffi::Error::InvalidArgument(
+        "cached_attention: a tree wants depths [W] and allowed [T, W], W >= T.");
+  }
+  if (tree && window > 0) {
+    return ffi::Error::InvalidArgument("cached_attention: a tree takes no window.");
+  }
+  const int32_t* depths_data = tree ? tree_depths.typed_data() : nullptr;
+  const uint8_t* allowed_data = tree ? tree_allowed.typed_data() : nullptr;
   const int32_t* starts_data = starts.typed_data();
   for (int64_t b = 0; b < B; ++b) {
-    if (starts_data[b] < 0 || starts_data[b] + T > S) {
+    if (starts_data[b] < tree_first || starts_data[b] + T > S) {
       return ffi::Error::InvalidArgument("cached_attention: a row's positions exceed the cache.");
     }
   }
@@ -161,7 +189,8 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
         scores.resize(block_queries * n);
       }
       for (int64_t t = 0; t < used && angles_row != b; ++t) {
-        const float position = static_cast<float>(start + t);
+        const float position = static_cast<float>(
+            tree ? start - tree_first + depths_data[tree_first + t] : start + t);
         for (int64_t i = 0; i < half; ++i) {
           const float angle = position * freq[i];
           cos_t[t * half + i] = std::cos(angle);
@@ -186,8 +215,9 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
       }
       const int64_t offset = (b * S * K + k0) * H;  // Slot 0 of row b, head k0.
       if (used > 0) {
+        const TreeRows rows{allowed_data, W, start - tree_first};
         kernel(q_rows.data(), k_data + offset, v_data + offset, K * H, queries, G, H, S, start,
-               window, softcap, scores.data(), out_rows.data());
+               window, softcap, rows, scores.data(), out_rows.data());
       }
       for (int64_t h = 0; h < heads; ++h) {
         for (int64_t t = 0; t < T; ++t) {
@@ -219,6 +249,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxCachedAttention, CachedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // starts [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // counts [B], or empty
                                   .Arg<ffi::Buffer<ffi::F32>>()  // freqs [R / 2]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tree depths [W], or empty
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // tree allowed [T, W], or empty
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
