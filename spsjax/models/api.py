@@ -151,8 +151,9 @@ def extend(config: TransformerConfig, params, cache: kv_cache.KVCache, tokens_Bx
   `tree`: the T tokens are a token tree's nodes `first_node` .. first_node + T - 1 (all of them,
   the root first, by default), its root at the cache's length: node m is written at slot
   lengths + m, at position lengths + its depth, and attends to the cache before the root and to
-  its ancestors (`token_tree`; by XLA's attention, also in a packed model; a call on part of a
-  tree reads the nodes earlier calls wrote, and needs full caches, no rings). The returned lengths are lengths + first_node +
+  its ancestors (`token_tree`; in a packed model by the attention kernel, but in its windowed
+  layers; a call on part of a tree reads the nodes earlier calls wrote, and needs full caches, no
+  rings). The returned lengths are lengths + first_node +
   T: the caller keeps a path (`kv_cache.keep_path`) and sets the lengths.
   The caller guarantees lengths + T <= cache capacity (a write past the end would be clamped).
   """

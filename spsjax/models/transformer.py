@@ -247,7 +247,7 @@ class Attention(nn.Module):
           rope_scale=amplitude, **options, **({} if tree is None else _tree_operands(tree, T)))
       out_BxTxKxGxH = out_BxTxKxGxH.astype(dt)
     else:
-      if packed:  # A full causal pass or a tree: XLA's attention after the packed product.
+      if packed:  # A full pass or a windowed layer's tree: XLA's attention after the product.
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = jnp.split(qkv_BxTxMxH, [N, N + K], axis=2)
       elif c.kernels == 'xla_fused':
         G = N // K
