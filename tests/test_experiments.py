@@ -90,7 +90,7 @@ def test_sample_sps_on_random_models_with_k_auto(tmp_path):
     ('lookup', 'PromptLookup(max_ngram=3'),
     ('hybrid,stop_below=0.2,lenience=0.5', 'Hybrid(stop_below=0.2'),
     ('tree,branching=2+1+1', 'TreeDrafter(branching=(2, 1, 1))'),
-    ('model,alternatives=2', 'ModelDrafter(stop_below=0.0, alternatives=2)')])
+    ('heads,alternatives=2', 'HeadsDrafter(alternatives=2)')])
 def test_sample_sps_with_other_drafters(drafter, name):
   run = _run('experiments/sample.py',
              f'--config=configs/sample.py:method=sps,k=3,batch=2,runlocal,drafter={drafter}',

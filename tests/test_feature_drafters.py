@@ -1,7 +1,8 @@
 """Drafters that read the target's hidden states (`sampling.feature_drafters`, issue 43): the
 heads' cached and uncached forwards agree, each loop's drafts are drawn from the laws the head
-gives on the target's true features, exact output law (G-tests against enumeration) and greedy
-parity with ArS, and clear errors for heads that do not fit."""
+gives on the target's true features (with alternatives too: the features of the accepted path),
+exact output law (G-tests against enumeration) and greedy parity with ArS, chains and trees of
+drafts, and clear errors for heads that do not fit."""
 
 import dataclasses
 
@@ -12,8 +13,8 @@ import pytest
 
 from spsjax import models, native, sharding
 from spsjax.models import feature_head
-from spsjax.sampling import (SamplingConfig, autoregressive_sample, drafters, probabilities,
-                             speculative, speculative_sample)
+from spsjax.sampling import (SamplingConfig, autoregressive_sample, drafter_config, drafters,
+                             probabilities, speculative, speculative_sample)
 from spsjax.sampling.feature_drafters import FeatureDrafter, HeadsDrafter
 from tests import forwards
 from tests.stats import scaled_model
@@ -122,16 +123,22 @@ def _reference_laws(target, head, kind, seq, k, sampling):
   return law(logits[:, c - 2]), second
 
 
-@pytest.mark.parametrize('kind,packed', [('feature', False), ('feature', True), ('heads', True)])
-def test_each_loops_drafts_come_from_the_head_on_the_targets_features(pair48, kind, packed):
+@pytest.mark.parametrize('kind,packed,alternatives', [
+    ('feature', False, 0), ('feature', True, 0), ('heads', True, 0), ('feature', True, 2),
+    ('heads', False, 2)])
+def test_each_loops_drafts_come_from_the_head_on_the_targets_features(pair48, kind, packed,
+                                                                      alternatives):
   """Stepping the loop (ragged prompts, 3 loops, k = 3): before each loop, the proposal's laws
   are the head's on the target's features of the committed tokens (full forwards, no cache):
   slot 0 (after the pairs the last loop verified) and slot 1 (after the head read its own
-  prediction and draft 0) for the EAGLE head, every slot for the parallel heads."""
+  prediction and draft 0) for the EAGLE head, every slot for the parallel heads. With
+  alternatives the chain's slots are the tree's first nodes, and after a loop that accepted an
+  alternative the head reads the features of the accepted path's nodes."""
   target = models.for_decoding(pair48) if packed else pair48
   head = _head(pair48, kind, 1 if kind == 'feature' else 3, 2, scale=3.0)
   head_run = models.for_decoding(head) if packed else head
-  drafter, k, sampling = DRAFTERS[kind], 3, SamplingConfig(temperature=0.8)
+  drafter = dataclasses.replace(DRAFTERS[kind], alternatives=alternatives)
+  k, sampling = 3, SamplingConfig(temperature=0.8)
   prompts, lengths = _ragged(3)
   loop, args = speculative.prepare(target, head_run, prompts, lengths, k=k, max_new_tokens=20,
                                    sampling=sampling, drafter=drafter)
@@ -171,15 +178,16 @@ def tiny_target():
       tie_embeddings=False), 0, 1.5)
 
 
-@pytest.mark.parametrize('kind,setting,k,packed', [
-    ('feature', 'temperature_1', 3, True), ('feature', 'top_p_0.8', 2, True),
-    ('heads', 'temperature_1', 2, True), ('heads', 'top_p_0.8', 3, True)])
-def test_output_law_is_target_law(tiny_target, kind, setting, k, packed):
+@pytest.mark.parametrize('kind,setting,k,packed,alternatives', [
+    ('feature', 'temperature_1', 3, True, 0), ('feature', 'top_p_0.8', 2, True, 0),
+    ('heads', 'temperature_1', 2, True, 0), ('heads', 'top_p_0.8', 3, True, 0),
+    ('feature', 'temperature_1', 2, True, 2), ('heads', 'top_p_0.8', 2, True, 1)])
+def test_output_law_is_target_law(tiny_target, kind, setting, k, packed, alternatives):
   """5 tokens per row after two prompts of different lengths interleaved in one batch (rows
   accept different numbers of drafts in the same loops; the law covers the bonus token and a
-  second loop), against each prompt's enumerated joint law of the target. Power: 50,000 rows per
-  prompt detect at 80% any law within total variation 0.035 (temperature 1) or 0.028 (top-p 0.8)
-  of the target's (`stats.detectable_tv`)."""
+  second loop), against each prompt's enumerated joint law of the target; with alternatives, a
+  tree of drafts. Power: 50,000 rows per prompt detect at 80% any law within total variation
+  0.035 (temperature 1) or 0.028 (top-p 0.8) of the target's (`stats.detectable_tv`)."""
   sampling = {'temperature_1': SamplingConfig(), 'top_p_0.8': SamplingConfig(top_p=0.8)}[setting]
   head = _head(tiny_target, kind, 1 if kind == 'feature' else 3, 4, scale=2.0)
   target, head = tiny_target, head
@@ -189,25 +197,34 @@ def test_output_law_is_target_law(tiny_target, kind, setting, k, packed):
     assert 'output' in head.params
   assert models.is_packed(target) == packed == models.is_packed(head)
   prompts, lengths = interleaved(RAGGED_PROMPTS, ROWS)
+  drafter = dataclasses.replace(DRAFTERS[kind], alternatives=alternatives)
   out = speculative_sample(target, head, prompts, lengths, jax.random.key(30 + k), k=k,
-                           max_new_tokens=NEW_LONG, sampling=sampling, drafter=DRAFTERS[kind])
-  check_interleaved_law(out, tiny_target, k, sampling, f'{kind} {setting} k={k}',
-                        RAGGED_PROMPTS, NEW_LONG)
+                           max_new_tokens=NEW_LONG, sampling=sampling, drafter=drafter)
+  check_interleaved_law(out, tiny_target, k, sampling,
+                        f'{kind} {setting} k={k} alternatives={alternatives}', RAGGED_PROMPTS,
+                        NEW_LONG)
 
 
 @pytest.mark.parametrize('kind,k', [('feature', 1), ('feature', 4), ('heads', 4)])
 def test_greedy_sps_equals_greedy_ars(tiny_target, kind, k):
   """Ragged prompts, 8 tokens, an eos some rows emit: the same tokens as greedy ArS, with
-  drafts accepted (the small vocabulary makes a random head's argmax often right)."""
+  drafts accepted (the small vocabulary makes a random head's argmax often right); with 2
+  alternatives beside each draft (the head's next best) too, in fewer loops than the chain."""
   head = _head(tiny_target, kind, 1 if kind == 'feature' else 4, 6, scale=2.0)
   prompts, lengths = _ragged(k, batch=8, width=4, vocab=V_SMALL)
   ars = autoregressive_sample(tiny_target, prompts, lengths, jax.random.key(0),
                               max_new_tokens=8, sampling=GREEDY, eos_id=6)
-  sps = speculative_sample(tiny_target, head, prompts, lengths, jax.random.key(1), k=k,
-                           max_new_tokens=8, sampling=GREEDY, eos_id=6, drafter=DRAFTERS[kind])
-  np.testing.assert_array_equal(sps.tokens, ars.tokens)
-  np.testing.assert_array_equal(sps.num_generated, ars.num_generated)
-  assert int(np.sum(sps.num_accepted)) > 0
+  loops = {}
+  for alternatives in (0, 2):
+    sps = speculative_sample(
+        tiny_target, head, prompts, lengths, jax.random.key(1), k=k, max_new_tokens=8,
+        sampling=GREEDY, eos_id=6,
+        drafter=dataclasses.replace(DRAFTERS[kind], alternatives=alternatives))
+    np.testing.assert_array_equal(sps.tokens, ars.tokens)
+    np.testing.assert_array_equal(sps.num_generated, ars.num_generated)
+    assert int(np.sum(sps.num_accepted)) > 0
+    loops[alternatives] = int(np.sum(sps.num_loops))
+  assert loops[2] < loops[0], loops
 
 
 def test_unrolled_head_steps_give_the_same_tokens(pair48):
@@ -231,6 +248,13 @@ def test_heads_that_do_not_fit_are_refused(pair48):
     run(FeatureDrafter(), _head(models.Model(narrow, {}), 'feature', 1, 0))
   with pytest.raises(ValueError, match='k = 3 drafts need k heads'):
     run(HeadsDrafter(), _head(pair48, 'heads', 2, 0), k=3)
+  with pytest.raises(ValueError, match='48 alternatives need a vocabulary'):
+    run(HeadsDrafter(alternatives=48), _head(pair48, 'heads', 2, 0))
+  with pytest.raises(ValueError, match='alternatives must be an integer'):
+    FeatureDrafter(alternatives=-1)
+  assert drafter_config.build('heads', alternatives=2) == HeadsDrafter(alternatives=2)
+  with pytest.raises(ValueError, match='not by the lookup drafter'):
+    drafter_config.build('lookup', alternatives=2)
 
 
 def test_a_head_drafts_the_same_tokens_on_a_mesh(pair48):

@@ -123,18 +123,15 @@ def features(config: TransformerConfig, params, tokens_BxT: jax.Array) -> jax.Ar
 
 def extend_with_features(config: TransformerConfig, params, cache: kv_cache.KVCache,
                          tokens_BxT: jax.Array, logits_at_BxL: jax.Array | None = None,
-                         counts_B: jax.Array | None = None
+                         counts_B: jax.Array | None = None, tree: TokenTree | None = None
                          ) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
   """`extend`, also returning the positions' hidden states from the same forward: (float32[B, T,
   V] logits, [B, T, D] features: the last layer's output before the final norm, cache). With
   `logits_at` the logits are [B, L, V], the features still every position's; where `counts_B`
-  marks padding both are unspecified."""
-  T = tokens_BxT.shape[1]
-  positions_BxT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-  out, (k, v), features_BxTxD = Transformer(config).apply(
-      {'params': params}, tokens_BxT, positions_BxT, cache, logits_at_BxL, counts_B,
-      features=True)
-  return out, features_BxTxD, kv_cache.KVCache(k=k, v=v, lengths=cache.lengths + T)
+  marks padding both are unspecified. `tree`: a whole token tree, root first (`extend`'s)."""
+  out, cache, features_BxTxD = _extend(config, params, cache, tokens_BxT, logits_at_BxL,
+                                       counts_B, tree, 0, features=True)
+  return out, features_BxTxD, cache
 
 
 def extend(config: TransformerConfig, params, cache: kv_cache.KVCache, tokens_BxT: jax.Array,
@@ -157,6 +154,14 @@ def extend(config: TransformerConfig, params, cache: kv_cache.KVCache, tokens_Bx
   T: the caller keeps a path (`kv_cache.keep_path`) and sets the lengths.
   The caller guarantees lengths + T <= cache capacity (a write past the end would be clamped).
   """
+  out, cache, _ = _extend(config, params, cache, tokens_BxT, logits_at_BxL, counts_B, tree,
+                          first_node)
+  return out, cache
+
+
+def _extend(config, params, cache, tokens_BxT, logits_at_BxL, counts_B, tree, first_node,
+            features=False):
+  """`extend` (and with `features` the hidden states too, else None): (out, cache, features)."""
   T = tokens_BxT.shape[1]
   mask = None
   if tree is None and first_node:
@@ -168,9 +173,11 @@ def extend(config: TransformerConfig, params, cache: kv_cache.KVCache, tokens_Bx
     offsets_T = mask.depths_M[first_node:first_node + T]
     cache = cache.with_lengths(cache.lengths + first_node)  # Where the call's first node goes.
   positions_BxT = cache.lengths[:, None] - first_node + offsets_T[None, :]
-  out, (k, v) = Transformer(config).apply({'params': params}, tokens_BxT, positions_BxT, cache,
-                                          logits_at_BxL, counts_B, tree=mask)
-  return out, kv_cache.KVCache(k=k, v=v, lengths=cache.lengths + T)
+  out, (k, v), *hidden = Transformer(config).apply(
+      {'params': params}, tokens_BxT, positions_BxT, cache, logits_at_BxL, counts_B, tree=mask,
+      features=features)
+  return (out, kv_cache.KVCache(k=k, v=v, lengths=cache.lengths + T),
+          hidden[0] if features else None)
 
 
 def tree_logits(config: TransformerConfig, params, tokens_BxT: jax.Array,

@@ -449,7 +449,7 @@ class Transformer(nn.Module):
   states for a feature-level drafter, from the same forward (without it the program is as before).
   With `tree` (`token_tree.TreeMask`) the T tokens are a tree's nodes tree.first .. + T - 1,
   the first written at the cache's length: each attends to the cache before the tree's root and
-  to its ancestors (by XLA's attention, also in a packed model).
+  to its ancestors (a packed model's by the attention kernel but in windowed layers).
   """
   config: TransformerConfig
 

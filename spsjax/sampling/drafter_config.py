@@ -12,16 +12,17 @@ HEAD_KINDS = ('feature', 'heads')
 
 def build(kind: str = 'model', *, max_ngram: int = 3, min_ngram: int = 1,
           stop_below: float = 0.0, alternatives: int = 0, branching: str = '') -> Drafter:
-  """`model` (with `stop_below` > 0: dynamic k; with `alternatives` > 0: a tree, that many
-  other tokens beside each draft), `lookup` (n-grams from `max_ngram` down to `min_ngram`),
-  `hybrid` (both), `feature` (an EAGLE head), `heads` (parallel heads) or `tree` (the draft
+  """`model` (with `stop_below` > 0: dynamic k), `lookup` (n-grams from `max_ngram` down to
+  `min_ngram`), `hybrid` (both), `feature` (an EAGLE head), `heads` (parallel heads); with
+  `alternatives` > 0 all but `lookup` propose a tree, that many other tokens beside each draft;
+  or `tree` (the draft
   model drafts a full tree, `branching` children per node at each depth, e.g. '3+2+1' (default
   `TreeDrafter`'s 2+2+1+1): k must be its depth)."""
   if kind not in KINDS:
     raise ValueError(f'Unknown drafter {kind!r}; known: {list(KINDS)}.')
-  if alternatives and kind not in ('model', 'hybrid'):
-    raise ValueError(f'alternatives={alternatives}: trees of drafts are drawn by a draft model '
-                     f'(drafter model or hybrid), not by the {kind} drafter.')
+  if alternatives and kind not in ('model', 'hybrid') + HEAD_KINDS:
+    raise ValueError(f'alternatives={alternatives}: alternatives are drawn from a draft law '
+                     f'(drafter model, hybrid, feature or heads), not by the {kind} drafter.')
   if branching and kind != 'tree':
     raise ValueError(f'branching={branching!r}: branching factors are the tree drafter\'s '
                      f'(drafter tree), not the {kind} drafter\'s.')
@@ -40,7 +41,7 @@ def build(kind: str = 'model', *, max_ngram: int = 3, min_ngram: int = 1,
     return PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram)
   if kind == 'tree':
     return TreeDrafter(branching_factors(branching)) if branching else TreeDrafter()
-  return FeatureDrafter() if kind == 'feature' else HeadsDrafter()
+  return (FeatureDrafter if kind == 'feature' else HeadsDrafter)(alternatives=alternatives)
 
 
 def branching_factors(text: str) -> tuple[int, ...]:

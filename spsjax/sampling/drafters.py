@@ -262,7 +262,8 @@ class _Drafts:
     slots = lambda x: jnp.zeros((B, k) + x.shape[1:], x.dtype).at[:, 0].set(x)
     return cls(i=jnp.int32(1), tokens_BxK=slots(d_B.astype(jnp.int32)), q_BxKxV=slots(q_BxV),
                num_B=jnp.ones((B,), jnp.int32), cache=cache,
-               alternatives=None if alternatives is None else jax.tree.map(slots, alternatives))
+               alternatives=None if alternatives is None else siblings.first_of_slots(
+                   alternatives, k))
 
 
 def draw_draft(loop, uniforms_B: jax.Array, logits_BxV: jax.Array,
@@ -279,6 +280,40 @@ def draw_draft(loop, uniforms_B: jax.Array, logits_BxV: jax.Array,
                                              native_kernel=loop.native_kernel,
                                              present_BxV=present_BxV)
   return whole(q_BxV), d_B
+
+
+def check_alternatives(alternatives: int, ragged: bool = False) -> None:
+  """ValueError unless `alternatives` (other tokens beside each draft) is an integer >= 0, and
+  0 for a ragged drafter (dynamic k: a tree drafts every slot)."""
+  if int(alternatives) != alternatives or alternatives < 0:
+    raise ValueError(f'alternatives must be an integer >= 0, got {alternatives}.')
+  if alternatives and ragged:
+    raise ValueError('A draft with alternatives drafts every slot: it takes no stop_below '
+                     '(dynamic k).')
+
+
+def check_alternatives_fit(alternatives: int, target: Model) -> None:
+  """ValueError where the vocabulary has too few tokens for a draft and its alternatives."""
+  if alternatives >= target.config.vocab_size:
+    raise ValueError(f'{alternatives} alternatives need a vocabulary of more than that many '
+                     f'tokens, got {target.config.vocab_size}.')
+
+
+def alternatives_tree(k: int, alternatives: int) -> TokenTree | None:
+  """The tree a chain of k drafts with `alternatives` beside each proposes; None without."""
+  return TokenTree.chain_with_alternatives(k, alternatives) if alternatives else None
+
+
+def chain_with_alternatives(tokens_BxK, q_BxKxV, num_B, alternatives: 'siblings.Siblings'
+                            ) -> Proposal:
+  """The proposal of a chain's k drafts (nodes 1 .. k) and each slot's alternatives (per slot,
+  [B, k, A, ...]), in `TokenTree.chain_with_alternatives`'s order."""
+  B, k, A = alternatives.tokens_RxA.shape
+  nodes = lambda chain, alts: jnp.concatenate(
+      [chain, alts.reshape((B, k * A) + alts.shape[3:])], axis=1)
+  return Proposal(
+      nodes(tokens_BxK, alternatives.tokens_RxA), nodes(q_BxKxV, alternatives.q_RxAxV), num_B,
+      nodes(jnp.ones((B, k), bool), alternatives.valid_RxA), tree=alternatives_tree(k, A))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,20 +351,13 @@ class ModelDrafter(Drafter):
     if not 0.0 <= self.stop_below <= 1.0:
       raise ValueError(f'stop_below (dynamic k confidence threshold) must be in [0, 1], got '
                        f'{self.stop_below}.')
-    if int(self.alternatives) != self.alternatives or self.alternatives < 0:
-      raise ValueError(f'alternatives must be an integer >= 0, got {self.alternatives}.')
-    if self.alternatives and self.ragged:
-      raise ValueError('A draft with alternatives drafts every slot: it takes no stop_below '
-                       '(dynamic k).')
+    check_alternatives(self.alternatives, self.ragged)
 
   def tree(self, k: int) -> TokenTree | None:
-    return (TokenTree.chain_with_alternatives(k, self.alternatives) if self.alternatives
-            else None)
+    return alternatives_tree(k, self.alternatives)
 
   def check(self, target: Model, draft) -> None:
-    if self.alternatives >= target.config.vocab_size:
-      raise ValueError(f'{self.alternatives} alternatives need a vocabulary of more than that '
-                       f'many tokens, got {target.config.vocab_size}.')
+    check_alternatives_fit(self.alternatives, target)
 
   def draft_steps(self, k: int, proposed_per_loop: float) -> float:
     """k; with dynamic k, the drafts proposed (exact at batch 1; a batch drafts on until its
@@ -372,18 +400,8 @@ class ModelDrafter(Drafter):
       drafts = jax.lax.fori_loop(1, k, lambda _, d: step(d), drafts, unroll=loop.drafts_unrolled)
     if drafts.alternatives is None:
       return Proposal(drafts.tokens_BxK, drafts.q_BxKxV, drafts.num_B), drafts.cache
-    return self._tree_proposal(k, drafts), drafts.cache
-
-  def _tree_proposal(self, k: int, drafts: '_Drafts') -> Proposal:
-    """The chain's k drafts as nodes 1 .. k, then each slot's alternatives
-    (`TokenTree.chain_with_alternatives`'s order)."""
-    alt = drafts.alternatives
-    B, _, A = alt.tokens_RxA.shape
-    nodes = lambda chain, alts: jnp.concatenate(
-        [chain, alts.reshape((B, k * A) + alts.shape[3:])], axis=1)
-    return Proposal(
-        nodes(drafts.tokens_BxK, alt.tokens_RxA), nodes(drafts.q_BxKxV, alt.q_RxAxV),
-        drafts.num_B, nodes(jnp.ones((B, k), bool), alt.valid_RxA), tree=self.tree(k))
+    return (chain_with_alternatives(drafts.tokens_BxK, drafts.q_BxKxV, drafts.num_B,
+                                    drafts.alternatives), drafts.cache)
 
   def _choose(self, loop, uniforms_BxK, forced_BxK, num_forced_B, i, logits_BxV,
               present_BxV=None, alternative_keys_BxK=None):
@@ -427,8 +445,7 @@ class ModelDrafter(Drafter):
                                  jnp.full(d.num_B.shape, d.i, jnp.int32))
     q_BxV, d_B, confident_B, alternatives = choose(d.i, logits_Bx1xV[:, 0], present_BxV)
     if alternatives is not None:
-      alternatives = jax.tree.map(lambda all_, one: all_.at[:, d.i].set(one), d.alternatives,
-                                  alternatives)
+      alternatives = siblings.set_slot(d.alternatives, d.i, alternatives)
     return _Drafts(i=d.i + 1, tokens_BxK=d.tokens_BxK.at[:, d.i].set(d_B),
                    q_BxKxV=d.q_BxKxV.at[:, d.i].set(q_BxV),
                    num_B=jnp.where((d.num_B == d.i) & confident_B, d.i + 1, d.num_B),

@@ -9,6 +9,12 @@ Exactness holds as for any drafter: a proposal is a function of the committed to
 target's features are a function of them) and of the loop's draft keys, and q is the law each
 draft was drawn from after the draft's sampling processors.
 
+With `alternatives` = m > 0 either drafter proposes a tree (`models.TokenTree.
+chain_with_alternatives`): beside each slot's draft, m other tokens from the same law without
+replacement (`siblings.draw`), as leaves the target scores in the same call (Medusa's candidates
+beside each head's first; EAGLE's head drafting the chain). The head runs the chain only; the
+target's features then come from the accepted path's nodes.
+
 With c_b committed tokens in row b, the target has features for positions 0 .. c_b - 2 (the last
 committed token is scored next loop). Each drafter's state keeps the features of the newest m_b
 of them that it has not yet read, m_b >= 1: the prompt's last at the start, the emitted block's
@@ -21,8 +27,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from spsjax.models import KVCache, Model, feature_head, init_cache, kv_cache
-from spsjax.sampling.drafters import Committed, Drafter, Proposal, Verdict, draw_draft
+from spsjax.models import KVCache, Model, TokenTree, feature_head, init_cache, kv_cache
+from spsjax.sampling import siblings
+from spsjax.sampling.drafters import (Committed, Drafter, Proposal, Verdict, alternatives_tree,
+                                      chain_with_alternatives, check_alternatives,
+                                      check_alternatives_fit, draw_draft)
 from spsjax.sampling.processors import uniforms
 
 
@@ -64,17 +73,45 @@ class Pending:
                                axis=1)[:, 0]
 
 
-def _sampler(loop, keys_BxK):
-  """(slot i, logits [B, V]) -> (q [B, V], draft [B]) with slot i's key, as a draft model."""
+def _sampler(loop, keys_BxK, alternatives: int):
+  """(slot i, logits [B, V]) -> (q [B, V], draft [B], the slot's `alternatives` siblings or None)
+  with slot i's key, as a draft model."""
   uniforms_BxK = uniforms(keys_BxK)
-  return lambda i, logits_BxV: draw_draft(loop, uniforms_BxK[:, i], logits_BxV)
+  sibling_keys_BxK = siblings.keys_apart(keys_BxK) if alternatives else None
+
+  def choose(i, logits_BxV):
+    q_BxV, d_B = draw_draft(loop, uniforms_BxK[:, i], logits_BxV)
+    if not alternatives:
+      return q_BxV, d_B, None
+    return q_BxV, d_B, siblings.draw(sibling_keys_BxK[:, i], logits_BxV, q_BxV, d_B,
+                                     alternatives, greedy=loop.draft_sampling.greedy)
+
+  return choose
 
 
+def _proposal(tokens_BxK, q_BxKxV, alternatives: siblings.Siblings | None) -> Proposal:
+  """Every slot proposed: the chain, or with per-slot alternatives the tree."""
+  num_B = jnp.full(tokens_BxK.shape[:1], tokens_BxK.shape[1], jnp.int32)
+  if alternatives is None:
+    return Proposal(tokens_BxK, q_BxKxV, num_B)
+  return chain_with_alternatives(tokens_BxK, q_BxKxV, num_B, alternatives)
+
+
+@dataclasses.dataclass(frozen=True)
 class _FeatureDrafterBase(Drafter):
-  """What both feature drafters share: the target bound in, the head checked against it."""
+  """What both feature drafters share: the target bound in, the head checked against it, the
+  alternatives beside each draft (module docstring)."""
+  alternatives: int = 0
+
   kind = ''  # The `feature_head` kind the drafter needs.
   needs_model = True
   ragged = False
+
+  def __post_init__(self):
+    check_alternatives(self.alternatives)
+
+  def tree(self, k: int) -> TokenTree | None:
+    return alternatives_tree(k, self.alternatives)
 
   @property
   def reads_features(self) -> bool:
@@ -91,6 +128,7 @@ class _FeatureDrafterBase(Drafter):
       raise ValueError(f'{type(self).__name__} drafts with a {self.kind!r} head '
                        f'(`models.feature_head`); got {got}.')
     feature_head.check_pair(target, draft)
+    check_alternatives_fit(self.alternatives, target)
 
   def bind(self, target: Model, draft: Model) -> HeadAndTarget:
     return HeadAndTarget(head=draft, target=target)
@@ -133,7 +171,7 @@ class FeatureDrafter(_FeatureDrafterBase):
   def propose(self, loop, draft: HeadAndTarget, state: _HeadState, committed: Committed,
               keys_BxK):
     k, B = loop.k, keys_BxK.shape[0]
-    choose = _sampler(loop, keys_BxK)
+    choose = _sampler(loop, keys_BxK, self.alternatives)
     pending = state.pending
     m_B, M = pending.num_B, pending.features_BxMxD.shape[1]
     # The committed tokens after the pending features' positions: c - m .. c - 1.
@@ -145,25 +183,29 @@ class FeatureDrafter(_FeatureDrafterBase):
         logits_at_BxL=(m_B - 1)[:, None], counts_B=counts_B)
     cache = cache.with_lengths(committed.lengths_B - 1)
     features_BxD = jnp.take_along_axis(predicted_BxMxD, (m_B - 1)[:, None, None], axis=1)[:, 0]
-    q_BxV, d_B = choose(0, logits_Bx1xV[:, 0])
+    q_BxV, d_B, alternatives = choose(0, logits_Bx1xV[:, 0])
     tokens_BxK = jnp.zeros((B, k), jnp.int32).at[:, 0].set(d_B)
     q_BxKxV = jnp.zeros((B, k) + q_BxV.shape[1:], jnp.float32).at[:, 0].set(q_BxV)
+    if alternatives is not None:
+      alternatives = siblings.first_of_slots(alternatives, k)
     step_counts_B = committed.counts(1)
 
     def step(i, carry):
-      tokens_BxK, q_BxKxV, features_BxD, cache = carry
+      tokens_BxK, q_BxKxV, alternatives, features_BxD, cache = carry
       logits_Bx1xV, predicted_Bx1xD, cache = feature_head.extend_head(
           draft.head, draft.target, cache, features_BxD[:, None], tokens_BxK[:, i - 1, None],
           counts_B=step_counts_B)
-      q_BxV, d_B = choose(i, logits_Bx1xV[:, 0])
-      return (tokens_BxK.at[:, i].set(d_B), q_BxKxV.at[:, i].set(q_BxV), predicted_Bx1xD[:, 0],
-              cache)
+      q_BxV, d_B, more = choose(i, logits_Bx1xV[:, 0])
+      if more is not None:
+        alternatives = siblings.set_slot(alternatives, i, more)
+      return (tokens_BxK.at[:, i].set(d_B), q_BxKxV.at[:, i].set(q_BxV), alternatives,
+              predicted_Bx1xD[:, 0], cache)
 
-    tokens_BxK, q_BxKxV, _, cache = jax.lax.fori_loop(
-        1, k, step, (tokens_BxK, q_BxKxV, features_BxD, cache), unroll=loop.drafts_unrolled)
+    tokens_BxK, q_BxKxV, alternatives, _, cache = jax.lax.fori_loop(
+        1, k, step, (tokens_BxK, q_BxKxV, alternatives, features_BxD, cache),
+        unroll=loop.drafts_unrolled)
     cache = kv_cache.constrain(cache, loop.mesh, loop.rules)
-    return (Proposal(tokens_BxK, q_BxKxV, jnp.full((B,), k, jnp.int32)),
-            state.replace(cache=cache))
+    return _proposal(tokens_BxK, q_BxKxV, alternatives), state.replace(cache=cache)
 
   def rollback(self, loop, state: _HeadState, verdict: Verdict) -> _HeadState:
     del loop  # The next `propose` sets the cache's lengths from the committed tokens.
@@ -192,13 +234,14 @@ class HeadsDrafter(_FeatureDrafterBase):
   def propose(self, loop, draft: HeadAndTarget, pending: Pending, committed: Committed,
               keys_BxK):
     k = loop.k
-    choose = _sampler(loop, keys_BxK)
+    choose = _sampler(loop, keys_BxK, self.alternatives)
     logits_BxKxV, _ = feature_head.parallel_heads(draft.head, draft.target, pending.newest(),
                                                   committed.last(1), num=k)
     drawn = [choose(i, logits_BxKxV[:, i]) for i in range(k)]
-    q_BxKxV = jnp.stack([q for q, _ in drawn], axis=1)
-    tokens_BxK = jnp.stack([d for _, d in drawn], axis=1)
-    return Proposal(tokens_BxK, q_BxKxV, jnp.full(tokens_BxK.shape[:1], k, jnp.int32)), pending
+    q_BxKxV = jnp.stack([q for q, _, _ in drawn], axis=1)
+    tokens_BxK = jnp.stack([d for _, d, _ in drawn], axis=1)
+    alternatives = siblings.stack_slots([a for _, _, a in drawn]) if self.alternatives else None
+    return _proposal(tokens_BxK, q_BxKxV, alternatives), pending
 
   def rollback(self, loop, pending: Pending, verdict: Verdict) -> Pending:
     del loop

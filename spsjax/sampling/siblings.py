@@ -24,6 +24,22 @@ class Siblings:
   valid_RxA: jax.Array
 
 
+def first_of_slots(first: Siblings, k: int) -> Siblings:
+  """[R, k, ...] per-slot siblings with slot 0's set (the others zeros, not proposed)."""
+  return jax.tree.map(lambda x: jnp.zeros((x.shape[0], k) + x.shape[1:], x.dtype).at[:, 0].set(x),
+                      first)
+
+
+def set_slot(slots: Siblings, i, one: Siblings) -> Siblings:
+  """Per-slot siblings with slot i's (a traced index) set."""
+  return jax.tree.map(lambda all_, x: all_.at[:, i].set(x), slots, one)
+
+
+def stack_slots(each: list[Siblings]) -> Siblings:
+  """Per-slot siblings [R, k, ...] from each slot's."""
+  return jax.tree.map(lambda *xs: jnp.stack(xs, axis=1), *each)
+
+
 def keys_apart(keys: jax.Array) -> jax.Array:
   """Keys (any shape) for the siblings of the children drawn with `keys`: their own streams,
   independent of the first child's draw."""

@@ -91,11 +91,16 @@ def _target_logits(target: Model, cache: KVCache, tokens_BxKp1, active_B, num_B,
   finished first would otherwise pay for positions nobody reads.
   With `longest` (the most drafts any active row proposed, traced) only its first longest + 1
   positions are scored, by one of k + 1 compiled branches; the others' logits are zeros (uniform
-  laws). With a `tree` the tokens are its root and N nodes, all scored ([B, N + 1, V]).
+  laws). With a `tree` the tokens are its root and N nodes, all scored ([B, N + 1, V], and the
+  features [B, N + 1, D]).
   """
   Kp1 = tokens_BxKp1.shape[1]
   if tree is not None:
     counts_B = jnp.where(active_B, Kp1, 0).astype(jnp.int32)
+    if features:
+      logits_BxNxV, features_BxNxD, cache = extend_with_features(
+          target.config, target.params, cache, tokens_BxKp1, counts_B=counts_B, tree=tree)
+      return logits_BxNxV, cache, features_BxNxD
     return extend(target.config, target.params, cache, tokens_BxKp1, counts_B=counts_B,
                   tree=tree) + (None,)
   counts_B = jnp.where(active_B, num_B + 1, 0).astype(jnp.int32)
@@ -274,7 +279,8 @@ class Loop(common.LoopSettings):
     invariant by moving each row's lengths: the target keeps every committed token but the last,
     the drafter what it may (`Drafter.rollback`); idle rows keep theirs. After a tree
     (`path_BxD`: its node at each depth) the target first moves the path's keys and values to
-    the slots of their positions (`kv_cache.keep_path`)."""
+    the slots of their positions (`kv_cache.keep_path`), and a drafter reading features gets the
+    path's."""
     k = self.k
     base_B = committed.lengths_B - 1
     drafted_BxK = proposal.tokens_BxK
@@ -282,6 +288,9 @@ class Loop(common.LoopSettings):
       drafted_BxK = jnp.take_along_axis(proposal.tokens_BxK,
                                         jnp.maximum(path_BxD[:, 1:] - 1, 0), axis=1)
       target_cache = kv_cache.keep_path(target_cache, base_B, path_BxD)
+      if features_BxKp1xD is not None:  # The path's, as a chain's (past its end unspecified).
+        features_BxKp1xD = jnp.take_along_axis(
+            features_BxKp1xD, jnp.maximum(path_BxD, 0)[:, :, None], axis=1)
     block_BxKp1 = jnp.where(jnp.arange(k + 1)[None, :] < n_B[:, None],
                             jnp.pad(drafted_BxK, ((0, 0), (0, 1))), token_B[:, None])
     tokens_BxW, num_generated_B, done_B, emitted_B = common.commit(
