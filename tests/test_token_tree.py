@@ -212,11 +212,13 @@ ROWS = 100_000
 
 @pytest.mark.parametrize('sampling,draft_sampling,k', [
     (SamplingConfig(), None, 3),
-    (SamplingConfig(temperature=0.9, top_p=0.8), GREEDY, 2)])
+    (SamplingConfig(temperature=0.9, top_p=0.8), GREEDY, 2),
+    (SamplingConfig(top_p=0.9, repetition_penalty=1.5), None, 2)])
 def test_sps_with_alternatives_samples_the_target_law(tiny_pair, sampling, draft_sampling, k):
   """100,000 rows, 3 tokens each, 2 alternatives per slot (sampled without replacement, or the
-  greedy draft's next best as point masses), against the enumerated law; the tree accepts more
-  drafts a loop than the chain. Power as test_speculative's law tests (TV 0.012-0.018)."""
+  greedy draft's next best as point masses; with a repetition penalty, each node's law reading
+  its path), against the enumerated law; the tree accepts more drafts a loop than the chain.
+  Power as test_speculative's law tests (TV 0.012-0.018)."""
   target, draft = tiny_pair
   prompts = np.tile(np.array(PROMPT, np.int32), (ROWS, 1))
   lengths = np.full((ROWS,), len(PROMPT), np.int32)
@@ -259,6 +261,32 @@ def test_greedy_sps_with_trees_is_greedy_ars(tiny_pair):
     np.testing.assert_array_equal(out.num_generated, ars.num_generated)
 
 
+def test_greedy_sps_with_trees_and_a_repetition_penalty_is_greedy_ars(pair):
+  """Greedy after a penalty of 3 (which changes the tokens, so the check can fail): alternatives
+  and a tree drafter give ArS's tokens, unpacked and with both models packed for the native CPU
+  kernels; with draft == target the tree drafter's first child is accepted at every depth (its
+  laws read each node's path as the target's do)."""
+  target, draft = pair
+  prompts, lengths = _ragged(3)
+  penalised = SamplingConfig(temperature=0.0, repetition_penalty=3.0)
+  ars = autoregressive_sample(target, prompts, lengths, jax.random.key(0), max_new_tokens=12,
+                              sampling=penalised)
+  plain = autoregressive_sample(target, prompts, lengths, jax.random.key(0), max_new_tokens=12,
+                                sampling=GREEDY)
+  assert not np.array_equal(ars.tokens, plain.tokens)
+  packed = lambda m: models.for_decoding(m)
+  for t, d, drafter in ((target, draft, drafters.ModelDrafter(alternatives=2)),
+                        (packed(target), packed(draft), drafters.ModelDrafter(alternatives=2)),
+                        (target, draft, TreeDrafter((2, 2, 1))),
+                        (packed(target), packed(draft), TreeDrafter((2, 1, 1))),
+                        (target, target, TreeDrafter((2, 2, 1)))):
+    sps = speculative_sample(t, d, prompts, lengths, jax.random.key(1), k=3, max_new_tokens=12,
+                             sampling=penalised, drafter=drafter)
+    np.testing.assert_array_equal(sps.tokens, ars.tokens, err_msg=f'{drafter}')
+    if d is target:
+      np.testing.assert_array_equal(sps.num_accepted, 3 * np.asarray(sps.num_loops))
+
+
 def test_alternatives_refuse_what_they_do_not_run_with(tiny_pair):
   target, draft = tiny_pair
   call = lambda t=target, **kw: speculative_sample(
@@ -266,8 +294,6 @@ def test_alternatives_refuse_what_they_do_not_run_with(tiny_pair):
       max_new_tokens=4, drafter=kw.pop('drafter', drafters.ModelDrafter(alternatives=1)), **kw)
   with pytest.raises(ValueError, match='lenience'):
     call(lenience=0.5)
-  with pytest.raises(ValueError, match='repetition penalty'):
-    call(sampling=SamplingConfig(repetition_penalty=1.2))
   with pytest.raises(ValueError, match='vocabulary'):
     call(drafter=drafters.ModelDrafter(alternatives=V_SMALL))
   with pytest.raises(ValueError, match='stop_below'):
@@ -278,19 +304,23 @@ def test_alternatives_refuse_what_they_do_not_run_with(tiny_pair):
 
 # --- A draft model drafting a full tree -------------------------------------------------------
 
-def test_sps_with_a_tree_drafter_samples_the_target_law(tiny_pair):
-  """100,000 rows, 3 tokens each, a draft drafting a tree of branching (2, 2) at temperature 1,
-  against the enumerated law (power as test_speculative's, TV 0.018); it accepts more drafts a
-  loop than the chain of 2."""
+@pytest.mark.parametrize('sampling', [SamplingConfig(),
+                                      SamplingConfig(temperature=0.8, repetition_penalty=1.8)],
+                         ids=['temperature_1', 'repetition_penalty'])
+def test_sps_with_a_tree_drafter_samples_the_target_law(tiny_pair, sampling):
+  """100,000 rows, 3 tokens each, a draft drafting a tree of branching (2, 2) at temperature 1
+  (or 0.8 after a repetition penalty of 1.8, which every node's law, the draft's and the
+  target's, reads along its path), against the enumerated law (power as test_speculative's, TV
+  0.018); it accepts more drafts a loop than the chain of 2."""
   target, draft = tiny_pair
   prompts = np.tile(np.array(PROMPT, np.int32), (ROWS, 1))
   lengths = np.full((ROWS,), len(PROMPT), np.int32)
   run = lambda drafter, rows=ROWS: speculative_sample(
       target, draft, prompts[:rows], lengths[:rows], jax.random.key(3), k=2, max_new_tokens=NEW,
-      drafter=drafter)
+      drafter=drafter, sampling=sampling)
   out = run(TreeDrafter((2, 2)))
   pvalue = g_test_pvalue(sequence_counts(np.asarray(out.tokens), V_SMALL),
-                         exact_sequence_law(target, PROMPT, NEW, SamplingConfig()))
+                         exact_sequence_law(target, PROMPT, NEW, sampling))
   assert pvalue > P_MIN, f'G-test p-value {pvalue:.2e}'
   chain = run(drafters.ModelDrafter(), ROWS // 10)
   per_loop = lambda o: float(np.sum(o.num_accepted)) / float(np.sum(o.num_loops))

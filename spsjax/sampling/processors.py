@@ -99,6 +99,14 @@ def present_through(tokens_BxT: jax.Array, vocab_size: int) -> jax.Array:
   return jax.lax.cummax(one_hot_BxTxV, axis=1) > 0
 
 
+def present_along(present_BxV: jax.Array, tokens_BxN: jax.Array, on_path_RxN) -> jax.Array:
+  """bool[B, R, V]: for each of R paths through N tokens (on_path[r, m]: token m is on path r, a
+  static bool array, e.g. a token tree's ancestors), `present_BxV` with that path's tokens."""
+  on_path_RxN = jnp.asarray(on_path_RxN, jnp.float32)
+  drafted_BxNxV = jax.nn.one_hot(tokens_BxN, present_BxV.shape[1], dtype=jnp.float32)
+  return present_BxV[:, None] | (jnp.einsum('rn,bnv->brv', on_path_RxN, drafted_BxNxV) > 0)
+
+
 def mark_present(present_BxV: jax.Array, tokens_BxN: jax.Array, counts_B: jax.Array | None = None
                  ) -> jax.Array:
   """`present_BxV` with each row's first counts[b] tokens (default all N; ids outside the

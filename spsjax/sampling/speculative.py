@@ -50,7 +50,7 @@ from spsjax.models import (KVCache, Model, TokenTree, extend, extend_with_featur
                            prefill)
 from spsjax.sampling import common, drafters
 from spsjax.sampling.processors import (SamplingConfig, mark_present, native_probabilities,
-                                        present_through, probabilities,
+                                        present_along, present_through, probabilities,
                                         probabilities_and_sample)
 from spsjax.sampling.drafters import Drafter
 from spsjax.sampling.rejection import accept_and_resample_rows, accept_tree, check_lenience
@@ -230,7 +230,8 @@ class Loop(common.LoopSettings):
         path_BxD = None
         n_B, token_B = self._accept(accept_keys_B, logits_BxKp1xV, proposal, state.present_BxV)
       else:
-        path_BxD, n_B, token_B = self._accept_tree(accept_keys_B, logits_BxKp1xV, proposal)
+        path_BxD, n_B, token_B = self._accept_tree(accept_keys_B, logits_BxKp1xV, proposal,
+                                                   state.present_BxV)
       state = self._commit_and_roll_back(state, committed, proposal, n_B, token_B, target_cache,
                                          draft_state, features_BxKp1xD, path_BxD)
       return self._statistics(state, active_B, proposal.num_B, n_B)
@@ -263,11 +264,18 @@ class Loop(common.LoopSettings):
                                     proposal.num_B, self.lenience,
                                     native_kernel=self.native_kernel)
 
-  def _accept_tree(self, keys_B, logits_BxNp1xV, proposal: drafters.Proposal):
+  def _accept_tree(self, keys_B, logits_BxNp1xV, proposal: drafters.Proposal,
+                   present_BxV=None):
     """A tree's accept step per row (`rejection.accept_tree`): (path [B, depth + 1], n_B,
-    token_B)."""
-    p_BxNp1xV = (native_probabilities(logits_BxNp1xV, self.sampling) if self.native_kernel
-                 else probabilities(logits_BxNp1xV, self.sampling))
+    token_B). With a repetition penalty, p after node n reads the committed tokens and the
+    tokens of n and its ancestors as present."""
+    present_BxNp1xV = None
+    if present_BxV is not None:  # Node n's path: its ancestors and itself, the root's committed.
+      present_BxNp1xV = present_along(present_BxV, proposal.tokens_BxK,
+                                      proposal.tree.ancestors[:, 1:])
+    p_BxNp1xV = (native_probabilities(logits_BxNp1xV, self.sampling, present_BxNp1xV)
+                 if self.native_kernel
+                 else probabilities(logits_BxNp1xV, self.sampling, present_xV=present_BxNp1xV))
     return jax.vmap(functools.partial(accept_tree, tree=proposal.tree))(
         keys_B, p_BxNp1xV, proposal.q_BxKxV, proposal.tokens_BxK, proposal.valid_BxK)
 
@@ -358,13 +366,10 @@ def check_pair(target: Model, draft: Model | None, k: int,
   drafter.check(target, draft)
 
 
-def _check_tree(lenience: float, *samplings: SamplingConfig) -> None:
-  """What a tree of drafts does not run with (yet): lenience, a repetition penalty (a node's law
-  would read its ancestors')."""
+def _check_tree(lenience: float) -> None:
+  """What a tree of drafts does not run with: lenience."""
   if lenience != 1.0:
     raise ValueError(f'A tree of drafts is exact only: lenience must be 1, got {lenience}.')
-  if any(s.repetition_penalty != 1.0 for s in samplings):
-    raise ValueError('A tree of drafts does not take a repetition penalty (yet).')
 
 
 def prepare(target: Model, draft: Model | None, prompts, prompt_lengths, *, k: int,
@@ -380,7 +385,7 @@ def prepare(target: Model, draft: Model | None, prompts, prompt_lengths, *, k: i
   check_pair(target, draft, k, drafter)
   check_lenience(lenience)
   if drafter.tree(k) is not None:
-    _check_tree(lenience, sampling, draft_sampling or sampling)
+    _check_tree(lenience)
   for model in (target, draft) if draft is not None else (target,):
     common.check_inputs(model, prompts, prompt_lengths, max_new_tokens=max_new_tokens,
                         eos_id=eos_id, mesh=mesh, headroom=headroom(k))

@@ -10,7 +10,8 @@ scored by the target but never read by the draft: a loop runs one draft call per
 last, k calls for a tree of depth k, on 1 + sum of the levels' sizes positions.
 
 Exactness: each node's token is drawn from the law reported for it given its earlier siblings,
-with randomness independent of the accept step's (`rejection.accept_tree`).
+with randomness independent of the accept step's (`rejection.accept_tree`). A repetition penalty
+reads the committed tokens and the parent's path (the parent and its ancestors).
 
 Cache invariant (c_b committed tokens): the draft cache holds at least the first c_b - 2 tokens.
 The tree's nodes are written at slots base + node (base = c_b - 1, the root's slot, as the
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 from spsjax.models import KVCache, Model, TokenTree, extend, kv_cache, prefill
 from spsjax.sampling import siblings
 from spsjax.sampling.drafters import Committed, Drafter, Proposal, Verdict, draw_draft
-from spsjax.sampling.processors import typed_keys, uniforms
+from spsjax.sampling.processors import present_along, typed_keys, uniforms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +93,12 @@ class TreeDrafter(Drafter):
       node_keys_BxL = jax.vmap(lambda key: jax.vmap(lambda j: jax.random.fold_in(key, j))(
           jnp.arange(L)))(typed_keys(keys_BxK[:, d]))
       rows = lambda x: x.reshape((B * L,) + x.shape[2:])
-      q_RxV, first_R = draw_draft(loop, rows(uniforms(node_keys_BxL)), rows(logits_BxLxV))
+      present_RxV = None
+      if committed.present_BxV is not None:  # The committed tokens and each parent's path's.
+        present_RxV = rows(present_along(committed.present_BxV, tokens_BxM[:, 1:],
+                                         tree.ancestors[parents:parents + L, 1:]))
+      q_RxV, first_R = draw_draft(loop, rows(uniforms(node_keys_BxL)), rows(logits_BxLxV),
+                                  present_RxV)
       new_tokens, new_q, new_valid = [first_R[:, None]], [q_RxV[:, None]], [
           jnp.ones((B * L, 1), bool)]
       if b > 1:
