@@ -247,6 +247,17 @@ def test_greedy_sps_equals_greedy_ars(pair, k):
   assert int(sps.num_loops[row]) == 1 and int(sps.num_accepted[row]) == k
 
 
+def penalised_greedy_ars(target, prompts, lengths, max_new_tokens):
+  """(greedy after a repetition penalty of 3, ArS's output under it), checked to differ from
+  plain greedy ArS (so that a sampler ignoring the penalty fails a comparison with it)."""
+  penalised = SamplingConfig(temperature=0.0, repetition_penalty=3.0)
+  run = lambda sampling: autoregressive_sample(target, prompts, lengths, jax.random.key(0),
+                                               max_new_tokens=max_new_tokens, sampling=sampling)
+  ars = run(penalised)
+  assert not np.array_equal(ars.tokens, run(GREEDY).tokens)
+  return penalised, ars
+
+
 def test_greedy_sps_equals_greedy_ars_with_a_repetition_penalty(pair):
   """Greedy with a penalty of 3: the argmax reads each row's prompt and generated tokens (and in
   SpS the drafts before each slot); the penalty changes the tokens (so the check can fail). A
@@ -254,12 +265,7 @@ def test_greedy_sps_equals_greedy_ars_with_a_repetition_penalty(pair):
   accepted; a head drafts without it."""
   target, draft = pair
   prompts, lengths = _ragged(3)
-  penalised = SamplingConfig(temperature=0.0, repetition_penalty=3.0)
-  ars = autoregressive_sample(target, prompts, lengths, jax.random.key(0), max_new_tokens=20,
-                              sampling=penalised)
-  plain = autoregressive_sample(target, prompts, lengths, jax.random.key(0), max_new_tokens=20,
-                                sampling=GREEDY)
-  assert not np.array_equal(ars.tokens, plain.tokens)
+  penalised, ars = penalised_greedy_ars(target, prompts, lengths, 20)
   for the_draft, k in ((draft, 3), (target, 4), (models.for_decoding(draft), 2)):
     sps = speculative_sample(models.for_decoding(target) if k == 2 else target, the_draft,
                              prompts, lengths, jax.random.key(1), k=k, max_new_tokens=20,

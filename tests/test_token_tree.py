@@ -20,7 +20,7 @@ from tests.forwards import full_logits
 from tests.stats import exact_sequence_law, g_test_pvalue, sequence_counts
 from tests.test_drafters import NEW, PROMPT, V_SMALL, tiny_pair  # pylint: disable=unused-import
 from tests.test_speculative import (  # pylint: disable=unused-import
-    _ragged, _run_checking_caches, pair)
+    _ragged, _run_checking_caches, pair, penalised_greedy_ars)
 
 P_MIN = 1e-5  # Each G-test fails a correct sampler with this probability.
 GREEDY = SamplingConfig(temperature=0.0)
@@ -268,12 +268,7 @@ def test_greedy_sps_with_trees_and_a_repetition_penalty_is_greedy_ars(pair):
   laws read each node's path as the target's do)."""
   target, draft = pair
   prompts, lengths = _ragged(3)
-  penalised = SamplingConfig(temperature=0.0, repetition_penalty=3.0)
-  ars = autoregressive_sample(target, prompts, lengths, jax.random.key(0), max_new_tokens=12,
-                              sampling=penalised)
-  plain = autoregressive_sample(target, prompts, lengths, jax.random.key(0), max_new_tokens=12,
-                                sampling=GREEDY)
-  assert not np.array_equal(ars.tokens, plain.tokens)
+  penalised, ars = penalised_greedy_ars(target, prompts, lengths, 12)
   packed = lambda m: models.for_decoding(m)
   for t, d, drafter in ((target, draft, drafters.ModelDrafter(alternatives=2)),
                         (packed(target), packed(draft), drafters.ModelDrafter(alternatives=2)),
