@@ -17,9 +17,9 @@ float32; SpS stays exact, the target is float32 either way; float32 for the draf
 drafter (model | lookup |
 hybrid | feature | heads: `spsjax.sampling.drafter_config`; feature and heads take a head trained by
 configs/train.py model=feature or heads as `draft`), max_ngram, min_ngram, stop_below (dynamic k),
-alternatives (a tree of drafts: that many other tokens beside each), branching (drafter tree:
-children per node at each depth joined by +, k its length), lenience (in (0, 1]; below 1 is LOSSY, labelled in the title
-and the SpS rows with its total variation);
+alternatives (a tree of drafts: that many other tokens beside each), branching (drafter tree or
+feature: children per node at each depth joined by +, k its length), lenience (in (0, 1]; below
+1 is LOSSY, labelled in the title and the SpS rows with its total variation);
 hf_target, hf_draft (Hugging Face checkpoint directories in place of root's target and draft).
 The table (printed and in `table.md`) opens with `title`, a template of config fields (`{root}`),
 and for the demo and runlocal variants a note that they check the pipeline and measure little.
@@ -76,7 +76,7 @@ def get_config(arg=None):
     c.title += (f'\n\nDrafter: {a.drafter} (n-grams {a.max_ngram} down to {a.min_ngram}; '
                 f'dynamic k below confidence {a.stop_below}; 0: fixed k; '
                 f'{a.alternatives} alternatives a slot; tree branching {a.branching or "-"}).')
-  if a.alternatives or a.drafter == 'tree':
+  if a.alternatives or a.branching or a.drafter == 'tree':
     c.title += ('\n\nA tree of drafts: the theory columns are a chain\'s (s measured on k + 1 '
                 'positions, the loop\'s tokens geometric in alpha), not the tree\'s.')
   if a.lenience < 1:

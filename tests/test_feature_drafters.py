@@ -15,7 +15,7 @@ from spsjax import models, native, sharding
 from spsjax.models import feature_head
 from spsjax.sampling import (SamplingConfig, autoregressive_sample, drafter_config, drafters,
                              probabilities, speculative, speculative_sample)
-from spsjax.sampling.feature_drafters import FeatureDrafter, HeadsDrafter
+from spsjax.sampling.feature_drafters import FeatureDrafter, FeatureTreeDrafter, HeadsDrafter
 from tests import forwards
 from tests.stats import scaled_model
 from tests.test_drafters import check_unrolled_drafts
@@ -24,6 +24,14 @@ from tests.test_speculative import check_interleaved_law, interleaved
 GREEDY = SamplingConfig(temperature=0.0)
 P_MIN = 1e-5  # Each G-test fails a correct sampler with this probability.
 DRAFTERS = {'feature': FeatureDrafter(), 'heads': HeadsDrafter()}
+
+
+def _drafter(kind: str, variant, k: int):
+  """The `kind` drafter as a chain (variant 0), with that many alternatives (an int), or drafting
+  a full tree of depth k ('tree': 2 children a node, then 1)."""
+  if variant == 'tree':
+    return FeatureTreeDrafter(branching=(2,) * min(k, 2) + (1,) * (k - 2))
+  return dataclasses.replace(DRAFTERS[kind], alternatives=variant)
 
 
 def _head(target: models.Model, kind: str, layers: int, seed: int,
@@ -104,7 +112,8 @@ def _reference_laws(target, head, kind, seq, k, sampling):
   """The laws a loop's k drafts come from after committed tokens `seq`, from uncached forwards
   over the target's true features: the EAGLE head's first two (the second after the first draft,
   with the head's own prediction at the last position as one more pair), or all k parallel
-  heads'. Returns a function of the first draft for the EAGLE head's second."""
+  heads'. Returns, for the EAGLE head, a function of the drafts before a slot (one or more) giving
+  that slot's law (the head fed its own prediction and the draft at each)."""
   features_CxD = forwards.features(target, seq)
   c = len(seq)
   law = lambda logits_1xV: np.asarray(probabilities(logits_1xV, sampling))[0]
@@ -115,30 +124,39 @@ def _reference_laws(target, head, kind, seq, k, sampling):
   logits, predicted = _head_forward(head, target, _padded(features_CxD[:c - 1]),
                                     _padded(seq[1:].astype(np.int32)))
 
-  def second(draft0):
-    pairs = np.concatenate([features_CxD[:c - 1], np.asarray(predicted)[0, c - 2:c - 1]])
-    tokens = np.append(seq[1:], draft0).astype(np.int32)
-    return law(_head_forward(head, target, _padded(pairs), _padded(tokens))[0][:, c - 1])
+  def after(*drafts):
+    pairs, tokens, predicted_ = features_CxD[:c - 1], seq[1:], np.asarray(predicted)[0]
+    for i, draft in enumerate(drafts):  # Pair c - 2 + i + 1: the last prediction, the draft.
+      pairs = np.concatenate([pairs, predicted_[c - 2 + i:c - 1 + i]])
+      tokens = np.append(tokens, draft).astype(np.int32)
+      logits_, predicted_ = _head_forward(head, target, _padded(pairs), _padded(tokens))
+      predicted_ = np.asarray(predicted_)[0]
+    return law(logits_[:, c - 2 + len(drafts)])
 
-  return law(logits[:, c - 2]), second
+  return law(logits[:, c - 2]), after
 
 
-@pytest.mark.parametrize('kind,packed,alternatives', [
+@pytest.mark.parametrize('kind,packed,variant', [
     ('feature', False, 0), ('feature', True, 0), ('heads', True, 0), ('feature', True, 2),
-    ('heads', False, 2)])
+    ('heads', False, 2), ('feature', True, 'tree')])
 def test_each_loops_drafts_come_from_the_head_on_the_targets_features(pair48, kind, packed,
-                                                                      alternatives):
+                                                                      variant):
   """Stepping the loop (ragged prompts, 3 loops, k = 3): before each loop, the proposal's laws
   are the head's on the target's features of the committed tokens (full forwards, no cache):
   slot 0 (after the pairs the last loop verified) and slot 1 (after the head read its own
   prediction and draft 0) for the EAGLE head, every slot for the parallel heads. With
   alternatives the chain's slots are the tree's first nodes, and after a loop that accepted an
-  alternative the head reads the features of the accepted path's nodes."""
+  alternative the head reads the features of the accepted path's nodes; the EAGLE head drafting
+  a tree (2, 2, 1): node 1 from the root's law, node 3 from node 1's (read on the tree)."""
   target = models.for_decoding(pair48) if packed else pair48
   head = _head(pair48, kind, 1 if kind == 'feature' else 3, 2, scale=3.0)
   head_run = models.for_decoding(head) if packed else head
-  drafter = dataclasses.replace(DRAFTERS[kind], alternatives=alternatives)
   k, sampling = 3, SamplingConfig(temperature=0.8)
+  drafter = _drafter(kind, variant, k)
+  # Slot 1's law after draft 0; in the tree (2, 2, 1), node 3 (slot 2) after node 1 and nodes
+  # 7 .. 10 (slots 6 .. 9) after their grandparent (1, 1, 2, 2) and parent (3, 4, 5, 6).
+  paths = {1: (0,)} if variant != 'tree' else {2: (0,), 6: (0, 2), 7: (0, 3), 8: (1, 4),
+                                                9: (1, 5)}
   prompts, lengths = _ragged(3)
   loop, args = speculative.prepare(target, head_run, prompts, lengths, k=k, max_new_tokens=20,
                                    sampling=sampling, drafter=drafter)
@@ -158,10 +176,12 @@ def test_each_loops_drafts_come_from_the_head_on_the_targets_features(pair48, ki
         for i, want in enumerate(_reference_laws(pair48, head, kind, seq, k, sampling)):
           np.testing.assert_allclose(q[b, i], want, rtol=1e-4, atol=1e-5)
         continue
-      want0, second = _reference_laws(pair48, head, kind, seq, k, sampling)
+      want0, after = _reference_laws(pair48, head, kind, seq, k, sampling)
       np.testing.assert_allclose(q[b, 0], want0, rtol=1e-4, atol=1e-5)
-      np.testing.assert_allclose(q[b, 1], second(int(proposal.tokens_BxK[b, 0])), rtol=1e-4,
-                                 atol=1e-5)
+      tokens = np.asarray(proposal.tokens_BxK)[b]
+      for slot, path in paths.items():
+        np.testing.assert_allclose(q[b, slot], after(*tokens[list(path)]), rtol=1e-4,
+                                   atol=1e-5, err_msg=f'slot {slot}')
     state = body(*args, state)
   assert int(np.sum(state.num_accepted_B)) > 0  # Loops after accepted drafts were compared too.
 
@@ -178,15 +198,16 @@ def tiny_target():
       tie_embeddings=False), 0, 1.5)
 
 
-@pytest.mark.parametrize('kind,setting,k,packed,alternatives', [
+@pytest.mark.parametrize('kind,setting,k,packed,variant', [
     ('feature', 'temperature_1', 3, True, 0), ('feature', 'top_p_0.8', 2, True, 0),
     ('heads', 'temperature_1', 2, True, 0), ('heads', 'top_p_0.8', 3, True, 0),
-    ('feature', 'temperature_1', 2, True, 2), ('heads', 'top_p_0.8', 2, True, 1)])
-def test_output_law_is_target_law(tiny_target, kind, setting, k, packed, alternatives):
+    ('feature', 'temperature_1', 2, True, 2), ('heads', 'top_p_0.8', 2, True, 1),
+    ('feature', 'top_p_0.8', 2, True, 'tree')])
+def test_output_law_is_target_law(tiny_target, kind, setting, k, packed, variant):
   """5 tokens per row after two prompts of different lengths interleaved in one batch (rows
   accept different numbers of drafts in the same loops; the law covers the bonus token and a
-  second loop), against each prompt's enumerated joint law of the target; with alternatives, a
-  tree of drafts. Power: 50,000 rows per prompt detect at 80% any law within total variation
+  second loop), against each prompt's enumerated joint law of the target; with alternatives, or
+  the EAGLE head drafting a tree (2, 2), a tree of drafts. Power: 50,000 rows per prompt detect at 80% any law within total variation
   0.035 (temperature 1) or 0.028 (top-p 0.8) of the target's (`stats.detectable_tv`)."""
   sampling = {'temperature_1': SamplingConfig(), 'top_p_0.8': SamplingConfig(top_p=0.8)}[setting]
   head = _head(tiny_target, kind, 1 if kind == 'feature' else 3, 4, scale=2.0)
@@ -197,34 +218,33 @@ def test_output_law_is_target_law(tiny_target, kind, setting, k, packed, alterna
     assert 'output' in head.params
   assert models.is_packed(target) == packed == models.is_packed(head)
   prompts, lengths = interleaved(RAGGED_PROMPTS, ROWS)
-  drafter = dataclasses.replace(DRAFTERS[kind], alternatives=alternatives)
   out = speculative_sample(target, head, prompts, lengths, jax.random.key(30 + k), k=k,
-                           max_new_tokens=NEW_LONG, sampling=sampling, drafter=drafter)
-  check_interleaved_law(out, tiny_target, k, sampling,
-                        f'{kind} {setting} k={k} alternatives={alternatives}', RAGGED_PROMPTS,
-                        NEW_LONG)
+                           max_new_tokens=NEW_LONG, sampling=sampling,
+                           drafter=_drafter(kind, variant, k))
+  check_interleaved_law(out, tiny_target, k, sampling, f'{kind} {setting} k={k} {variant}',
+                        RAGGED_PROMPTS, NEW_LONG)
 
 
 @pytest.mark.parametrize('kind,k', [('feature', 1), ('feature', 4), ('heads', 4)])
 def test_greedy_sps_equals_greedy_ars(tiny_target, kind, k):
   """Ragged prompts, 8 tokens, an eos some rows emit: the same tokens as greedy ArS, with
   drafts accepted (the small vocabulary makes a random head's argmax often right); with 2
-  alternatives beside each draft (the head's next best) too, in fewer loops than the chain."""
+  alternatives beside each draft (the head's next best) too, and the EAGLE head drafting a tree,
+  in fewer loops than the chain."""
   head = _head(tiny_target, kind, 1 if kind == 'feature' else 4, 6, scale=2.0)
   prompts, lengths = _ragged(k, batch=8, width=4, vocab=V_SMALL)
   ars = autoregressive_sample(tiny_target, prompts, lengths, jax.random.key(0),
                               max_new_tokens=8, sampling=GREEDY, eos_id=6)
   loops = {}
-  for alternatives in (0, 2):
+  for variant in (0, 2) + (('tree',) if kind == 'feature' and k > 1 else ()):
     sps = speculative_sample(
         tiny_target, head, prompts, lengths, jax.random.key(1), k=k, max_new_tokens=8,
-        sampling=GREEDY, eos_id=6,
-        drafter=dataclasses.replace(DRAFTERS[kind], alternatives=alternatives))
-    np.testing.assert_array_equal(sps.tokens, ars.tokens)
+        sampling=GREEDY, eos_id=6, drafter=_drafter(kind, variant, k))
+    np.testing.assert_array_equal(sps.tokens, ars.tokens, err_msg=str(variant))
     np.testing.assert_array_equal(sps.num_generated, ars.num_generated)
     assert int(np.sum(sps.num_accepted)) > 0
-    loops[alternatives] = int(np.sum(sps.num_loops))
-  assert loops[2] < loops[0], loops
+    loops[variant] = int(np.sum(sps.num_loops))
+  assert all(loops[v] < loops[0] for v in loops if v), loops
 
 
 def test_unrolled_head_steps_give_the_same_tokens(pair48):
@@ -255,6 +275,11 @@ def test_heads_that_do_not_fit_are_refused(pair48):
   assert drafter_config.build('heads', alternatives=2) == HeadsDrafter(alternatives=2)
   with pytest.raises(ValueError, match='not by the lookup drafter'):
     drafter_config.build('lookup', alternatives=2)
+  assert drafter_config.build('feature', branching='3+1') == FeatureTreeDrafter(branching=(3, 1))
+  with pytest.raises(ValueError, match='drafts trees of depth 2'):
+    run(FeatureTreeDrafter(branching=(2, 1)), _head(pair48, 'feature', 1, 0), k=3)
+  with pytest.raises(ValueError, match='not alternatives'):
+    FeatureTreeDrafter(alternatives=1)
 
 
 def test_a_head_drafts_the_same_tokens_on_a_mesh(pair48):

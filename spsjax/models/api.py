@@ -159,20 +159,26 @@ def extend(config: TransformerConfig, params, cache: kv_cache.KVCache, tokens_Bx
   return out, cache
 
 
+def call_positions(cache: kv_cache.KVCache, T: int, tree: TokenTree | None = None,
+                   first_node: int = 0):
+  """(cache with lengths at the call's first slot, positions [B, T], the `TreeMask` or None) of a
+  cached call on T tokens: positions lengths + t; on a tree's nodes first_node .. + T - 1 (its
+  root at slot lengths), slots lengths + node and positions lengths + depth (`extend`)."""
+  if tree is None and first_node:
+    raise ValueError(f'first_node={first_node} is a node of a tree: pass the tree.')
+  if tree is None:
+    return cache, cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], None
+  mask = tree.mask(first_node, T)
+  offsets_T = mask.depths_M[first_node:first_node + T]
+  positions_BxT = cache.lengths[:, None] + offsets_T[None, :]
+  return cache.with_lengths(cache.lengths + first_node), positions_BxT, mask
+
+
 def _extend(config, params, cache, tokens_BxT, logits_at_BxL, counts_B, tree, first_node,
             features=False):
   """`extend` (and with `features` the hidden states too, else None): (out, cache, features)."""
   T = tokens_BxT.shape[1]
-  mask = None
-  if tree is None and first_node:
-    raise ValueError(f'first_node={first_node} is a node of a tree: pass the tree.')
-  if tree is None:
-    offsets_T = jnp.arange(T, dtype=jnp.int32)
-  else:
-    mask = tree.mask(first_node, T)
-    offsets_T = mask.depths_M[first_node:first_node + T]
-    cache = cache.with_lengths(cache.lengths + first_node)  # Where the call's first node goes.
-  positions_BxT = cache.lengths[:, None] - first_node + offsets_T[None, :]
+  cache, positions_BxT, mask = call_positions(cache, T, tree, first_node)
   out, (k, v), *hidden = Transformer(config).apply(
       {'params': params}, tokens_BxT, positions_BxT, cache, logits_at_BxL, counts_B, tree=mask,
       features=features)

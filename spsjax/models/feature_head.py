@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 from spsjax import native, sharding
 
 from spsjax.models import kv_cache
-from spsjax.models.api import Model, features, logits
+from spsjax.models.api import Model, call_positions, features, logits
 from spsjax.models.config import TransformerConfig
 from spsjax.models.transformer import (Block, Mlp, RMSNorm, _kept_counts, _param, embed,
                                         output_logits, project)
@@ -75,14 +75,15 @@ class FeatureHead(nn.Module):
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, features_BxTxD, embedded_BxTxD, positions_BxT, cache=None, counts_B=None):
+  def __call__(self, features_BxTxD, embedded_BxTxD, positions_BxT, cache=None, counts_B=None,
+               tree=None):
     c = self.config
     x_BxTxD = _Fuse(c, name='fuse')(features_BxTxD, embedded_BxTxD, counts_B)
     new_k, new_v = [], []
     for i in range(c.num_layers):
       layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.lengths)
       x_BxTxD, (k, v) = Block(c, name=f'layer_{i}')(x_BxTxD, positions_BxT, layer_cache, None,
-                                                   counts_B)
+                                                   counts_B, tree=tree)
       new_k.append(k)
       new_v.append(v)
     return x_BxTxD, (tuple(new_k), tuple(new_v))
@@ -176,17 +177,19 @@ def _logits_at(head: Model, target: Model, features_BxTxD, logits_at_BxL, counts
 
 def extend_head(head: Model, target: Model, cache: kv_cache.KVCache, features_BxTxD: jax.Array,
                 tokens_BxT: jax.Array, *, logits_at_BxL: jax.Array | None = None,
-                counts_B: jax.Array | None = None
+                counts_B: jax.Array | None = None, tree=None, first_node: int = 0
                 ) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
   """An EAGLE head on T pairs (features, token) per row at the row's offset `cache.lengths`:
   (float32 logits [B, T, V] (or [B, L, V] at `logits_at`), predicted features [B, T, D], cache
   with lengths + T). As `models.extend`: row b's pairs past counts[b] are padding, their
-  outputs unspecified."""
+  outputs unspecified; with a `tree` (`models.TokenTree`) the pairs are its nodes first_node ..,
+  its root's pair at slot `cache.lengths`, each seeing its ancestors' pairs."""
   T = tokens_BxT.shape[1]
-  positions_BxT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+  cache, positions_BxT, mask = call_positions(cache, T, tree, first_node)
   embedded_BxTxD = embed(target.config, target.params['embedding'], tokens_BxT)
   predicted_BxTxD, (k, v) = FeatureHead(head.config).apply(
-      {'params': head.params}, features_BxTxD, embedded_BxTxD, positions_BxT, cache, counts_B)
+      {'params': head.params}, features_BxTxD, embedded_BxTxD, positions_BxT, cache, counts_B,
+      mask)
   logits = _logits_at(head, target, predicted_BxTxD, logits_at_BxL, counts_B)
   return logits, predicted_BxTxD, kv_cache.KVCache(k=k, v=v, lengths=cache.lengths + T)
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from spsjax.models import KVCache, Model, TokenTree, feature_head, init_cache, kv_cache
-from spsjax.sampling import siblings
+from spsjax.sampling import siblings, tree_drafters
 from spsjax.sampling.drafters import (Committed, Drafter, Proposal, Verdict, alternatives_tree,
                                       chain_with_alternatives, check_alternatives,
                                       check_alternatives_fit, draw_draft)
@@ -134,6 +134,23 @@ class _FeatureDrafterBase(Drafter):
     return HeadAndTarget(head=draft, target=target)
 
 
+def _read_pending(draft: HeadAndTarget, state: '_HeadState', committed: Committed):
+  """The EAGLE head's first call of a loop: it reads the pending pairs of true features (over
+  what it had fed itself there): (the first draft's logits [B, 1, V], the features it predicts
+  after the last committed token [B, D], its cache through the pairs of positions .. c - 2)."""
+  pending = state.pending
+  m_B, M = pending.num_B, pending.features_BxMxD.shape[1]
+  # The committed tokens after the pending features' positions: c - m .. c - 1.
+  tokens_BxM = jnp.stack([committed.last(jnp.maximum(m_B - j, 1)) for j in range(M)], axis=1)
+  cache = state.cache.with_lengths(committed.lengths_B - 1 - m_B)
+  counts_B = m_B if committed.active_B is None else jnp.where(committed.active_B, m_B, 0)
+  logits_Bx1xV, predicted_BxMxD, cache = feature_head.extend_head(
+      draft.head, draft.target, cache, pending.features_BxMxD, tokens_BxM,
+      logits_at_BxL=(m_B - 1)[:, None], counts_B=counts_B)
+  features_BxD = jnp.take_along_axis(predicted_BxMxD, (m_B - 1)[:, None, None], axis=1)[:, 0]
+  return logits_Bx1xV, features_BxD, cache.with_lengths(committed.lengths_B - 1)
+
+
 @flax.struct.dataclass
 class _HeadState:
   cache: KVCache  # The head's, valid through position c_b - 2 - m_b (pairs with true features).
@@ -172,17 +189,7 @@ class FeatureDrafter(_FeatureDrafterBase):
               keys_BxK):
     k, B = loop.k, keys_BxK.shape[0]
     choose = _sampler(loop, keys_BxK, self.alternatives)
-    pending = state.pending
-    m_B, M = pending.num_B, pending.features_BxMxD.shape[1]
-    # The committed tokens after the pending features' positions: c - m .. c - 1.
-    tokens_BxM = jnp.stack([committed.last(jnp.maximum(m_B - j, 1)) for j in range(M)], axis=1)
-    cache = state.cache.with_lengths(committed.lengths_B - 1 - m_B)
-    counts_B = m_B if committed.active_B is None else jnp.where(committed.active_B, m_B, 0)
-    logits_Bx1xV, predicted_BxMxD, cache = feature_head.extend_head(
-        draft.head, draft.target, cache, pending.features_BxMxD, tokens_BxM,
-        logits_at_BxL=(m_B - 1)[:, None], counts_B=counts_B)
-    cache = cache.with_lengths(committed.lengths_B - 1)
-    features_BxD = jnp.take_along_axis(predicted_BxMxD, (m_B - 1)[:, None, None], axis=1)[:, 0]
+    logits_Bx1xV, features_BxD, cache = _read_pending(draft, state, committed)
     q_BxV, d_B, alternatives = choose(0, logits_Bx1xV[:, 0])
     tokens_BxK = jnp.zeros((B, k), jnp.int32).at[:, 0].set(d_B)
     q_BxKxV = jnp.zeros((B, k) + q_BxV.shape[1:], jnp.float32).at[:, 0].set(q_BxV)
@@ -210,6 +217,54 @@ class FeatureDrafter(_FeatureDrafterBase):
   def rollback(self, loop, state: _HeadState, verdict: Verdict) -> _HeadState:
     del loop  # The next `propose` sets the cache's lengths from the committed tokens.
     return state.replace(pending=state.pending.after(verdict))
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureTreeDrafter(FeatureDrafter):
+  """EAGLE drafting a full tree (`models.TokenTree.full(branching)`, k its depth), level by
+  level (`tree_drafters.draft_tree`): after the first call (`FeatureDrafter`'s), each level's
+  nodes are read in one head call on the tree, node n's pair (its parent's predicted features,
+  its token) at slot c - 2 + n and position c - 2 + depth(n) (the root's pair, the last true
+  one, at c - 2), seeing its ancestors' pairs; its predicted features give its children's law.
+  The head's cache invariant is `FeatureDrafter`'s: the next loop rewrites every pair from
+  position c - 1 on (the tree's slots hold nothing it reads)."""
+  branching: tuple[int, ...] = (2, 2, 1, 1)
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.alternatives:
+      raise ValueError('A tree drafter takes branching factors, not alternatives.')
+    object.__setattr__(self, 'branching', tuple(int(b) for b in self.branching))
+    TokenTree.full(self.branching)  # Checks the factors.
+
+  def tree(self, k: int) -> TokenTree:
+    return tree_drafters.tree_of(self.branching, k)
+
+  def check(self, target: Model, draft) -> None:
+    super().check(target, draft)
+    tree_drafters.check_children_fit(self.branching, target)
+
+  def propose(self, loop, draft: HeadAndTarget, state: _HeadState, committed: Committed,
+              keys_BxK):
+    tree = self.tree(loop.k)
+    logits_Bx1xV, features_BxD, cache = _read_pending(draft, state, committed)
+    root_B = committed.lengths_B - 2  # The root's pair: the last committed token's.
+    carry = {'cache': cache, 'features_BxLxD': features_BxD[:, None]}
+
+    def read(first_child, tokens_BxC):  # Each node after its parent's predicted features.
+      b = tokens_BxC.shape[1] // carry['features_BxLxD'].shape[1]
+      logits_BxCxV, predicted_BxCxD, carry['cache'] = feature_head.extend_head(
+          draft.head, draft.target, carry['cache'].with_lengths(root_B),
+          jnp.repeat(carry['features_BxLxD'], b, axis=1), tokens_BxC,
+          counts_B=committed.counts(tokens_BxC.shape[1]), tree=tree, first_node=first_child)
+      carry['features_BxLxD'] = predicted_BxCxD
+      return logits_BxCxV
+
+    proposal = tree_drafters.draft_tree(loop, self.branching, committed, keys_BxK, logits_Bx1xV,
+                                        read)
+    cache = kv_cache.constrain(carry['cache'].with_lengths(committed.lengths_B - 1), loop.mesh,
+                               loop.rules)
+    return proposal, state.replace(cache=cache)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,6 +35,69 @@ from spsjax.sampling.drafters import Committed, Drafter, Proposal, Verdict, draw
 from spsjax.sampling.processors import present_along, typed_keys, uniforms
 
 
+def draft_tree(loop, branching: tuple[int, ...], committed: Committed, keys_BxK,
+               root_logits_Bx1xV, read) -> Proposal:
+  """A full tree (`TokenTree.full(branching)`) drafted level by level from the root's draft
+  logits: each level's children drawn from their parent's law (the first with the loop's draft
+  key of that depth, the others without replacement: `siblings.draw`; a repetition penalty
+  reading the parent's path), then `read(first_child, tokens [B, C])` (every level but the
+  deepest) gives the new level's C nodes' logits [B, C, V] (the drafter's model reading them on
+  the tree)."""
+  tree = TokenTree.full(branching)
+  levels = tree.levels
+  B, V = keys_BxK.shape[0], committed.vocab_size
+  M = tree.num_nodes + 1
+  tokens_BxM = jnp.zeros((B, M), jnp.int32).at[:, 0].set(committed.last(1))
+  q_BxMxV = jnp.zeros((B, M, V), jnp.float32)
+  valid_BxM = jnp.zeros((B, M), bool)
+  logits_BxLxV = root_logits_Bx1xV
+  for d, b in enumerate(branching):
+    parents, L = levels[d]
+    children = levels[d + 1][0]  # Node parents + j's children: children + j * b .. + b.
+    node_keys_BxL = jax.vmap(lambda key: jax.vmap(lambda j: jax.random.fold_in(key, j))(
+        jnp.arange(L)))(typed_keys(keys_BxK[:, d]))
+    rows = lambda x: x.reshape((B * L,) + x.shape[2:])
+    present_RxV = None
+    if committed.present_BxV is not None:  # The committed tokens and each parent's path's.
+      present_RxV = rows(present_along(committed.present_BxV, tokens_BxM[:, 1:],
+                                       tree.ancestors[parents:parents + L, 1:]))
+    q_RxV, first_R = draw_draft(loop, rows(uniforms(node_keys_BxL)), rows(logits_BxLxV),
+                                present_RxV)
+    new_tokens, new_q, new_valid = [first_R[:, None]], [q_RxV[:, None]], [
+        jnp.ones((B * L, 1), bool)]
+    if b > 1:
+      more = siblings.draw(rows(siblings.keys_apart(node_keys_BxL)), rows(logits_BxLxV),
+                           q_RxV, first_R, b - 1, greedy=loop.draft_sampling.greedy)
+      new_tokens.append(more.tokens_RxA)
+      new_q.append(more.q_RxAxV)
+      new_valid.append(more.valid_RxA)
+    level = slice(children, children + L * b)
+    tokens_BxM = tokens_BxM.at[:, level].set(
+        jnp.concatenate(new_tokens, axis=1).reshape(B, L * b))
+    q_BxMxV = q_BxMxV.at[:, level].set(jnp.concatenate(new_q, axis=1).reshape(B, L * b, V))
+    valid_BxM = valid_BxM.at[:, level].set(
+        jnp.concatenate(new_valid, axis=1).reshape(B, L * b))
+    if d + 1 < len(branching):
+      logits_BxLxV = read(children, tokens_BxM[:, level])
+  return Proposal(tokens_BxM[:, 1:], q_BxMxV[:, 1:], jnp.full((B,), len(branching), jnp.int32),
+                  valid_BxM[:, 1:], tree=tree)
+
+
+def tree_of(branching: tuple[int, ...], k: int) -> TokenTree:
+  """The tree of `branching` for lookahead k, which must be its depth (ValueError otherwise)."""
+  if k != len(branching):
+    raise ValueError(f'The tree drafter with branching {branching} drafts trees of depth '
+                     f'{len(branching)}: run it with k={len(branching)}, not {k}.')
+  return TokenTree.full(branching)
+
+
+def check_children_fit(branching: tuple[int, ...], target: Model) -> None:
+  """ValueError where a node would have more children than the vocabulary has tokens."""
+  if max(branching) > target.config.vocab_size:
+    raise ValueError(f'Branching {branching} asks for more children than the '
+                     f'{target.config.vocab_size} tokens of the vocabulary.')
+
+
 @dataclasses.dataclass(frozen=True)
 class TreeDrafter(Drafter):
   """`branching[d]`: children per node at depth d; its length is the loop's k (the tree's
@@ -49,18 +112,13 @@ class TreeDrafter(Drafter):
     TokenTree.full(self.branching)  # Checks the factors.
 
   def tree(self, k: int) -> TokenTree:
-    if k != len(self.branching):
-      raise ValueError(f'The tree drafter with branching {self.branching} drafts trees of depth '
-                       f'{len(self.branching)}: run it with k={len(self.branching)}, not {k}.')
-    return TokenTree.full(self.branching)
+    return tree_of(self.branching, k)
 
   def check(self, target: Model, draft) -> None:
     if any(draft.config.window(i) is not None for i in range(draft.config.num_layers)):
       raise ValueError('The tree drafter needs a draft without sliding-window layers (their '
                        'rings do not hold the levels written before).')
-    if max(self.branching) > target.config.vocab_size:
-      raise ValueError(f'Branching {self.branching} asks for more children than the '
-                       f'{target.config.vocab_size} tokens of the vocabulary.')
+    check_children_fit(self.branching, target)
 
   def draft_steps(self, k: int, proposed_per_loop: float) -> float:
     del proposed_per_loop
@@ -76,50 +134,23 @@ class TreeDrafter(Drafter):
   def propose(self, loop, draft: Model, cache: KVCache, committed: Committed, keys_BxK):
     tree = self.tree(loop.k)
     levels = tree.levels
-    B, V = keys_BxK.shape[0], committed.vocab_size
+    B = keys_BxK.shape[0]
     base_B = committed.lengths_B - 1
     cache = cache.with_lengths(committed.lengths_B - 2)
     last2_Bx2 = jnp.stack([committed.last(2), committed.last(1)], axis=1)
     logits_BxLxV, cache = extend(draft.config, draft.params, cache, last2_Bx2,
                                  logits_at_BxL=jnp.ones((B, 1), jnp.int32),
                                  counts_B=committed.counts(2))
-    M = tree.num_nodes + 1
-    tokens_BxM = jnp.zeros((B, M), jnp.int32).at[:, 0].set(committed.last(1))
-    q_BxMxV = jnp.zeros((B, M, V), jnp.float32)
-    valid_BxM = jnp.zeros((B, M), bool)
-    for d, b in enumerate(self.branching):
-      parents, L = levels[d]
-      children = levels[d + 1][0]  # Node parents + j's children: children + j * b .. + b.
-      node_keys_BxL = jax.vmap(lambda key: jax.vmap(lambda j: jax.random.fold_in(key, j))(
-          jnp.arange(L)))(typed_keys(keys_BxK[:, d]))
-      rows = lambda x: x.reshape((B * L,) + x.shape[2:])
-      present_RxV = None
-      if committed.present_BxV is not None:  # The committed tokens and each parent's path's.
-        present_RxV = rows(present_along(committed.present_BxV, tokens_BxM[:, 1:],
-                                         tree.ancestors[parents:parents + L, 1:]))
-      q_RxV, first_R = draw_draft(loop, rows(uniforms(node_keys_BxL)), rows(logits_BxLxV),
-                                  present_RxV)
-      new_tokens, new_q, new_valid = [first_R[:, None]], [q_RxV[:, None]], [
-          jnp.ones((B * L, 1), bool)]
-      if b > 1:
-        more = siblings.draw(rows(siblings.keys_apart(node_keys_BxL)), rows(logits_BxLxV),
-                             q_RxV, first_R, b - 1, greedy=loop.draft_sampling.greedy)
-        new_tokens.append(more.tokens_RxA)
-        new_q.append(more.q_RxAxV)
-        new_valid.append(more.valid_RxA)
-      level = slice(children, children + L * b)
-      tokens_BxM = tokens_BxM.at[:, level].set(
-          jnp.concatenate(new_tokens, axis=1).reshape(B, L * b))
-      q_BxMxV = q_BxMxV.at[:, level].set(jnp.concatenate(new_q, axis=1).reshape(B, L * b, V))
-      valid_BxM = valid_BxM.at[:, level].set(
-          jnp.concatenate(new_valid, axis=1).reshape(B, L * b))
-      if d + 1 < len(self.branching):  # The draft reads the new level (not the deepest).
-        logits_BxLxV, cache = extend(draft.config, draft.params, cache.with_lengths(base_B),
-                                     tokens_BxM[:, level], counts_B=committed.counts(L * b),
-                                     tree=tree, first_node=children)
-    proposal = Proposal(tokens_BxM[:, 1:], q_BxMxV[:, 1:], jnp.full((B,), loop.k, jnp.int32),
-                        valid_BxM[:, 1:], tree=tree)
-    return proposal, cache.with_lengths(base_B + levels[-1][0])
+    state = {'cache': cache}
+
+    def read(first_child, tokens_BxC):  # The draft reads the new level on the tree.
+      logits_BxCxV, state['cache'] = extend(
+          draft.config, draft.params, state['cache'].with_lengths(base_B), tokens_BxC,
+          counts_B=committed.counts(tokens_BxC.shape[1]), tree=tree, first_node=first_child)
+      return logits_BxCxV
+
+    proposal = draft_tree(loop, self.branching, committed, keys_BxK, logits_BxLxV, read)
+    return proposal, state['cache'].with_lengths(base_B + levels[-1][0])
 
   def rollback(self, loop, cache: KVCache, verdict: Verdict) -> KVCache:
     # The path to the slots of its positions; the draft read its nodes but a deepest one.
