@@ -11,8 +11,8 @@ axes), runlocal (fewer tokens); drafter (model | lookup | hybrid | feature | hea
 configs/train.py model=feature or heads, e.g. draft_name=feature), max_ngram, min_ngram
 (prompt lookup's n-grams), stop_below (dynamic k: a model draft stops below this confidence),
 alternatives (a tree: that many other tokens beside each draft of the model, hybrid, feature or
-heads drafter), branching (drafter tree or feature: children per node at each depth joined
-by +, e.g. 3+2+1, k its length),
+heads drafter), branching (drafter tree, feature or heads: children per node at each depth
+joined by +, e.g. 3+2+1, k its length),
 lenience (in (0, 1]; below 1 is LOSSY: SpS no longer samples the target's law); hf_target,
 hf_draft (Hugging Face checkpoint directories with config.json, safetensors and tokenizer.json, in
 place of root's target and draft); hf_sampling (sample as the hf_target's generation_config.json

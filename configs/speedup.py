@@ -17,9 +17,9 @@ float32; SpS stays exact, the target is float32 either way; float32 for the draf
 drafter (model | lookup |
 hybrid | feature | heads: `spsjax.sampling.drafter_config`; feature and heads take a head trained by
 configs/train.py model=feature or heads as `draft`), max_ngram, min_ngram, stop_below (dynamic k),
-alternatives (a tree of drafts: that many other tokens beside each), branching (drafter tree or
-feature: children per node at each depth joined by +, k its length), lenience (in (0, 1]; below
-1 is LOSSY, labelled in the title and the SpS rows with its total variation);
+alternatives (a tree of drafts: that many other tokens beside each), branching (drafter tree,
+feature or heads: children per node at each depth joined by +, k its length), lenience (in
+(0, 1]; below 1 is LOSSY, labelled in the title and the SpS rows with its total variation);
 hf_target, hf_draft (Hugging Face checkpoint directories in place of root's target and draft).
 The table (printed and in `table.md`) opens with `title`, a template of config fields (`{root}`),
 and for the demo and runlocal variants a note that they check the pipeline and measure little.

@@ -15,7 +15,8 @@ from spsjax import models, native, sharding
 from spsjax.models import feature_head
 from spsjax.sampling import (SamplingConfig, autoregressive_sample, drafter_config, drafters,
                              probabilities, speculative, speculative_sample)
-from spsjax.sampling.feature_drafters import FeatureDrafter, FeatureTreeDrafter, HeadsDrafter
+from spsjax.sampling.feature_drafters import (FeatureDrafter, FeatureTreeDrafter, HeadsDrafter,
+                                              HeadsTreeDrafter)
 from tests import forwards
 from tests.stats import scaled_model
 from tests.test_drafters import check_unrolled_drafts
@@ -30,7 +31,8 @@ def _drafter(kind: str, variant, k: int):
   """The `kind` drafter as a chain (variant 0), with that many alternatives (an int), or drafting
   a full tree of depth k ('tree': 2 children a node, then 1)."""
   if variant == 'tree':
-    return FeatureTreeDrafter(branching=(2,) * min(k, 2) + (1,) * (k - 2))
+    tree_drafter = FeatureTreeDrafter if kind == 'feature' else HeadsTreeDrafter
+    return tree_drafter(branching=(2,) * min(k, 2) + (1,) * (k - 2))
   return dataclasses.replace(DRAFTERS[kind], alternatives=variant)
 
 
@@ -138,7 +140,7 @@ def _reference_laws(target, head, kind, seq, k, sampling):
 
 @pytest.mark.parametrize('kind,packed,variant', [
     ('feature', False, 0), ('feature', True, 0), ('heads', True, 0), ('feature', True, 2),
-    ('heads', False, 2), ('feature', True, 'tree')])
+    ('heads', False, 2), ('feature', True, 'tree'), ('heads', True, 'tree')])
 def test_each_loops_drafts_come_from_the_head_on_the_targets_features(pair48, kind, packed,
                                                                       variant):
   """Stepping the loop (ragged prompts, 3 loops, k = 3): before each loop, the proposal's laws
@@ -147,7 +149,8 @@ def test_each_loops_drafts_come_from_the_head_on_the_targets_features(pair48, ki
   prediction and draft 0) for the EAGLE head, every slot for the parallel heads. With
   alternatives the chain's slots are the tree's first nodes, and after a loop that accepted an
   alternative the head reads the features of the accepted path's nodes; the EAGLE head drafting
-  a tree (2, 2, 1): node 1 from the root's law, node 3 from node 1's (read on the tree)."""
+  a tree (2, 2, 1): node 1 from the root's law, node 3 from node 1's (read on the tree); the
+  parallel heads drafting it: every node at depth d from head d's law."""
   target = models.for_decoding(pair48) if packed else pair48
   head = _head(pair48, kind, 1 if kind == 'feature' else 3, 2, scale=3.0)
   head_run = models.for_decoding(head) if packed else head
@@ -172,9 +175,15 @@ def test_each_loops_drafts_come_from_the_head_on_the_targets_features(pair48, ki
     for b in range(len(lengths)):
       seq = np.concatenate([prompts[b, :lengths[b]],
                             np.asarray(state.tokens_BxW)[b, :state.num_generated_B[b]]])
-      if kind == 'heads':
-        for i, want in enumerate(_reference_laws(pair48, head, kind, seq, k, sampling)):
-          np.testing.assert_allclose(q[b, i], want, rtol=1e-4, atol=1e-5)
+      if kind == 'heads':  # Chain slot i, or in the tree the first children at depth i + 1.
+        slots = [[0], [2, 4], [6, 7, 8, 9]] if variant == 'tree' else [[0], [1], [2]]
+        wants = _reference_laws(pair48, head, kind, seq, k, sampling)
+        for i, want in enumerate(wants):
+          for slot in slots[i]:
+            np.testing.assert_allclose(q[b, slot], want, rtol=1e-4, atol=1e-5)
+        if variant == 'tree':  # Node 2: head 0's law without node 1's token.
+          rest = np.where(np.arange(48) == int(proposal.tokens_BxK[b, 0]), 0.0, wants[0])
+          np.testing.assert_allclose(q[b, 1], rest / rest.sum(), rtol=1e-4, atol=1e-5)
         continue
       want0, after = _reference_laws(pair48, head, kind, seq, k, sampling)
       np.testing.assert_allclose(q[b, 0], want0, rtol=1e-4, atol=1e-5)
@@ -202,13 +211,14 @@ def tiny_target():
     ('feature', 'temperature_1', 3, True, 0), ('feature', 'top_p_0.8', 2, True, 0),
     ('heads', 'temperature_1', 2, True, 0), ('heads', 'top_p_0.8', 3, True, 0),
     ('feature', 'temperature_1', 2, True, 2), ('heads', 'top_p_0.8', 2, True, 1),
-    ('feature', 'top_p_0.8', 2, True, 'tree')])
+    ('feature', 'top_p_0.8', 2, True, 'tree'), ('heads', 'temperature_1', 2, True, 'tree')])
 def test_output_law_is_target_law(tiny_target, kind, setting, k, packed, variant):
-  """5 tokens per row after two prompts of different lengths interleaved in one batch (rows
-  accept different numbers of drafts in the same loops; the law covers the bonus token and a
-  second loop), against each prompt's enumerated joint law of the target; with alternatives, or
-  the EAGLE head drafting a tree (2, 2), a tree of drafts. Power: 50,000 rows per prompt detect at 80% any law within total variation
-  0.035 (temperature 1) or 0.028 (top-p 0.8) of the target's (`stats.detectable_tv`)."""
+  """5 tokens per row after two prompts of different lengths interleaved in one batch (rows accept
+  different numbers of drafts in the same loops; the law covers the bonus token and a second
+  loop), against each prompt's enumerated joint law of the target; with alternatives, or the heads
+  drafting a tree (2, 2), a tree of drafts. Power: 50,000 rows per prompt detect at 80% any law
+  within total variation 0.035 (temperature 1) or 0.028 (top-p 0.8) of the target's
+  (`stats.detectable_tv`)."""
   sampling = {'temperature_1': SamplingConfig(), 'top_p_0.8': SamplingConfig(top_p=0.8)}[setting]
   head = _head(tiny_target, kind, 1 if kind == 'feature' else 3, 4, scale=2.0)
   target, head = tiny_target, head
@@ -229,14 +239,14 @@ def test_output_law_is_target_law(tiny_target, kind, setting, k, packed, variant
 def test_greedy_sps_equals_greedy_ars(tiny_target, kind, k):
   """Ragged prompts, 8 tokens, an eos some rows emit: the same tokens as greedy ArS, with
   drafts accepted (the small vocabulary makes a random head's argmax often right); with 2
-  alternatives beside each draft (the head's next best) too, and the EAGLE head drafting a tree,
-  in fewer loops than the chain."""
+  alternatives beside each draft (the head's next best) too, and drafting a tree (the heads': the
+  Cartesian tree of their top tokens), in fewer loops than the chain."""
   head = _head(tiny_target, kind, 1 if kind == 'feature' else 4, 6, scale=2.0)
   prompts, lengths = _ragged(k, batch=8, width=4, vocab=V_SMALL)
   ars = autoregressive_sample(tiny_target, prompts, lengths, jax.random.key(0),
                               max_new_tokens=8, sampling=GREEDY, eos_id=6)
   loops = {}
-  for variant in (0, 2) + (('tree',) if kind == 'feature' and k > 1 else ()):
+  for variant in (0, 2) + (('tree',) if k > 1 else ()):
     sps = speculative_sample(
         tiny_target, head, prompts, lengths, jax.random.key(1), k=k, max_new_tokens=8,
         sampling=GREEDY, eos_id=6, drafter=_drafter(kind, variant, k))

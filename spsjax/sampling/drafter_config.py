@@ -1,7 +1,8 @@
 """The drafter a config names (`drafter=` in the binaries' configs): `build`."""
 
 from spsjax.sampling.drafters import Drafter, Hybrid, ModelDrafter, PromptLookup
-from spsjax.sampling.feature_drafters import FeatureDrafter, FeatureTreeDrafter, HeadsDrafter
+from spsjax.sampling.feature_drafters import (FeatureDrafter, FeatureTreeDrafter, HeadsDrafter,
+                                              HeadsTreeDrafter)
 from spsjax.sampling.tree_drafters import TreeDrafter
 
 KINDS = ('model', 'lookup', 'hybrid', 'feature', 'heads', 'tree')
@@ -15,7 +16,8 @@ def build(kind: str = 'model', *, max_ngram: int = 3, min_ngram: int = 1,
   """`model` (with `stop_below` > 0: dynamic k), `lookup` (n-grams from `max_ngram` down to
   `min_ngram`), `hybrid` (both), `feature` (an EAGLE head), `heads` (parallel heads); with
   `alternatives` > 0 all but `lookup` propose a tree, that many other tokens beside each draft;
-  `feature` with `branching` drafts a full tree (EAGLE-2's static tree); or `tree` (the draft
+  `feature` or `heads` with `branching` drafts a full tree (EAGLE-2's static tree, Medusa's);
+  or `tree` (the draft
   model drafts a full tree, `branching` children per node at each depth, e.g. '3+2+1' (default
   `TreeDrafter`'s 2+2+1+1): k must be its depth)."""
   if kind not in KINDS:
@@ -23,9 +25,9 @@ def build(kind: str = 'model', *, max_ngram: int = 3, min_ngram: int = 1,
   if alternatives and kind not in ('model', 'hybrid') + HEAD_KINDS:
     raise ValueError(f'alternatives={alternatives}: alternatives are drawn from a draft law '
                      f'(drafter model, hybrid, feature or heads), not by the {kind} drafter.')
-  if branching and kind not in ('tree', 'feature'):
+  if branching and kind not in ('tree',) + HEAD_KINDS:
     raise ValueError(f'branching={branching!r}: branching factors are the tree drafters\' '
-                     f'(drafter tree or feature), not the {kind} drafter\'s.')
+                     f'(drafter tree, feature or heads), not the {kind} drafter\'s.')
   if stop_below and kind == 'lookup':
     raise ValueError(f'stop_below={stop_below}: prompt lookup has no draft model whose '
                      f'confidence could stop it; use drafter hybrid or model.')
@@ -41,8 +43,9 @@ def build(kind: str = 'model', *, max_ngram: int = 3, min_ngram: int = 1,
     return PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram)
   if kind == 'tree':
     return TreeDrafter(branching_factors(branching)) if branching else TreeDrafter()
-  if kind == 'feature' and branching:
-    return FeatureTreeDrafter(alternatives=alternatives, branching=branching_factors(branching))
+  if branching:
+    return (FeatureTreeDrafter if kind == 'feature' else HeadsTreeDrafter)(
+        alternatives=alternatives, branching=branching_factors(branching))
   return (FeatureDrafter if kind == 'feature' else HeadsDrafter)(alternatives=alternatives)
 
 

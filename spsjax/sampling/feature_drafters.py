@@ -219,16 +219,10 @@ class FeatureDrafter(_FeatureDrafterBase):
     return state.replace(pending=state.pending.after(verdict))
 
 
-@dataclasses.dataclass(frozen=True)
-class FeatureTreeDrafter(FeatureDrafter):
-  """EAGLE drafting a full tree (`models.TokenTree.full(branching)`, k its depth), level by
-  level (`tree_drafters.draft_tree`): after the first call (`FeatureDrafter`'s), each level's
-  nodes are read in one head call on the tree, node n's pair (its parent's predicted features,
-  its token) at slot c - 2 + n and position c - 2 + depth(n) (the root's pair, the last true
-  one, at c - 2), seeing its ancestors' pairs; its predicted features give its children's law.
-  The head's cache invariant is `FeatureDrafter`'s: the next loop rewrites every pair from
-  position c - 1 on (the tree's slots hold nothing it reads)."""
-  branching: tuple[int, ...] = (2, 2, 1, 1)
+class _Branched:
+  """What a feature drafter drafting a full tree adds (a mixin before the drafter it extends,
+  whose dataclass declares `branching`): the tree (`models.TokenTree.full(branching)`, k its
+  depth) and its checks."""
 
   def __post_init__(self):
     super().__post_init__()
@@ -243,6 +237,18 @@ class FeatureTreeDrafter(FeatureDrafter):
   def check(self, target: Model, draft) -> None:
     super().check(target, draft)
     tree_drafters.check_children_fit(self.branching, target)
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureTreeDrafter(_Branched, FeatureDrafter):
+  """EAGLE drafting a full tree (`models.TokenTree.full(branching)`, k its depth), level by
+  level (`tree_drafters.draft_tree`): after the first call (`FeatureDrafter`'s), each level's
+  nodes are read in one head call on the tree, node n's pair (its parent's predicted features,
+  its token) at slot c - 2 + n and position c - 2 + depth(n) (the root's pair, the last true
+  one, at c - 2), seeing its ancestors' pairs; its predicted features give its children's law.
+  The head's cache invariant is `FeatureDrafter`'s: the next loop rewrites every pair from
+  position c - 1 on (the tree's slots hold nothing it reads)."""
+  branching: tuple[int, ...] = (2, 2, 1, 1)
 
   def propose(self, loop, draft: HeadAndTarget, state: _HeadState, committed: Committed,
               keys_BxK):
@@ -301,3 +307,27 @@ class HeadsDrafter(_FeatureDrafterBase):
   def rollback(self, loop, pending: Pending, verdict: Verdict) -> Pending:
     del loop
     return pending.after(verdict)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsTreeDrafter(_Branched, HeadsDrafter):
+  """Medusa's tree: parallel heads drafting a full tree (`models.TokenTree.full(branching)`, k
+  its depth) from their one pass, every node at depth d drawing its children from head d's law
+  (`tree_drafters.draft_tree`); under a greedy draft each node's children are head d's top
+  tokens, the Cartesian tree of the heads' candidates."""
+  branching: tuple[int, ...] = (2, 2, 1, 1)
+
+  def propose(self, loop, draft: HeadAndTarget, pending: Pending, committed: Committed,
+              keys_BxK):
+    logits_BxKxV, _ = feature_head.parallel_heads(draft.head, draft.target, pending.newest(),
+                                                  committed.last(1), num=loop.k)
+    depth = [0]
+
+    def read(first_child, tokens_BxC):  # The new level's children: the next head's law.
+      del first_child
+      depth[0] += 1
+      B, C = tokens_BxC.shape
+      return jnp.broadcast_to(logits_BxKxV[:, depth[0], None], (B, C, logits_BxKxV.shape[2]))
+
+    return tree_drafters.draft_tree(loop, self.branching, committed, keys_BxK,
+                                    logits_BxKxV[:, :1], read), pending
