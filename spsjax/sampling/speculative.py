@@ -95,25 +95,19 @@ def _target_logits(target: Model, cache: KVCache, tokens_BxKp1, active_B, num_B,
   features [B, N + 1, D]).
   """
   Kp1 = tokens_BxKp1.shape[1]
-  if tree is not None:
-    counts_B = jnp.where(active_B, Kp1, 0).astype(jnp.int32)
-    if features:
-      logits_BxNxV, features_BxNxD, cache = extend_with_features(
-          target.config, target.params, cache, tokens_BxKp1, counts_B=counts_B, tree=tree)
-      return logits_BxNxV, cache, features_BxNxD
-    return extend(target.config, target.params, cache, tokens_BxKp1, counts_B=counts_B,
-                  tree=tree) + (None,)
-  counts_B = jnp.where(active_B, num_B + 1, 0).astype(jnp.int32)
 
   def forward(cache, tokens_BxN, counts_B):
     if features:
       logits_BxNxV, features_BxNxD, cache = extend_with_features(
-          target.config, target.params, cache, tokens_BxN, counts_B=counts_B)
+          target.config, target.params, cache, tokens_BxN, counts_B=counts_B, tree=tree)
       return logits_BxNxV, cache, features_BxNxD
     logits_BxNxV, cache = extend(target.config, target.params, cache, tokens_BxN,
-                                 counts_B=counts_B)
+                                 counts_B=counts_B, tree=tree)
     return logits_BxNxV, cache, None
 
+  if tree is not None:  # Every node scored.
+    return forward(cache, tokens_BxKp1, jnp.where(active_B, Kp1, 0).astype(jnp.int32))
+  counts_B = jnp.where(active_B, num_B + 1, 0).astype(jnp.int32)
   if longest is None:
     return forward(cache, tokens_BxKp1, counts_B)
 
