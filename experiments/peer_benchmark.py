@@ -70,8 +70,9 @@ def main(argv):
                  eos_token_id=None, pad_token_id=0, do_sample=not greedy,
                  repetition_penalty=config.repetition_penalty)
     if not greedy:
-      hf_kw.update(temperature=config.temperature, top_p=config.top_p, top_k=0,
-                   min_p=config.min_p or None)
+      hf_kw.update(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                   min_p=config.min_p or None, typical_p=config.typical_p,
+                   epsilon_cutoff=config.epsilon_cutoff, eta_cutoff=config.eta_cutoff)
     assisted_kw = dict(assistant_model=hf_draft, num_assistant_tokens=c.k,
                        num_assistant_tokens_schedule='constant', assistant_confidence_threshold=0.0)
     outputs = {m: {} for m in peer.METHODS}

@@ -20,7 +20,8 @@ ops): a mismatch raises. Sections:
   limit), every row's positions ending at the cache's last slot, padding and idle rows, token
   trees (a whole tree, its last level alone, 29 nodes in query blocks), and a row past the
   cache's end or a tree's root before slot 0 (errors);
-- sampling: `native.probabilities_and_draw` (temperature, top-k, top-p) and `native.accept` at
+- sampling: `native.probabilities_and_draw` (temperature, top-k, top-p, min-p, typical-p, the
+  epsilon and eta cutoffs) and `native.accept` at
   vocabularies 1..4100 and 50257, on one thread and over the kernels' threads, rows with NaN,
   +inf and -inf logits and logits far below the maximum, and a draft outside the vocabulary (an
   error);
@@ -423,13 +424,21 @@ TOP_P_TOL = 1e-5
 
 
 def sampling_settings(V):
-  """(temperature, top_k, top_p, min_p) for a vocabulary of V: each of top-k (below, at and
-  above V) and top-p on and off, greedy, a top-p that keeps a single token, and min-p alone,
-  after top-k and top-p, and at 1 (the ties at the maximum)."""
-  return [(1.0, 0, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.3, 3, 1.0, 0.0), (0.8, 50, 0.8, 0.0),
-          (1.0, 1, 1.0, 0.0), (2.0, 0, 0.3, 0.0), (1.0, 0, 1e-6, 0.0), (0.0, 0, 1.0, 0.0),
-          (1.1, max(V - 1, 1), 0.95, 0.0), (1.2, V, 1.0, 0.0), (0.9, V + 7, 0.5, 0.0),
-          (1.0, 0, 1.0, 0.05), (0.8, 50, 0.9, 0.2), (1.0, 0, 1.0, 1.0), (0.0, 0, 1.0, 0.5)]
+  """(temperature, top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff) for a vocabulary
+  of V: each of top-k (below, at and above V) and top-p on and off, greedy, a top-p that keeps a
+  single token, min-p alone, after top-k and top-p, and at 1 (the ties at the maximum); typical-p,
+  the epsilon and eta cutoffs each alone (at settings that keep one token, a few, and most), after
+  top-k and min-p, and all three after top-p."""
+  before = [(1.0, 0, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.3, 3, 1.0, 0.0), (0.8, 50, 0.8, 0.0),
+            (1.0, 1, 1.0, 0.0), (2.0, 0, 0.3, 0.0), (1.0, 0, 1e-6, 0.0), (0.0, 0, 1.0, 0.0),
+            (1.1, max(V - 1, 1), 0.95, 0.0), (1.2, V, 1.0, 0.0), (0.9, V + 7, 0.5, 0.0),
+            (1.0, 0, 1.0, 0.05), (0.8, 50, 0.9, 0.2), (1.0, 0, 1.0, 1.0), (0.0, 0, 1.0, 0.5)]
+  later = [(1.0, 0, 1.0, 0.0, 0.5, 0.0, 0.0), (1.0, 0, 1.0, 0.0, 1e-6, 0.0, 0.0),
+           (0.8, 7, 1.0, 0.1, 0.95, 0.0, 0.0), (1.0, 0, 1.0, 0.0, 1.0, 0.02, 0.0),
+           (1.0, 0, 1.0, 0.0, 1.0, 0.9, 0.0), (1.2, 50, 1.0, 0.0, 1.0, 3e-4, 0.0),
+           (1.0, 0, 1.0, 0.0, 1.0, 0.0, 0.004), (0.7, 0, 1.0, 0.0, 1.0, 0.0, 0.5),
+           (0.9, 0, 0.95, 0.0, 0.9, 1e-3, 1e-3), (0.0, 0, 1.0, 0.0, 0.3, 0.5, 0.5)]
+  return [s + (1.0, 0.0, 0.0) for s in before] + later
 
 
 def logit_rows(V, rng):
@@ -506,7 +515,60 @@ def check_draw(label, weights, u, token, tol):
               f'inverse CDF: {np.argmax(cdf > threshold)}')
 
 
-def check_probabilities(label, logits, temperature, top_k, top_p, min_p, probs, tokens, no_law):
+LATER_CUT_TOL = 1e-4  # Relative, on the float64 cuts (probabilities, distances, masses).
+
+
+def later_cuts_bounds(x, p, typical_p, epsilon, eta):
+  """(must keep, must drop) of one of typical-p, the epsilon and eta cutoffs (the others off) on
+  the law p (float64, the kernel's scaled logits x): the tokens whose fate no rounding can
+  change. Typical-p keeps token i iff the mass of the tokens strictly nearer the law's mean
+  scaled logit than i is below typical_p; the cutoffs keep p >= cut and the most likely token."""
+  kept = p > 0
+  x = np.where(kept, x.astype(np.float64), 0.0)
+  if typical_p < 1.0:
+    d = np.where(kept, np.abs(x - np.sum(p * x)), np.inf)
+    margin = LATER_CUT_TOL * (1.0 + np.abs(x))
+    order = np.argsort(d, kind='stable')
+    nearer = np.concatenate([[0.0], np.cumsum(p[order])])  # nearer[j]: the j nearest's mass.
+    before_hi = nearer[np.searchsorted(d[order], d + margin)] - p  # Near ties count as nearer.
+    before_lo = nearer[np.searchsorted(d[order], d - margin)]
+    return (kept & (before_hi < typical_p - LATER_CUT_TOL),
+            ~kept | (before_lo > typical_p + LATER_CUT_TOL))
+  if epsilon > 0.0:
+    cut = epsilon
+  else:
+    entropy = -np.sum(np.where(kept, p * np.log(np.where(kept, p, 1.0)), 0.0))
+    cut = min(eta, np.sqrt(eta) * np.exp(-entropy))
+  top = kept & (x == np.max(np.where(kept, x, -np.inf)))
+  return (kept & (top | (p >= cut * (1 + LATER_CUT_TOL))),
+          ~kept | (~top & (p < cut * (1 - LATER_CUT_TOL))))
+
+
+def check_later_cuts(row, logits, temperature, top_k, top_p, min_p, typical_p, epsilon, eta,
+                     probs, token, u):
+  """A row under typical-p, the epsilon or the eta cutoff (one alone: its fate bounds checked;
+  more: each kept token within the earlier cuts' support): the law before them (the kernel's
+  own top-p support with top_p < 1), cut, renormalised, and a draw from it."""
+  base, before = probabilities_reference(logits, temperature, top_k, top_p)
+  base = np.where(min_p_kept(logits, temperature, min_p), base, 0.0)
+  kept = probs > 0
+  if before is not None:
+    base = np.where(before < top_p + TOP_P_TOL, base, 0.0)
+  assert not np.any(kept & (base == 0)), (row, 'kept outside the earlier cuts')
+  if before is None and sum([typical_p < 1.0, epsilon > 0.0, eta > 0.0]) == 1:
+    base /= base.sum()
+    must_keep, must_drop = later_cuts_bounds(scaled_logits(logits, temperature), base,
+                                             typical_p, epsilon, eta)
+    assert not np.any(must_keep & ~kept), (row, 'dropped', np.flatnonzero(must_keep & ~kept))
+    assert not np.any(must_drop & kept), (row, 'kept', np.flatnonzero(must_drop & kept))
+  want = np.where(kept, base, 0.0)
+  want /= want.sum()
+  check_close(f'{row} probabilities', probs, want, want, rtol=PROBABILITY_RTOL, atol=1e-12)
+  check_draw(row, probs.astype(np.float64), u, token, DRAW_TOL + 1e-9 * len(probs))
+
+
+def check_probabilities(label, logits, temperature, top_k, top_p, min_p, typical_p, epsilon, eta,
+                        probs, tokens, no_law):
   probs, tokens = np.asarray(probs), np.asarray(tokens)
   V = logits.shape[1]
   for r in range(logits.shape[0]):
@@ -518,6 +580,10 @@ def check_probabilities(label, logits, temperature, top_k, top_p, min_p, probs, 
       best = int(np.argmax(logits[r]))
       check_equal(f'{row} greedy', probs[r], np.arange(V) == best)
       assert tokens[r] == best, (row, tokens[r], best)
+      continue
+    if typical_p < 1.0 or epsilon > 0.0 or eta > 0.0:
+      check_later_cuts(row, logits[r], temperature, top_k, top_p, min_p, typical_p, epsilon, eta,
+                       probs[r], tokens[r], UNIFORMS[r % len(UNIFORMS)])
       continue
     p, before = probabilities_reference(logits[r], temperature, top_k, top_p)
     min_kept = min_p_kept(logits[r], temperature, min_p)
@@ -580,7 +646,8 @@ def check_accept(label, inputs, lenience, accepted, tokens):
 def _sampling(logits, uniforms, accept_ops, settings, isas):
   probs = {(s, isa): native.probabilities_and_draw(
       logits, uniforms, temperature=s[0], top_k=s[1], top_p=s[2],
-      min_logit=sampling_lib.SamplingConfig(temperature=s[0], min_p=s[3]).min_logit, isa=isa)
+      min_logit=sampling_lib.SamplingConfig(temperature=s[0], min_p=s[3]).min_logit,
+      typical_p=s[4], epsilon_cutoff=s[5], eta_cutoff=s[6], isa=isa)
            for s in settings for isa in isas}
   accepted = {(lenience, isa): native.accept(*accept_ops, lenience=lenience, isa=isa)
               for lenience in (1.0, 0.6) for isa in isas}

@@ -772,7 +772,8 @@ def _native_probabilities(logits, uniforms, configs, isa):
   """The kernel's (probabilities, draws) under each of `configs`: one program for all."""
   return [native.probabilities_and_draw(logits, uniforms, temperature=c.temperature,
                                         top_k=c.top_k, top_p=c.top_p, min_logit=c.min_logit,
-                                        isa=isa) for c in configs]
+                                        typical_p=c.typical_p, epsilon_cutoff=c.epsilon_cutoff,
+                                        eta_cutoff=c.eta_cutoff, isa=isa) for c in configs]
 
 
 # LLVM's full optimisation: XLA's sorts of 50,257 logits run 3x faster for 2 s more compiling.
@@ -797,7 +798,9 @@ PROBABILITY_CONFIGS = tuple(sampling.SamplingConfig(**s) for s in [
     dict(temperature=1.0), dict(temperature=0.8, top_p=0.95),
     dict(temperature=0.7, top_k=50, top_p=0.8), dict(temperature=1.3, top_k=3),
     dict(temperature=0.0), dict(temperature=2.0, top_p=0.3), dict(temperature=1.0, min_p=0.05),
-    dict(temperature=0.7, top_k=50, top_p=0.8, min_p=0.1)])
+    dict(temperature=0.7, top_k=50, top_p=0.8, min_p=0.1), dict(temperature=1.0, typical_p=0.6),
+    dict(temperature=0.9, top_p=0.95, typical_p=0.9, epsilon_cutoff=3e-4),
+    dict(temperature=1.0, epsilon_cutoff=0.02), dict(temperature=1.1, top_k=50, eta_cutoff=0.004)])
 
 
 @functools.lru_cache(maxsize=1)  # The isas of a case run one after another: made once for all.
@@ -876,7 +879,8 @@ def _odd_rows(V):
 ODD_CONFIGS = tuple(sampling.SamplingConfig(**s) for s in [
     dict(temperature=1.0), dict(temperature=0.0), dict(temperature=0.7, top_k=5, top_p=0.9),
     dict(temperature=1.2e-38, top_p=0.9), dict(temperature=8.5e37, top_p=0.5),
-    dict(temperature=1.0, top_k=2 ** 40, top_p=1e-30)])
+    dict(temperature=1.0, top_k=2 ** 40, top_p=1e-30),
+    dict(temperature=0.5, typical_p=1e-30, epsilon_cutoff=0.9, eta_cutoff=0.999)])
 
 
 @pytest.mark.parametrize('isa', ISAS + ['xla'])

@@ -107,6 +107,23 @@ def test_min_p_keeps_tokens_within_a_ratio_of_the_most_likely(min_p, kept):
   np.testing.assert_allclose(got, _kept_law(kept), rtol=1e-5)
 
 
+@pytest.mark.parametrize('settings, kept', [
+    # H = 1.415; distances |-log p - H|: 1.581, 0.499, 0.888, 0.029, 0.194; by distance the
+    # masses add up to 0.25, 0.45, 0.85, 0.95, 1.
+    (dict(typical_p=0.3), [3, 4]), (dict(typical_p=0.5), [1, 3, 4]),
+    (dict(typical_p=0.9), [1, 2, 3, 4]), (dict(typical_p=1e-9), [3]),
+    (dict(epsilon_cutoff=0.15), [1, 3, 4]), (dict(epsilon_cutoff=0.9), [1]),
+    # eta: min(0.1, sqrt(0.1) exp(-H)) = 0.0768; min(0.5, 0.172) = 0.172.
+    (dict(eta_cutoff=0.1), [1, 2, 3, 4]), (dict(eta_cutoff=0.5), [1, 3, 4]),
+    # Each on what the one before kept: typical-p drops the most likely token (0.4), so the
+    # epsilon cutoff keeps 0.25 / 0.45, the most likely left, and not 0.2 / 0.45 < 0.45.
+    (dict(typical_p=0.3, epsilon_cutoff=0.45), [3]),
+])
+def test_typical_p_and_the_epsilon_and_eta_cutoffs(settings, kept):
+  got = np.asarray(probabilities(jnp.asarray(LOGITS), SamplingConfig(**settings)))
+  np.testing.assert_allclose(got, _kept_law(kept), rtol=1e-5)
+
+
 def test_repetition_penalty_is_transformers():
   """A present token's logit x becomes x / penalty, or x * penalty where x < 0 (transformers'
   RepetitionPenaltyLogitsProcessor), before temperature; absent tokens keep theirs."""
@@ -149,6 +166,12 @@ def test_min_p_does_not_change_greedy():
                                            (dict(min_p=1.5), 'min_p'),
                                            (dict(min_p=float('nan')), 'min_p'),
                                            (dict(repetition_penalty=0.0), 'repetition_penalty'),
+                                           (dict(typical_p=0.0), 'typical_p'),
+                                           (dict(typical_p=1.5), 'typical_p'),
+                                           (dict(epsilon_cutoff=-0.1), 'epsilon_cutoff'),
+                                           (dict(epsilon_cutoff=1.0), 'epsilon_cutoff'),
+                                           (dict(eta_cutoff=1.0), 'eta_cutoff'),
+                                           (dict(eta_cutoff=float('nan')), 'eta_cutoff'),
                                            (dict(repetition_penalty=float('inf')),
                                             'repetition_penalty')])
 def test_bad_settings_raise(kwargs, match):
@@ -193,6 +216,90 @@ def test_masks_match_a_sort_based_reference_with_ties(top_k, top_p, min_p):
     # The same support, and the same values on it (float32 against float64).
     np.testing.assert_array_equal(got[row] > 0, expected > 0, err_msg=f'row {row}')
     np.testing.assert_allclose(got[row], expected, rtol=1e-5, atol=1e-7)
+
+
+def _reference_later_cuts(logits, probs, typical_p, epsilon, eta):
+  """transformers' TypicalLogitsWarper, EpsilonLogitsWarper and EtaLogitsWarper in numpy, on
+  the processed logits (-inf where `probs`, the law the earlier cuts left, is 0): log-softmax,
+  entropy, a sort by |-log p - H|, the first sorted token whose cumulative mass reaches
+  typical_p and every token at its distance or nearer; then p < epsilon dropped, then p < eta's
+  cut, each but the most likely token left."""
+  scores = np.where(probs > 0, logits.astype(np.float64), -np.inf)
+
+  def log_softmax(s):
+    return s - s.max() - np.log(np.sum(np.exp(s - s.max())))
+
+  def entropy(log_p):
+    finite = np.isfinite(log_p)
+    return -np.sum(np.exp(log_p[finite]) * log_p[finite])
+
+  if typical_p < 1.0:
+    log_p = log_softmax(scores)
+    shifted = np.abs(-log_p - entropy(log_p))
+    order = np.argsort(shifted, kind='stable')
+    cumulative = np.cumsum(np.exp(log_p[order]))
+    last = min(int(np.sum(cumulative < typical_p)), len(scores) - 1)
+    remove = shifted > shifted[order[last]]
+    remove[order[0]] = False
+    scores = np.where(remove, -np.inf, scores)
+  for cut in (epsilon, eta):
+    if cut > 0.0:
+      log_p = log_softmax(scores)
+      if cut is eta:
+        cut = min(eta, np.sqrt(eta) * np.exp(-entropy(log_p)))
+      scores = np.where((np.exp(log_p) < cut) & (scores < scores.max()), -np.inf, scores)
+  return np.exp(log_softmax(scores))
+
+
+@pytest.mark.parametrize('settings', [
+    dict(typical_p=0.2), dict(typical_p=0.6), dict(typical_p=0.95),
+    dict(top_k=7, typical_p=0.5), dict(top_p=0.8, min_p=0.05, typical_p=0.7),
+    dict(epsilon_cutoff=0.03), dict(top_k=12, epsilon_cutoff=0.2), dict(eta_cutoff=0.01),
+    dict(eta_cutoff=0.3), dict(typical_p=0.8, epsilon_cutoff=0.05, eta_cutoff=0.02),
+    dict(top_p=0.9, typical_p=0.3, epsilon_cutoff=0.4)])
+def test_later_cuts_match_transformers_warpers_with_ties(settings):
+  """Half-integer logits (many exact ties, and tied distances); at temperature 0.8."""
+  rng = np.random.default_rng(len(str(settings)))
+  logits = np.round(rng.normal(size=(64, 40)) * 2) / 2
+  config = SamplingConfig(temperature=0.8, **settings)
+  earlier = dataclasses.replace(config, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0)
+  before = np.asarray(probabilities(jnp.asarray(logits, jnp.float32), earlier))
+  got = np.asarray(probabilities(jnp.asarray(logits, jnp.float32), config))
+  cut_rows = 0
+  for row in range(64):
+    expected = _reference_later_cuts(logits[row] / 0.8, before[row], config.typical_p,
+                                     config.epsilon_cutoff, config.eta_cutoff)
+    np.testing.assert_array_equal(got[row] > 0, expected > 0, err_msg=f'row {row}')
+    np.testing.assert_allclose(got[row], expected, rtol=1e-5, atol=1e-7)
+    cut_rows += np.sum(got[row] > 0) < np.sum(before[row] > 0)
+  assert cut_rows >= 16, f'the cuts dropped tokens in {cut_rows} rows only'
+
+
+@pytest.mark.parametrize('search', [processors.CPU_SEARCH, processors.ACCELERATOR_SEARCH],
+                         ids=['cpu', 'accelerator'])
+@pytest.mark.parametrize('typical_p', [0.2, 0.9, 0.999])
+def test_every_typical_p_search_keeps_the_sorted_set(search, typical_p):
+  """Both search plans keep typical-p's set on rows of GPT-2's 50,257 tokens: every token whose
+  distance to the entropy is below the cut's, none beyond, and the mass of the tokens strictly
+  nearer than the farthest kept one below typical_p, the kept mass at least typical_p (within
+  1e-6: float32 masses of 50k tokens)."""
+  rng = np.random.default_rng(int(typical_p * 1000))
+  logits = np.concatenate([rng.normal(size=(4, 50_257)) * 3,
+                           np.round(rng.standard_cauchy(size=(2, 50_257)))])
+  scaled = jnp.asarray(logits - logits.max(-1, keepdims=True), jnp.float32)
+  probs = np.asarray(probabilities(scaled, SamplingConfig()))
+  mask = np.asarray(jax.jit(lambda x, p: processors._typical_mask(x, p, typical_p, search))(
+      scaled, jnp.asarray(probs)))
+  for row in range(len(logits)):
+    p = probs[row].astype(np.float64)
+    x = np.asarray(scaled[row], np.float64)
+    distance = np.abs(x - np.sum(p * x))
+    kept = mask[row]
+    farthest = distance[kept].max()
+    assert np.all(kept[distance < farthest - 1e-5]), f'row {row}: a nearer token dropped'
+    assert not np.any(kept[distance > farthest + 1e-5]), f'row {row}: a farther token kept'
+    assert p[kept].sum() >= typical_p - 1e-6, row
+    assert p[distance < farthest - 1e-5].sum() < typical_p + 1e-6, row
 
 
 @pytest.mark.parametrize('search', [processors.CPU_SEARCH, processors.ACCELERATOR_SEARCH],

@@ -53,6 +53,7 @@ SETTINGS = {
     'top_p_0.8': (SamplingConfig(top_p=0.8), None),
     'temperature_1.2_min_p_0.1_penalty_1.8': (
         SamplingConfig(temperature=1.2, min_p=0.1, repetition_penalty=1.8), None),
+    'typical_p_0.9_epsilon_0.15': (SamplingConfig(typical_p=0.9, epsilon_cutoff=0.15), None),
     'draft_hotter': (SamplingConfig(), SamplingConfig(temperature=2.0)),
     'draft_greedy': (SamplingConfig(), GREEDY),
     'draft_is_target': (SamplingConfig(), None),
@@ -177,7 +178,8 @@ def check_interleaved_law(out, target, k, sampling, label, ragged_prompts=None, 
 
 
 @pytest.mark.parametrize('setting,k', [('temperature_0.8_min_p_0.05', 2),
-                                       ('top_p_0.8_repetition_penalty_1.5', 4)])
+                                       ('top_p_0.8_repetition_penalty_1.5', 4),
+                                       ('temperature_0.9_typical_p_0.9_eta_0.1', 3)])
 def test_law_through_the_packed_native_path_on_ragged_prompts(tiny_pair, setting, k):
   """The models packed for CPU decoding (the native products, attention and sampling kernels):
   5 tokens per row after two prompts of different lengths interleaved in one batch, so rows
@@ -189,6 +191,8 @@ def test_law_through_the_packed_native_path_on_ragged_prompts(tiny_pair, setting
   pooled) or 0.028 (top-p 0.8 after a repetition penalty of 1.5, which reads the committed
   tokens and the drafts before each slot; 0.2% pooled) of the target's (`stats.detectable_tv`)."""
   sampling = {'temperature_0.8_min_p_0.05': SamplingConfig(temperature=0.8, min_p=0.05),
+              'temperature_0.9_typical_p_0.9_eta_0.1': SamplingConfig(
+                  temperature=0.9, typical_p=0.9, eta_cutoff=0.1),
               'top_p_0.8_repetition_penalty_1.5': SamplingConfig(top_p=0.8,
                                                                  repetition_penalty=1.5)}[setting]
   target, draft = (models.for_decoding(m) for m in tiny_pair)

@@ -1,7 +1,7 @@
 """The distribution a sampler draws from, and one draw from it, through the native kernel.
 
 `probabilities_and_draw` runs `sampling.cc`: per row, temperature, top-k, top-p (ties by id),
-min-p and renormalisation, then the inverse-CDF draw with the given uniform number; the law is that of
+min-p, typical-p, the epsilon and eta cutoffs and renormalisation, then the inverse-CDF draw with the given uniform number; the law is that of
 `spsjax.sampling.processors` (which dispatches here on the CPU), equal up to float rounding.
 Where XLA's ops take 16 sequential steps of vocabulary-wide work for top-p and two matrix products
 for a draw's prefix sums, the kernel makes one pass for the softmax, buckets the probabilities for
@@ -21,10 +21,13 @@ from spsjax.native import library
 
 def probabilities_and_draw(logits_xV: jax.Array, uniforms_x: jax.Array, *, temperature: float,
                            top_k: int, top_p: float, min_logit: float = -np.inf,
-                           isa: str = 'best') -> tuple[jax.Array, jax.Array]:
+                           typical_p: float = 1.0, epsilon_cutoff: float = 0.0,
+                           eta_cutoff: float = 0.0, isa: str = 'best'
+                           ) -> tuple[jax.Array, jax.Array]:
   """(float32[..., V] probabilities, int32[...] tokens); the CPU kernel only (no fallback).
   `top_k` 0 or >= V keeps every token; `min_logit` is min-p's cut on the scaled logits
-  (`SamplingConfig.min_logit`, -inf: off)."""
+  (`SamplingConfig.min_logit`, -inf: off); typical_p (1: off), epsilon_cutoff and eta_cutoff
+  (0: off) as `SamplingConfig`'s."""
   lead, V = logits_xV.shape[:-1], logits_xV.shape[-1]
   logits_RxV = logits_xV.reshape(-1, V).astype(jnp.float32)
   R = logits_RxV.shape[0]
@@ -32,7 +35,8 @@ def probabilities_and_draw(logits_xV: jax.Array, uniforms_x: jax.Array, *, tempe
   probs_RxV, tokens_R = jax.ffi.ffi_call('spsjax_probabilities', out, vmap_method='sequential')(
       logits_RxV, uniforms_x.reshape(R).astype(jnp.float32), temperature=np.float32(temperature),
       top_k=np.int32(top_k if 0 < top_k < V else 0), top_p=np.float32(top_p),
-      min_logit=np.float32(min_logit), isa=np.int32(library.isa_code(isa)))
+      min_logit=np.float32(min_logit), typical_p=np.float32(typical_p),
+      epsilon_cutoff=np.float32(epsilon_cutoff), eta_cutoff=np.float32(eta_cutoff), isa=np.int32(library.isa_code(isa)))
   return probs_RxV.reshape(lead + (V,)), tokens_R.reshape(lead)
 
 

@@ -1,10 +1,12 @@
 // The distribution a sampler draws from, and one draw from it, per row, for XLA:CPU through the
-// FFI: temperature, top-k, top-p (ties by id), min-p, renormalised, then an inverse-CDF draw with one
+// FFI: temperature, top-k, top-p (ties by id), min-p, typical-p, the epsilon and eta cutoffs,
+// renormalised, then an inverse-CDF draw with one
 // uniform number; spsjax/sampling/processors.py defines the same law with XLA ops. Also the accept
 // step of speculative sampling (spsjax/sampling/rejection.py) for a batch of rows in one call.
 // Compiled for AVX-512, AVX2 and the baseline like the other kernels.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -15,8 +17,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using RowFn = int32_t (*)(const float*, int64_t, float, int64_t, float, float, float, float*,
-                          std::vector<float>&, std::vector<float>&, std::vector<int32_t>&);
+using RowFn = int32_t (*)(const float*, int64_t, float, int64_t, float, float, float, float,
+                          float, float, float*, std::vector<float>&, std::vector<float>&,
+                          std::vector<int32_t>&);
 
 #define SPSJAX_KERNEL_FILE "sampling_kernel.inc"
 #include "variants.inc"
@@ -35,7 +38,8 @@ constexpr int64_t kMinParallelLogits = 1 << 14;
 ffi::Error ProbabilitiesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
                              ffi::Buffer<ffi::F32> uniforms, ffi::ResultBuffer<ffi::F32> probs,
                              ffi::ResultBuffer<ffi::S32> tokens, float temperature,
-                             int32_t top_k, float top_p, float min_logit, int32_t isa) {
+                             int32_t top_k, float top_p, float min_logit, float typical_p,
+                             float epsilon_cutoff, float eta_cutoff, int32_t isa) {
   const auto dims = logits.dimensions();
   if (dims.size() != 2 || uniforms.dimensions().size() != 1 ||
       uniforms.dimensions()[0] != dims[0] ||
@@ -46,7 +50,9 @@ ffi::Error ProbabilitiesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
   }
   // min_logit: log(min_p) <= 0, or -inf (off); NaN is refused.
   if (!(temperature >= 0.0f) || top_k < 0 || !(top_p > 0.0f && top_p <= 1.0f) ||
-      !(min_logit <= 0.0f)) {
+      !(min_logit <= 0.0f) || !(typical_p > 0.0f && typical_p <= 1.0f) ||
+      !(epsilon_cutoff >= 0.0f && epsilon_cutoff < 1.0f) ||
+      !(eta_cutoff >= 0.0f && eta_cutoff < 1.0f)) {
     return ffi::Error::InvalidArgument("probabilities: bad sampling settings.");
   }
   if (!spsjax::Resolve(&isa)) {
@@ -64,8 +70,9 @@ ffi::Error ProbabilitiesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
     thread_local std::vector<float> x, scratch;
     thread_local std::vector<int32_t> members;
     for (int64_t r = begin; r < end; ++r) {
-      tokens_data[r] = kernel(logits_data + r * V, V, temperature, top_k, top_p, min_logit, u_data[r],
-                              probs_data + r * V, x, scratch, members);
+      tokens_data[r] = kernel(logits_data + r * V, V, temperature, top_k, top_p, min_logit,
+                              typical_p, epsilon_cutoff, eta_cutoff, u_data[r], probs_data + r * V,
+                              x, scratch, members);
     }
   });
   return ffi::Error::Success();
@@ -138,6 +145,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxProbabilities, ProbabilitiesImpl,
                                   .Attr<int32_t>("top_k")
                                   .Attr<float>("top_p")
                                   .Attr<float>("min_logit")
+                                  .Attr<float>("typical_p")
+                                  .Attr<float>("epsilon_cutoff")
+                                  .Attr<float>("eta_cutoff")
                                   .Attr<int32_t>("isa"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxAccept, AcceptImpl,

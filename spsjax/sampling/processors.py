@@ -4,7 +4,8 @@ Every sampler (ArS, and both the draft and the target in SpS) calls `probabiliti
 target with the same `SamplingConfig` are processed identically. Order (transformers'):
 the repetition penalty on the raw logits of the tokens already present (`present_xV`: the
 prompt's and every generated one before the position), then temperature, then top-k, then top-p
-on what top-k kept, then min-p, then renormalise. Temperature 0 is greedy: a one-hot on the
+on what top-k kept, then min-p, typical-p, the epsilon cutoff and the eta cutoff, each on what
+the cuts before it kept, renormalised. Temperature 0 is greedy: a one-hot on the
 argmax (of the penalised logits).
 Output is float32 whatever the model dtype. `draw` / `sample` draw from such a distribution.
 
@@ -42,6 +43,12 @@ class SamplingConfig:
   repetition_penalty (Keskar et al. 2019; transformers' `repetition_penalty`, 1.0: off) divides
   the logit of a token already present by it (multiplies a negative one): the law then depends
   on the tokens before the position, which every caller passes (`present_xV`).
+  typical_p (Meister et al. 2023; transformers' `typical_p`, 1.0: off) keeps the tokens whose
+  surprisal -log p is closest to the entropy H of the law: the fewest, by |-log p - H|, whose mass
+  reaches typical_p, every token tied at the last one's distance included.
+  epsilon_cutoff (Hewitt et al. 2022; 0.0: off) keeps the tokens of probability >= epsilon_cutoff,
+  and eta_cutoff (the same paper; 0.0: off) those >= min(eta, sqrt(eta) exp(-H)); both keep the
+  most likely token (and its ties) whatever its probability, as transformers' warpers do.
   A positive temperature must be in [1.2e-38, 8.5e37], so that it and its reciprocal are float32
   normal numbers (XLA may divide by multiplying with the reciprocal; a denormal one is flushed to
   0).
@@ -51,6 +58,9 @@ class SamplingConfig:
   top_p: float = 1.0
   min_p: float = 0.0
   repetition_penalty: float = 1.0
+  typical_p: float = 1.0
+  epsilon_cutoff: float = 0.0
+  eta_cutoff: float = 0.0
 
   def __post_init__(self):
     if not (self.temperature == 0 or
@@ -63,9 +73,20 @@ class SamplingConfig:
       raise ValueError(f'top_p must be in (0, 1] (1 is off), got {self.top_p}.')
     if not 0.0 <= self.min_p <= 1.0:
       raise ValueError(f'min_p must be in [0, 1] (0 is off), got {self.min_p}.')
+    if not 0.0 < self.typical_p <= 1.0:
+      raise ValueError(f'typical_p must be in (0, 1] (1 is off), got {self.typical_p}.')
+    for name in ('epsilon_cutoff', 'eta_cutoff'):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ValueError(f'{name} must be in [0, 1) (0 is off), got {getattr(self, name)}.')
     if not 0.0 < self.repetition_penalty < float('inf'):
       raise ValueError(f'repetition_penalty must be > 0 and finite (1 is off), got '
                        f'{self.repetition_penalty}.')
+
+  def __repr__(self) -> str:
+    """The settings that differ from the defaults (those that cut or change the law)."""
+    changed = [f'{f.name}={getattr(self, f.name)!r}' for f in dataclasses.fields(self)
+               if getattr(self, f.name) != f.default]
+    return f'SamplingConfig({", ".join(changed)})'
 
   @property
   def greedy(self) -> bool:
@@ -173,11 +194,57 @@ def probabilities(logits_xV: jax.Array, sampling: SamplingConfig, *,
     probs_xV = _renormalise(jnp.where(_top_p_mask(probs_xV, sampling.top_p), probs_xV, 0.0))
   if sampling.min_p > 0.0:
     probs_xV = _renormalise(jnp.where(logits_xV >= sampling.min_logit, probs_xV, 0.0))
+  if sampling.typical_p < 1.0:
+    probs_xV = _renormalise(jnp.where(
+        _typical_mask(logits_xV, probs_xV, sampling.typical_p), probs_xV, 0.0))
+  if sampling.epsilon_cutoff > 0.0:
+    probs_xV = _renormalise(jnp.where(
+        _at_least(logits_xV, probs_xV, sampling.epsilon_cutoff), probs_xV, 0.0))
+  if sampling.eta_cutoff > 0.0:
+    eta = sampling.eta_cutoff
+    entropy_x1 = _entropy(logits_xV, probs_xV)
+    cut_x1 = jnp.minimum(eta, np.float32(np.sqrt(eta)) * jnp.exp(-entropy_x1))
+    probs_xV = _renormalise(jnp.where(_at_least(logits_xV, probs_xV, cut_x1), probs_xV, 0.0))
   return jnp.where(defined_x1, probs_xV, jnp.nan)
 
 
 def _renormalise(probs_xV):
   return probs_xV / jnp.sum(probs_xV, axis=-1, keepdims=True)
+
+
+def _kept_mean(scaled_xV, probs_xV):
+  """float32[..., 1]: the law's mean scaled logit, sum p x over the tokens kept (p > 0).
+
+  With Z the kept tokens' sum of exp x, log p = x - log Z, so the entropy is H = log Z - mean
+  and a token's typical-p distance |-log p - H| is |x - mean|: no logarithm per token."""
+  return jnp.sum(jnp.where(probs_xV > 0, probs_xV * scaled_xV, 0.0), axis=-1, keepdims=True)
+
+
+def _entropy(scaled_xV, probs_xV):
+  """float32[..., 1]: H = -sum p log p over the tokens kept (`_kept_mean`)."""
+  kept_xV = probs_xV > 0
+  log_total_x1 = jnp.log(jnp.sum(jnp.where(kept_xV, jnp.exp(scaled_xV), 0.0), -1, keepdims=True))
+  return log_total_x1 - _kept_mean(scaled_xV, probs_xV)
+
+
+def _at_least(scaled_xV, probs_xV, cut):
+  """The kept tokens of probability >= cut, and the most likely kept one with its ties (by
+  scaled logit, as transformers' epsilon and eta warpers keep their top token)."""
+  kept_xV = probs_xV > 0
+  top_x1 = jnp.max(jnp.where(kept_xV, scaled_xV, -jnp.inf), axis=-1, keepdims=True)
+  return kept_xV & ((probs_xV >= cut) | (scaled_xV == top_x1))
+
+
+def _typical_mask(scaled_xV, probs_xV, mass: float, search: 'CutSearch | None' = None):
+  """Typical-p's set: the kept tokens whose distance |-log p - H| is at most d*, the smallest
+  distance with mass(distance <= d*) >= mass (transformers' TypicalLogitsWarper: the first
+  token, by distance, where the sorted mass reaches `mass`, and every token at its distance or
+  nearer; all kept tokens if rounding leaves the mass below). Found by `_search_cut` over the
+  distances' descending keys, without a sort."""
+  distance_xV = jnp.where(probs_xV > 0, jnp.abs(scaled_xV - _kept_mean(scaled_xV, probs_xV)),
+                          jnp.inf)
+  keys_xV = _descending_keys(distance_xV)
+  return keys_xV >= _platform_cut(probs_xV, keys_xV, mass, search)[..., None]
 
 
 def _cumsum(x_xV: jax.Array) -> jax.Array:
@@ -244,10 +311,11 @@ def _top_k_mask(logits_xV, k: int, search: 'CutSearch | None' = None):
   return above_xV | _first_ties(tied_xV, room_x)
 
 
-def _descending_keys(scaled_xV):
-  """int32 keys in [0, 0x7f800000] ordered as the scaled logits (all <= 0, -inf included): the
-  bit patterns of their magnitudes, reversed (equal logits, -0.0 and 0.0 too, give equal keys)."""
-  return 0x7f800000 - jax.lax.bitcast_convert_type(jnp.abs(scaled_xV), jnp.int32)
+def _descending_keys(x_xV):
+  """int32 keys in [0, 0x7f800000] ordered as -|x| (scaled logits, all <= 0, as themselves;
+  distances, all >= 0, reversed; infinities included): the bit patterns of the magnitudes,
+  reversed (equal values, -0.0 and 0.0 too, give equal keys)."""
+  return 0x7f800000 - jax.lax.bitcast_convert_type(jnp.abs(x_xV), jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,6 +380,16 @@ def _search_cut(weights_xV, bits_xV, threshold: float, search: CutSearch):
   return jax.lax.fori_loop(0, search.steps, split, (lo_x, hi_x), unroll=search.unrolled)[0]
 
 
+def _platform_cut(weights_xV, bits_xV, threshold: float, search: CutSearch | None):
+  """`_search_cut` by `search`, or (None) by the plan of the platform the program is lowered
+  for."""
+  if search is not None:
+    return _search_cut(weights_xV, bits_xV, threshold, search)
+  cut = lambda plan: lambda w, b: _search_cut(w, b, threshold, plan)
+  return jax.lax.platform_dependent(weights_xV, bits_xV, cpu=cut(CPU_SEARCH),
+                                    default=cut(ACCELERATOR_SEARCH))
+
+
 def _top_p_mask(probs_xV, top_p: float, search: CutSearch | None = None):
   """The smallest set of most likely tokens (ties by id) whose mass reaches top_p, without a sort.
 
@@ -322,12 +400,7 @@ def _top_p_mask(probs_xV, top_p: float, search: CutSearch | None = None):
   are kept; tokens at v* are kept in id order while the mass before them stays < top_p.
   """
   bits_xV = jax.lax.bitcast_convert_type(probs_xV, jnp.int32)
-  if search is None:
-    cut = lambda plan: lambda p, b: _search_cut(p, b, top_p, plan)
-    v_x = jax.lax.platform_dependent(probs_xV, bits_xV, cpu=cut(CPU_SEARCH),
-                                     default=cut(ACCELERATOR_SEARCH))
-  else:
-    v_x = _search_cut(probs_xV, bits_xV, top_p, search)
+  v_x = _platform_cut(probs_xV, bits_xV, top_p, search)
   above_xV = bits_xV > v_x[..., None]
   tied_xV = bits_xV == v_x[..., None]
   mass_above_x = jnp.sum(jnp.where(above_xV, probs_xV, 0.0), axis=-1)
@@ -391,7 +464,8 @@ def _native(logits_BxV, uniforms_B, sampling: SamplingConfig):
   """The kernel on the CPU; XLA's ops (the same law) on any other platform."""
   kernel = lambda ops: native.probabilities_and_draw(
       ops[0], ops[1], temperature=sampling.temperature, top_k=sampling.top_k,
-      top_p=sampling.top_p, min_logit=sampling.min_logit)
+      top_p=sampling.top_p, min_logit=sampling.min_logit, typical_p=sampling.typical_p,
+      epsilon_cutoff=sampling.epsilon_cutoff, eta_cutoff=sampling.eta_cutoff)
 
   def xla(ops):
     probs_BxV = probabilities(ops[0], sampling)
