@@ -6,7 +6,7 @@ initialised, random prompts of prompt_len tokens); method (ars|sps), k (or auto:
 picks k in 0 .. k_max, 0 being ArS, from a cost model measured once on this machine and the
 acceptance seen so far, `spsjax.bench.auto_k`; recalibrate measures again), batch, draft_name,
 max_new_tokens, temperature, top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff,
-repetition_penalty, seed, data/model_axis (mesh
+repetition_penalty, no_repeat_ngram_size, seed, data/model_axis (mesh
 axes), runlocal (fewer tokens); drafter (model | lookup | hybrid | feature | heads:
 `spsjax.sampling.drafter_config`; feature and heads draft with `draft_name`, a head trained by
 configs/train.py model=feature or heads, e.g. draft_name=feature), max_ngram, min_ngram
@@ -18,8 +18,9 @@ lenience (in (0, 1]; below 1 is LOSSY: SpS no longer samples the target's law); 
 hf_draft (Hugging Face checkpoint directories with config.json, safetensors and tokenizer.json, in
 place of root's target and draft); hf_sampling (sample as the hf_target's generation_config.json
 asks, transformers' defaults included, in place of temperature, top_k, top_p, min_p,
-typical_p, epsilon_cutoff, eta_cutoff and repetition_penalty; `spsjax.sampling.generation_config`), hf_ignore (settings of that file to
-drop, joined by +, e.g. no_repeat_ngram_size).
+typical_p, epsilon_cutoff, eta_cutoff, repetition_penalty and no_repeat_ngram_size;
+`spsjax.sampling.generation_config`), hf_ignore (settings of that file to
+drop, joined by +, e.g. suppress_tokens).
 """
 
 import ml_collections
@@ -33,7 +34,8 @@ def get_config(arg=None):
                 method='ars', k='4', k_max=8, recalibrate=False, batch=4, prompt_len=16,
                 max_new_tokens=64, temperature=1.0,
                 top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0,
-                eta_cutoff=0.0, repetition_penalty=1.0, seed=0, data=1,
+                eta_cutoff=0.0, repetition_penalty=1.0, no_repeat_ngram_size=0, seed=0,
+                data=1,
                 model_axis=1, runlocal=False,
                 draft_weights='w8a8', drafter='model', max_ngram=3, min_ngram=1,
                 stop_below=0.0, alternatives=0, branching='', lenience=1.0, hf_target='',
@@ -55,7 +57,8 @@ def get_config(arg=None):
   c.draft = presets.get(a.draft)
   c.sampling = dict(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
                     typical_p=a.typical_p, epsilon_cutoff=a.epsilon_cutoff,
-                    eta_cutoff=a.eta_cutoff, repetition_penalty=a.repetition_penalty)
+                    eta_cutoff=a.eta_cutoff, repetition_penalty=a.repetition_penalty,
+                    no_repeat_ngram_size=a.no_repeat_ngram_size)
   if a.hf_sampling and not a.hf_target:
     raise ValueError('hf_sampling reads the generation_config.json of hf_target; pass hf_target.')
   c.hf_sampling = a.hf_sampling  # main replaces `sampling` by the checkpoint's.

@@ -68,7 +68,8 @@ def main(argv):
     greedy = config.temperature == 0
     hf_kw = dict(max_new_tokens=c.max_new_tokens, min_new_tokens=c.max_new_tokens,
                  eos_token_id=None, pad_token_id=0, do_sample=not greedy,
-                 repetition_penalty=config.repetition_penalty)
+                 repetition_penalty=config.repetition_penalty,
+                 no_repeat_ngram_size=config.no_repeat_ngram_size)
     if not greedy:
       hf_kw.update(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                    min_p=config.min_p or None, typical_p=config.typical_p,

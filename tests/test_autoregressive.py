@@ -1,6 +1,8 @@
 """ArS: its output law is the model's (against enumeration, with top-k, top-p and eos); greedy
 equals an argmax rollout of the reference forward; one compilation; clear errors."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -96,6 +98,7 @@ LAW_SETTINGS = {
     'temperature_0.7_top_k_3': SamplingConfig(temperature=0.7, top_k=3),
     'top_p_0.8_repetition_penalty_1.8': SamplingConfig(top_p=0.8, repetition_penalty=1.8),
     'temperature_1.3_top_k_5_top_p_0.9': SamplingConfig(temperature=1.3, top_k=5, top_p=0.9),
+    'temperature_0.8_no_repeat_ngram_2': SamplingConfig(temperature=0.8, no_repeat_ngram_size=2),
 }
 
 
@@ -120,9 +123,11 @@ def test_output_law_is_the_models_law(tiny, setting, path):
   laws = [exact_sequence_law(tiny, prompt, NEW, sampling) for prompt in PROMPTS]
   # Non-vacuous: rows given the other prompt's law, or a lost top-k / top-p, would show.
   assert 0.5 * np.abs(laws[0] - laws[1]).sum() > 0.2
-  assert ((laws[0] == 0).mean() > 0.3) == (setting != 'temperature_1')
-  if sampling.penalised:  # The penalty changes the law (each prefix's tokens).
-    plain = exact_sequence_law(tiny, PROMPTS[0], NEW, sampling.without_penalty())
+  assert ((laws[0] == 0).mean() > 0.3) == (setting not in ('temperature_1',
+                                                            'temperature_0.8_no_repeat_ngram_2'))
+  if sampling.penalised or sampling.no_repeat_ngram_size:  # Each prefix's tokens change the law.
+    plain = exact_sequence_law(tiny, PROMPTS[0], NEW, dataclasses.replace(
+        sampling.without_penalty(), no_repeat_ngram_size=0))
     assert 0.5 * np.abs(laws[0] - plain).sum() > 0.1
   for i, (prompt, law) in enumerate(zip(PROMPTS, laws)):
     pvalue = g_test_pvalue(sequence_counts(tokens[i::2], V_SMALL), law)

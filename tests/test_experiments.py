@@ -298,14 +298,14 @@ def test_sampling_as_a_checkpoints_generation_config(tmp_path):
                            tmp_path / 'llama')
   (target / 'generation_config.json').write_text(json.dumps(
       {'do_sample': True, 'temperature': 0.7, 'top_p': 0.9, 'min_p': 0.05,
-       'repetition_penalty': 1.1, 'no_repeat_ngram_size': 3}))
+       'repetition_penalty': 1.1, 'no_repeat_ngram_size': 3, 'suppress_tokens': [5]}))
   run = _run('experiments/sample.py', f'--config=configs/sample.py:hf_target={target},'
-             'hf_sampling=true,hf_ignore=no_repeat_ngram_size,batch=1,max_new_tokens=4',
+             'hf_sampling=true,hf_ignore=suppress_tokens,batch=1,max_new_tokens=4',
              '--config.repeats=1')
   assert run.returncode == 0, run.stderr[-3000:]
   assert (f'Sampling as {target}/generation_config.json asks: SamplingConfig(temperature=0.7, '
-          'top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1) (dropped: '
-          'no_repeat_ngram_size)') in run.stdout
+          'top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, no_repeat_ngram_size=3) '
+          '(dropped: suppress_tokens)') in run.stdout
 
 
 def test_binaries_take_hugging_face_directories():

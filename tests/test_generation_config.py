@@ -40,6 +40,10 @@ def _write(tmp_path, settings):
     ({'do_sample': True, 'epsilon_cutoff': 1.0, 'eta_cutoff': 0.0, 'typical_p': 1.5},
      SamplingConfig(top_k=50)),
     ({'typical_p': 0.5, 'eta_cutoff': 0.1}, SamplingConfig(temperature=0.0)),
+    # The n-gram ban applies greedy or not (a processor, not a warper), as the penalty does.
+    ({'no_repeat_ngram_size': 3}, SamplingConfig(temperature=0.0, no_repeat_ngram_size=3)),
+    ({'do_sample': True, 'top_k': 0, 'no_repeat_ngram_size': 2, 'repetition_penalty': 1.2},
+     SamplingConfig(top_k=0, no_repeat_ngram_size=2, repetition_penalty=1.2)),
     # Settings at the values that do nothing, or that do not change the law.
     ({'do_sample': True, 'repetition_penalty': 1.0, 'num_beams': 1, 'bad_words_ids': None,
       'max_new_tokens': 512, 'pad_token_id': 0}, SamplingConfig(top_k=50)),
@@ -54,7 +58,7 @@ def test_no_file_is_transformers_defaults(tmp_path):
 
 @pytest.mark.parametrize('settings, named', [
     ({'do_sample': True, 'top_k': 20, 'top_h': 0.4}, 'top_h=0.4'),
-    ({'do_sample': False, 'no_repeat_ngram_size': 3}, 'no_repeat_ngram_size=3'),
+    ({'do_sample': False, 'suppress_tokens': [3]}, 'suppress_tokens=[3]'),
     ({'do_sample': True, 'typical_p': 0.9, 'bad_words_ids': [[5]], 'num_beams': 2},
      'bad_words_ids=[[5]], num_beams=2'),
     ({'num_beams': 4}, 'num_beams=4'),
@@ -67,11 +71,10 @@ def test_settings_spsjax_cannot_sample_are_refused_by_name(tmp_path, settings, n
 
 def test_ignore_drops_what_it_names_only(tmp_path):
   path = _write(tmp_path, {'do_sample': True, 'top_k': 20, 'typical_p': 0.9,
-                           'no_repeat_ngram_size': 4, 'suppress_tokens': [3]})
-  with pytest.raises(ValueError, match='no_repeat_ngram_size=4'):
+                           'num_beams': 4, 'suppress_tokens': [3]})
+  with pytest.raises(ValueError, match='num_beams=4'):
     generation_config.sampling_config(path, ignore=['suppress_tokens'])
-  got = generation_config.sampling_config(path,
-                                          ignore=['suppress_tokens', 'no_repeat_ngram_size'])
+  got = generation_config.sampling_config(path, ignore=['suppress_tokens', 'num_beams'])
   assert got == SamplingConfig(top_k=20, typical_p=0.9)
   with pytest.raises(ValueError, match=r"\['top_p', 'typical_p'\] are not"):
     generation_config.sampling_config(path, ignore=['top_p', 'typical_p'])

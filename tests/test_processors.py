@@ -172,6 +172,8 @@ def test_min_p_does_not_change_greedy():
                                            (dict(epsilon_cutoff=1.0), 'epsilon_cutoff'),
                                            (dict(eta_cutoff=1.0), 'eta_cutoff'),
                                            (dict(eta_cutoff=float('nan')), 'eta_cutoff'),
+                                           (dict(no_repeat_ngram_size=-1), 'no_repeat_ngram'),
+                                           (dict(no_repeat_ngram_size=1.5), 'no_repeat_ngram'),
                                            (dict(repetition_penalty=float('inf')),
                                             'repetition_penalty')])
 def test_bad_settings_raise(kwargs, match):

@@ -8,7 +8,7 @@ import pytest
 
 from spsjax import models, native
 from spsjax.sampling import (PAD_ID, SamplingConfig, autoregressive_sample, drafters, speculative,
-                             speculative_sample)
+                             speculative_sample, tree_drafters)
 from tests.stats import (exact_sequence_law, g_test_pvalue, scaled_model, sequence_counts,
                          truncated_at_eos)
 
@@ -54,6 +54,8 @@ SETTINGS = {
     'temperature_1.2_min_p_0.1_penalty_1.8': (
         SamplingConfig(temperature=1.2, min_p=0.1, repetition_penalty=1.8), None),
     'typical_p_0.9_epsilon_0.15': (SamplingConfig(typical_p=0.9, epsilon_cutoff=0.15), None),
+    'temperature_0.9_no_repeat_ngram_2': (
+        SamplingConfig(temperature=0.9, no_repeat_ngram_size=2), None),
     'draft_hotter': (SamplingConfig(), SamplingConfig(temperature=2.0)),
     'draft_greedy': (SamplingConfig(), GREEDY),
     'draft_is_target': (SamplingConfig(), None),
@@ -179,7 +181,8 @@ def check_interleaved_law(out, target, k, sampling, label, ragged_prompts=None, 
 
 @pytest.mark.parametrize('setting,k', [('temperature_0.8_min_p_0.05', 2),
                                        ('top_p_0.8_repetition_penalty_1.5', 4),
-                                       ('temperature_0.9_typical_p_0.9_eta_0.1', 3)])
+                                       ('temperature_0.9_typical_p_0.9_eta_0.1', 3),
+                                       ('top_p_0.9_no_repeat_ngram_2', 3)])
 def test_law_through_the_packed_native_path_on_ragged_prompts(tiny_pair, setting, k):
   """The models packed for CPU decoding (the native products, attention and sampling kernels):
   5 tokens per row after two prompts of different lengths interleaved in one batch, so rows
@@ -193,6 +196,7 @@ def test_law_through_the_packed_native_path_on_ragged_prompts(tiny_pair, setting
   sampling = {'temperature_0.8_min_p_0.05': SamplingConfig(temperature=0.8, min_p=0.05),
               'temperature_0.9_typical_p_0.9_eta_0.1': SamplingConfig(
                   temperature=0.9, typical_p=0.9, eta_cutoff=0.1),
+              'top_p_0.9_no_repeat_ngram_2': SamplingConfig(top_p=0.9, no_repeat_ngram_size=2),
               'top_p_0.8_repetition_penalty_1.5': SamplingConfig(top_p=0.8,
                                                                  repetition_penalty=1.5)}[setting]
   target, draft = (models.for_decoding(m) for m in tiny_pair)
@@ -277,6 +281,37 @@ def test_greedy_sps_equals_greedy_ars_with_a_repetition_penalty(pair):
     np.testing.assert_array_equal(sps.tokens, ars.tokens, err_msg=f'k={k}')
     if the_draft is target:
       np.testing.assert_array_equal(sps.num_accepted, k * np.asarray(sps.num_loops))
+
+
+def test_greedy_sps_equals_greedy_ars_without_repeated_ngrams(pair):
+  """Greedy with no repeated 3-gram (2-gram at k = 2): the ban reads each row's prompt and
+  generated tokens (and in SpS the drafts before each slot, or a tree node's path) and changes
+  the tokens. A model drafter bans as the target does: with draft == target every draft is
+  accepted; a tree drafter and alternatives ban along each node's path."""
+  target, draft = pair
+  prompts, lengths = _ragged(3)
+  for n, cases in ((3, [(draft, 3, drafters.ModelDrafter()), (target, 4, drafters.ModelDrafter()),
+                        (draft, 3, tree_drafters.TreeDrafter(branching=(2, 2, 1))),
+                        (target, 3, drafters.ModelDrafter(alternatives=2))]),
+                   (2, [(models.for_decoding(draft), 2, drafters.ModelDrafter())])):
+    banned = SamplingConfig(temperature=0.0, no_repeat_ngram_size=n)
+    ars = autoregressive_sample(target, prompts, lengths, jax.random.key(0), max_new_tokens=20,
+                                sampling=banned)
+    plain = autoregressive_sample(target, prompts, lengths, jax.random.key(0),
+                                  max_new_tokens=20, sampling=GREEDY)
+    assert not np.array_equal(ars.tokens, plain.tokens)
+    for b in range(len(lengths)):
+      seq = list(np.asarray(prompts[b, :lengths[b]])) + list(np.asarray(ars.tokens[b]))
+      new = [tuple(seq[i:i + n]) for i in range(len(seq) - n + 1)][lengths[b] - n + 1:]
+      old = {tuple(seq[i:i + n]) for i in range(lengths[b] - n + 1)}
+      assert len(set(new)) == len(new) and not old & set(new), f'row {b}: {seq}'
+    for the_draft, k, drafter in cases:
+      sps = speculative_sample(models.for_decoding(target) if n == 2 else target, the_draft,
+                               prompts, lengths, jax.random.key(1), k=k, max_new_tokens=20,
+                               sampling=banned, drafter=drafter)
+      np.testing.assert_array_equal(sps.tokens, ars.tokens, err_msg=f'n={n} k={k} {drafter}')
+      if the_draft is target and drafter == drafters.ModelDrafter():
+        np.testing.assert_array_equal(sps.num_accepted, k * np.asarray(sps.num_loops))
 
 
 def test_greedy_sps_equals_greedy_ars_in_bfloat16():

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spsjax import models
-from spsjax.sampling import PAD_ID, SamplingConfig, probabilities
+from spsjax.sampling import PAD_ID, SamplingConfig, ngrams, probabilities
 from spsjax.sampling.processors import present_through
 
 
@@ -106,8 +106,11 @@ def scaled_model(config: models.TransformerConfig, seed: int, scale: float) -> m
 def _probabilities(config, params, tokens_BxT, sampling):
   present_BxTxV = (present_through(tokens_BxT, config.vocab_size) if sampling.penalised
                    else None)
-  return probabilities(models.logits(config, params, tokens_BxT), sampling,
-                       present_xV=present_BxTxV)
+  logits_BxTxV = models.logits(config, params, tokens_BxT)
+  if sampling.no_repeat_ngram_size:
+    logits_BxTxV = ngrams.ban(logits_BxTxV, ngrams.banned_through(
+        tokens_BxT, sampling.no_repeat_ngram_size, config.vocab_size))
+  return probabilities(logits_BxTxV, sampling, present_xV=present_BxTxV)
 
 
 def exact_sequence_law(model: models.Model, prompt, num_tokens: int,

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from spsjax import sharding
 from spsjax.models import KVCache, Model, extend, kv_cache, prefill
-from spsjax.sampling import common
+from spsjax.sampling import common, ngrams
 from spsjax.sampling.processors import SamplingConfig, mark_present, probabilities_and_sample
 
 @flax.struct.dataclass
@@ -29,6 +29,7 @@ class _State:
   cache: KVCache
   row_keys_B: jax.Array
   present_BxV: jax.Array | None  # The tokens present per row (a repetition penalty's), or None.
+  history: ngrams.History | None  # The committed tokens (an n-gram ban's), or None.
 
 
 def _last_tokens(state: _State) -> jax.Array:
@@ -45,16 +46,19 @@ class Loop(common.LoopSettings):
   def _emit(self, state: _State, logits_BxV) -> _State:
     """Samples one token per active row and records it; stopped rows are left as they are."""
     keys_B = common.step_keys(state.row_keys_B, state.num_generated_B)
+    if state.history is not None:
+      logits_BxV = ngrams.ban(logits_BxV, state.history.banned())
     _, new_B = probabilities_and_sample(
         keys_B, common.whole_vocabulary(logits_BxV, self.mesh, self.rules), self.sampling,
         native_kernel=self.native_kernel, present_BxV=state.present_BxV)
-    tokens_BxW, num_generated_B, done_B, _ = common.commit(
+    tokens_BxW, num_generated_B, done_B, emitted_B = common.commit(
         state.tokens_BxW, state.num_generated_B, state.done_B, new_B[:, None],
         jnp.ones_like(new_B), eos_id=self.eos_id, max_new_tokens=self.max_new_tokens)
     present_BxV = (None if state.present_BxV is None
                    else mark_present(state.present_BxV, new_B[:, None]))
+    history = None if state.history is None else state.history.append(new_B[:, None], emitted_B)
     return state.replace(tokens_BxW=tokens_BxW, num_generated_B=num_generated_B, done_B=done_B,
-                         present_BxV=present_BxV)
+                         present_BxV=present_BxV, history=history)
 
   def init(self, model: Model, prompts_BxP, prompt_lengths_B, rng) -> _State:
     B, P = prompts_BxP.shape
@@ -68,7 +72,10 @@ class Loop(common.LoopSettings):
         cache=kv_cache.constrain(cache, self.mesh, self.rules),
         row_keys_B=common.row_keys(rng, B),
         present_BxV=common.initial_present(self.sampling, prompts_BxP, prompt_lengths_B,
-                                           model.config.vocab_size))
+                                           model.config.vocab_size),
+        history=ngrams.History.of_prompts(self.sampling.no_repeat_ngram_size, prompts_BxP,
+                                          prompt_lengths_B, self.max_new_tokens,
+                                          model.config.vocab_size))
     return self._emit(state, last_logits_Bx1xV[:, 0])
 
   def body(self, model: Model, state: _State) -> _State:

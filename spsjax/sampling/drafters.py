@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from spsjax.models import KVCache, Model, TokenTree, extend, kv_cache, prefill
-from spsjax.sampling import common, siblings
+from spsjax.sampling import common, ngrams, siblings
 from spsjax.sampling.processors import mark_present, probabilities_and_sample_with, uniforms
 
 
@@ -90,6 +90,12 @@ class Committed:
     """The `back`-th last committed token of each row."""
     return common.last_token(self.prompts_BxP, self.prompt_lengths_B, self.tokens_BxW,
                              self.num_generated_B, back)
+
+  def history(self, n: int) -> ngrams.History | None:
+    """The committed tokens for a ban of repeated n-grams of size n (None for n = 0: none)."""
+    if not n:
+      return None
+    return ngrams.History(self.sequence(), self.lengths_B, n, self.vocab_size)
 
   def sequence(self) -> jax.Array:
     """int32[B, P + W]: each row's committed tokens from position 0, then PAD_ID."""
@@ -391,9 +397,11 @@ class ModelDrafter(Drafter):
     logits_Bx1xV, cache = extend(draft.config, draft.params, cache, last2_Bx2,
                                  logits_at_BxL=jnp.ones((B, 1), jnp.int32),  # The second's.
                                  counts_B=committed.counts(2))
-    q_BxV, d_B, _, alternatives = choose(0, logits_Bx1xV[:, 0], committed.present_BxV)
+    history = committed.history(loop.draft_sampling.no_repeat_ngram_size)
+    q_BxV, d_B, _, alternatives = choose(0, logits_Bx1xV[:, 0], committed.present_BxV,
+                                         None if history is None else history.banned())
     drafts = _Drafts.first(k, d_B, q_BxV, cache, alternatives)
-    step = functools.partial(self._step, draft, committed, choose)
+    step = functools.partial(self._step, draft, committed, choose, history)
     if self.ragged:  # Stops when no row drafts on.
       drafts = jax.lax.while_loop(lambda d: (d.i < k) & jnp.any(d.num_B == d.i), step, drafts)
     else:
@@ -404,11 +412,13 @@ class ModelDrafter(Drafter):
                                     drafts.alternatives), drafts.cache)
 
   def _choose(self, loop, uniforms_BxK, forced_BxK, num_forced_B, i, logits_BxV,
-              present_BxV=None, alternative_keys_BxK=None):
+              present_BxV=None, banned_BxV=None, alternative_keys_BxK=None):
     """Slot i of every row: (q, draft, whether the row drafts on, the slot's alternatives
     (`siblings.Siblings`) or None), the tokens `present_BxV` before it with a repetition
-    penalty. The plain model draft (no forced tokens, fixed k) pays for nothing else per step."""
+    penalty, those `banned_BxV` as repeated n-grams. The plain model draft (no forced tokens,
+    fixed k) pays for nothing else per step."""
     B, V = logits_BxV.shape
+    logits_BxV = ngrams.ban(logits_BxV, banned_BxV)
     # Whole rows on a mesh: the confidence's reductions need no collectives either.
     logits_BxV = common.whole_vocabulary(logits_BxV, loop.mesh, loop.rules)
     q_BxV, d_B = draw_draft(loop, uniforms_BxK[:, i], logits_BxV, present_BxV)
@@ -427,7 +437,8 @@ class ModelDrafter(Drafter):
     confidence_B = jnp.max(jax.nn.softmax(logits_BxV.astype(jnp.float32), -1), -1)
     return q_BxV, d_B, forced_B | (confidence_B >= self.stop_below), alternatives
 
-  def _step(self, draft: Model, committed: Committed, choose, d: '_Drafts') -> '_Drafts':
+  def _step(self, draft: Model, committed: Committed, choose, history: ngrams.History | None,
+            d: '_Drafts') -> '_Drafts':
     """Slot d.i: the model reads slot d.i - 1's draft and draws the next."""
     # A row that stopped proposing (num_B < i) needs nothing more of this loop's drafting: its
     # cache keeps at most num_B + 1 of the positions written (`rollback`), all written by now.
@@ -443,7 +454,9 @@ class ModelDrafter(Drafter):
     if committed.present_BxV is not None:  # The committed tokens and the slots before d.i.
       present_BxV = mark_present(committed.present_BxV, d.tokens_BxK,
                                  jnp.full(d.num_B.shape, d.i, jnp.int32))
-    q_BxV, d_B, confident_B, alternatives = choose(d.i, logits_Bx1xV[:, 0], present_BxV)
+    banned_BxV = None if history is None else history.banned_at(d.tokens_BxK, d.i)
+    q_BxV, d_B, confident_B, alternatives = choose(d.i, logits_Bx1xV[:, 0], present_BxV,
+                                                   banned_BxV)
     if alternatives is not None:
       alternatives = siblings.set_slot(d.alternatives, d.i, alternatives)
     return _Drafts(i=d.i + 1, tokens_BxK=d.tokens_BxK.at[:, d.i].set(d_B),

@@ -4,13 +4,14 @@
 that checkpoint (transformers 5): the file's settings, then transformers' global defaults where
 it sets none (`do_sample` false, temperature 1, top_k 50, top_p 1, no min_p, typical_p,
 epsilon_cutoff or eta_cutoff; no file: all defaults). Without `do_sample` generation is greedy
-(temperature 0, none of the cuts). The repetition penalty (greedy or not), then temperature,
+(temperature 0, none of the cuts). The ban of repeated n-grams and the repetition penalty
+(greedy or not), then temperature,
 top-k (0 off), top-p, min-p, typical-p and the epsilon and eta cutoffs, in transformers' order,
 which is `processors`'; as in transformers, a typical_p of 1 or more and a cutoff outside (0, 1)
 are off.
 
-Settings that make transformers sample another law than those give (an n-gram ban, banned
-words, beams, ...) are refused by name: spsjax would
+Settings that make transformers sample another law than those give (banned words, beams,
+...) are refused by name: spsjax would
 sample a different law and say nothing. `ignore` names those the caller drops knowingly. Settings
 that do not change the law (eos and pad ids, lengths, caching, output options) are not read here
 (the eos ids: `data.hf_tokenizer`).
@@ -27,13 +28,14 @@ FILE = 'generation_config.json'
 
 # transformers' `GenerationConfig._get_default_generation_params` for the settings read here.
 _DEFAULTS = dict(do_sample=False, temperature=1.0, top_k=50, top_p=1.0, min_p=None,
-                 repetition_penalty=1.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0)
+                 repetition_penalty=1.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
+                 no_repeat_ngram_size=0)
 
 # Settings that change what transformers samples, with the values at which they do nothing
 # (None: unset does nothing too). Each is a processor of `GenerationMixin._get_logits_processor`
 # or another decoding method.
 _NO_EFFECT: dict[str, tuple[Any, ...]] = {
-    'no_repeat_ngram_size': (0,), 'top_h': (), 'bad_words_ids': (),
+    'top_h': (), 'bad_words_ids': (),
     'suppress_tokens': (), 'begin_suppress_tokens': (), 'sequence_bias': (),
     'guidance_scale': (1.0,), 'forced_bos_token_id': (), 'forced_eos_token_id': (),
     'exponential_decay_length_penalty': (), 'min_length': (0,), 'min_new_tokens': (0,),
@@ -66,19 +68,22 @@ def from_dict(settings: dict, ignore: Iterable[str] = ()) -> SamplingConfig:
     raise ValueError(
         'generation_config.json sets ' + ', '.join(f'{n}={settings[n]!r}' for n in refused) +
         ': transformers would sample another law than spsjax can (repetition_penalty, '
-        'temperature, top_k, top_p, min_p, typical_p, epsilon_cutoff and eta_cutoff only). Pass the sampling settings yourself, or '
+        'temperature, top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff and '
+        'no_repeat_ngram_size only). Pass the sampling settings yourself, or '
         'ignore=(...) to drop these.')
   value = lambda name: _DEFAULTS[name] if settings.get(name) is None else settings[name]
   penalty = float(value('repetition_penalty'))
+  ngram = int(value('no_repeat_ngram_size'))
   if not value('do_sample'):
-    return SamplingConfig(temperature=0.0, repetition_penalty=penalty)
+    return SamplingConfig(temperature=0.0, repetition_penalty=penalty,
+                          no_repeat_ngram_size=ngram)
   if not value('temperature') > 0:
     raise ValueError(f'generation_config.json samples (do_sample) at temperature '
                      f'{value("temperature")!r}; transformers needs it > 0.')
   cutoff = lambda name: float(value(name)) if 0.0 < float(value(name)) < 1.0 else 0.0
   return SamplingConfig(temperature=float(value('temperature')), top_k=int(value('top_k')),
                         top_p=float(value('top_p')), min_p=float(value('min_p') or 0.0),
-                        repetition_penalty=penalty,
+                        repetition_penalty=penalty, no_repeat_ngram_size=ngram,
                         typical_p=min(float(value('typical_p')), 1.0),
                         epsilon_cutoff=cutoff('epsilon_cutoff'), eta_cutoff=cutoff('eta_cutoff'))
 

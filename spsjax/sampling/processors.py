@@ -49,6 +49,10 @@ class SamplingConfig:
   epsilon_cutoff (Hewitt et al. 2022; 0.0: off) keeps the tokens of probability >= epsilon_cutoff,
   and eta_cutoff (the same paper; 0.0: off) those >= min(eta, sqrt(eta) exp(-H)); both keep the
   most likely token (and its ties) whatever its probability, as transformers' warpers do.
+  no_repeat_ngram_size (transformers'; 0: off) bans, before everything else, the tokens that
+  would repeat an n-gram of that size already in the row (prompt included; `ngrams`): the law
+  then depends on the tokens before the position, which every caller passes as
+  `ngrams.History`, as it passes `present_xV` for a repetition penalty.
   A positive temperature must be in [1.2e-38, 8.5e37], so that it and its reciprocal are float32
   normal numbers (XLA may divide by multiplying with the reciprocal; a denormal one is flushed to
   0).
@@ -61,6 +65,7 @@ class SamplingConfig:
   typical_p: float = 1.0
   epsilon_cutoff: float = 0.0
   eta_cutoff: float = 0.0
+  no_repeat_ngram_size: int = 0
 
   def __post_init__(self):
     if not (self.temperature == 0 or
@@ -75,6 +80,9 @@ class SamplingConfig:
       raise ValueError(f'min_p must be in [0, 1] (0 is off), got {self.min_p}.')
     if not 0.0 < self.typical_p <= 1.0:
       raise ValueError(f'typical_p must be in (0, 1] (1 is off), got {self.typical_p}.')
+    if int(self.no_repeat_ngram_size) != self.no_repeat_ngram_size or self.no_repeat_ngram_size < 0:
+      raise ValueError(f'no_repeat_ngram_size must be an integer >= 0 (0 is off), got '
+                       f'{self.no_repeat_ngram_size}.')
     for name in ('epsilon_cutoff', 'eta_cutoff'):
       if not 0.0 <= getattr(self, name) < 1.0:
         raise ValueError(f'{name} must be in [0, 1) (0 is off), got {getattr(self, name)}.')

@@ -48,7 +48,7 @@ from jax.sharding import Mesh
 from spsjax import sharding
 from spsjax.models import (KVCache, Model, TokenTree, extend, extend_with_features, kv_cache,
                            prefill)
-from spsjax.sampling import common, drafters
+from spsjax.sampling import common, drafters, ngrams
 from spsjax.sampling.processors import (SamplingConfig, mark_present, native_probabilities,
                                         present_along, present_through, probabilities,
                                         probabilities_and_sample)
@@ -187,6 +187,10 @@ class Loop(common.LoopSettings):
     first_logits_BxV = common.whole_vocabulary(first_logits_Bx1xV[:, 0], self.mesh, self.rules)
     present_BxV = common.initial_present(self.sampling, prompts_BxP, prompt_lengths_B,
                                          target.config.vocab_size)
+    history = ngrams.History.of_prompts(self.sampling.no_repeat_ngram_size, prompts_BxP,
+                                        prompt_lengths_B, 0, target.config.vocab_size)
+    if history is not None:
+      first_logits_BxV = ngrams.ban(first_logits_BxV, history.banned())
     _, first_B = probabilities_and_sample(
         jax.vmap(jax.random.fold_in)(row_keys_B, jnp.zeros((B,), jnp.uint32)), first_logits_BxV,
         self.sampling, native_kernel=self.native_kernel, present_BxV=present_BxV)
@@ -222,10 +226,11 @@ class Loop(common.LoopSettings):
     with jax.named_scope('accept'):  # The profile's accept phase: everything after the scoring.
       if proposal.tree is None:
         path_BxD = None
-        n_B, token_B = self._accept(accept_keys_B, logits_BxKp1xV, proposal, state.present_BxV)
+        n_B, token_B = self._accept(accept_keys_B, logits_BxKp1xV, proposal, state.present_BxV,
+                                    committed)
       else:
         path_BxD, n_B, token_B = self._accept_tree(accept_keys_B, logits_BxKp1xV, proposal,
-                                                   state.present_BxV)
+                                                   state.present_BxV, committed)
       state = self._commit_and_roll_back(state, committed, proposal, n_B, token_B, target_cache,
                                          draft_state, features_BxKp1xD, path_BxD)
       return self._statistics(state, active_B, proposal.num_B, n_B)
@@ -242,11 +247,17 @@ class Loop(common.LoopSettings):
     return _target_logits(target, cache, tokens_BxKp1, active_B, proposal.num_B, longest,
                           features=self.drafter.reads_features, tree=proposal.tree)
 
-  def _accept(self, keys_B, logits_BxKp1xV, proposal: drafters.Proposal, present_BxV=None):
+  def _accept(self, keys_B, logits_BxKp1xV, proposal: drafters.Proposal, present_BxV=None,
+              committed: drafters.Committed | None = None):
     """Modified rejection sampling per row: (n_B, token_B), the drafts accepted and the token
     after them (drawn from the residual, or from p after the last draft when all were accepted;
     `rejection.accept_and_resample_rows`). With a repetition penalty, p at slot j reads the
-    committed tokens and the drafts before j as present."""
+    committed tokens and the drafts before j as present; with an n-gram ban, it bans what
+    would repeat an n-gram of them (`committed`'s tokens, then the drafts)."""
+    history = committed.history(self.sampling.no_repeat_ngram_size) if committed else None
+    if history is not None:
+      logits_BxKp1xV = ngrams.ban(logits_BxKp1xV, history.banned_along_chain(
+          proposal.tokens_BxK, logits_BxKp1xV.shape[1]))
     present_BxKp1xV = None
     if present_BxV is not None:
       drafted_BxKxV = present_through(proposal.tokens_BxK, present_BxV.shape[1])
@@ -259,10 +270,14 @@ class Loop(common.LoopSettings):
                                     native_kernel=self.native_kernel)
 
   def _accept_tree(self, keys_B, logits_BxNp1xV, proposal: drafters.Proposal,
-                   present_BxV=None):
+                   present_BxV=None, committed: drafters.Committed | None = None):
     """A tree's accept step per row (`rejection.accept_tree`): (path [B, depth + 1], n_B,
     token_B). With a repetition penalty, p after node n reads the committed tokens and the
-    tokens of n and its ancestors as present."""
+    tokens of n and its ancestors as present; an n-gram ban reads them in that order."""
+    history = committed.history(self.sampling.no_repeat_ngram_size) if committed else None
+    if history is not None:
+      logits_BxNp1xV = ngrams.ban(logits_BxNp1xV, history.banned_along_tree(
+          proposal.tokens_BxK, proposal.tree))
     present_BxNp1xV = None
     if present_BxV is not None:  # Node n's path: its ancestors and itself, the root's committed.
       present_BxNp1xV = present_along(present_BxV, proposal.tokens_BxK,

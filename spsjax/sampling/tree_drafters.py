@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from spsjax.models import KVCache, Model, TokenTree, extend, kv_cache, prefill
-from spsjax.sampling import siblings
+from spsjax.sampling import ngrams, siblings
 from spsjax.sampling.drafters import Committed, Drafter, Proposal, Verdict, draw_draft
 from spsjax.sampling.processors import present_along, typed_keys, uniforms
 
@@ -45,6 +45,7 @@ def draft_tree(loop, branching: tuple[int, ...], committed: Committed, keys_BxK,
   the tree)."""
   tree = TokenTree.full(branching)
   levels = tree.levels
+  history = committed.history(loop.draft_sampling.no_repeat_ngram_size)
   B, V = keys_BxK.shape[0], committed.vocab_size
   M = tree.num_nodes + 1
   tokens_BxM = jnp.zeros((B, M), jnp.int32).at[:, 0].set(committed.last(1))
@@ -61,6 +62,9 @@ def draft_tree(loop, branching: tuple[int, ...], committed: Committed, keys_BxK,
     if committed.present_BxV is not None:  # The committed tokens and each parent's path's.
       present_RxV = rows(present_along(committed.present_BxV, tokens_BxM[:, 1:],
                                        tree.ancestors[parents:parents + L, 1:]))
+    if history is not None:  # No repeated n-gram after each parent's path.
+      logits_BxLxV = ngrams.ban(logits_BxLxV, history.banned_along_tree(
+          tokens_BxM[:, 1:], tree)[:, parents:parents + L])
     q_RxV, first_R = draw_draft(loop, rows(uniforms(node_keys_BxL)), rows(logits_BxLxV),
                                 present_RxV)
     new_tokens, new_q, new_valid = [first_R[:, None]], [q_RxV[:, None]], [
