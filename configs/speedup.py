@@ -20,7 +20,10 @@ configs/train.py model=feature or heads as `draft`), max_ngram, min_ngram, stop_
 alternatives (a tree of drafts: that many other tokens beside each), branching (drafter tree,
 feature or heads: children per node at each depth joined by +, k its length), lenience (in
 (0, 1]; below 1 is LOSSY, labelled in the title and the SpS rows with its total variation);
-hf_target, hf_draft (Hugging Face checkpoint directories in place of root's target and draft).
+hf_target, hf_draft (Hugging Face checkpoint directories in place of root's target and draft);
+sampling settings beside the paper's (each off by default, named in the title): top_p (in place
+of each task's; -1: the task's), min_p, typical_p, epsilon_cutoff and eta_cutoff for the sampled
+decoding, repetition_penalty and no_repeat_ngram_size for both.
 The table (printed and in `table.md`) opens with `title`, a template of config fields (`{root}`),
 and for the demo and runlocal variants a note that they check the pipeline and measure little.
 Paper settings by default: k = 4; HumanEval at temperature 0.8, top_p 0.95; summarisation
@@ -41,7 +44,9 @@ def get_config(arg=None):
                 docstrings=200, code=200, batches='1+8', seed=0, results='', runlocal=False, demo=False,
                 data=1, model_axis=1, draft_weights='w8a8', drafter='model', max_ngram=3,
                 min_ngram=1, stop_below=0.0, alternatives=0, branching='', lenience=1.0,
-                hf_target='', hf_draft='', recalibrate=False)
+                hf_target='', hf_draft='', recalibrate=False, top_p=-1.0, min_p=0.0,
+                typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0,
+                no_repeat_ngram_size=0)
   if a.demo:
     a.humaneval, a.docstrings, a.code, a.batches = 8, 8, 8, '1'
   c = ml_collections.ConfigDict()
@@ -63,8 +68,17 @@ def get_config(arg=None):
   nums = dict(humaneval=4 if a.runlocal else a.humaneval,
               docstrings=8 if a.runlocal else a.docstrings,
               code_completion=8 if a.runlocal else a.code)
+  # Settings beside the paper's: warpers for the sampled decoding, processors for both.
+  both = {name: getattr(a, name) for name, off in (('repetition_penalty', 1.0),
+                                                   ('no_repeat_ngram_size', 0))
+          if getattr(a, name) != off}
+  sampled = dict(both, **{name: getattr(a, name) for name, off in (
+      ('top_p', -1.0), ('min_p', 0.0), ('typical_p', 1.0), ('epsilon_cutoff', 0.0),
+      ('eta_cutoff', 0.0)) if getattr(a, name) != off})
   c.tasks = {name: dict(num=num, **tasks.PAPER_SETTINGS[name]) for name, num in nums.items()}
-  c.greedy = dict(tasks.GREEDY)
+  for task in c.tasks.values():
+    task['nucleus'] = dict(task['nucleus'], **sampled)
+  c.greedy = dict(tasks.GREEDY, **both)
   c.data_config = ''  # A TFDS config of `docstrings` and `code_completion`; '' is the stdlib's.
   c.cost_repeats = 20
   c.mesh = dict(data=a.data, model=a.model_axis)  # 1 x 1: one device (the native CPU path).
@@ -79,6 +93,13 @@ def get_config(arg=None):
   if a.alternatives or a.branching or a.drafter == 'tree':
     c.title += ('\n\nA tree of drafts: the theory columns are a chain\'s (s measured on k + 1 '
                 'positions, the loop\'s tokens geometric in alpha), not the tree\'s.')
+  if sampled:
+    named = lambda d: ', '.join(f'{name} {value}' for name, value in d.items())
+    warpers = {name: v for name, v in sampled.items() if name not in both}
+    c.title += ('\n\nSampling beside the paper\'s: '
+                + '; '.join(filter(None, [warpers and named(warpers) + ' (nucleus)',
+                                          both and named(both) + ' (nucleus and greedy)']))
+                + '.')
   if a.lenience < 1:
     c.title += (f'\n\nLOSSY: lenience {a.lenience} accepts a draft with probability '
                 f'min(1, p / ({a.lenience} q)); SpS does not sample the target\'s law. TV: the mean '

@@ -252,6 +252,15 @@ def test_speedup_table_title_says_what_the_demo_is():
   title = lossy.title.format(**lossy)
   assert '\n\nDrafter: hybrid (n-grams 3 down to 1; ' in title
   assert '\n\nLOSSY: lenience 0.5 accepts a draft with probability min(1, p / (0.5 q))' in title
+  # Laws beside the paper's: warpers on the sampled decoding, processors on both, named.
+  other = config.get_config('root=checkpoints/demo,top_p=1.0,typical_p=0.9,'
+                            'no_repeat_ngram_size=3')
+  assert other.title.endswith("\n\nSampling beside the paper's: top_p 1.0, typical_p 0.9 "
+                              '(nucleus); no_repeat_ngram_size 3 (nucleus and greedy).')
+  assert dict(other.tasks['docstrings']['nucleus']) == dict(
+      temperature=1.0, top_k=0, top_p=1.0, typical_p=0.9, no_repeat_ngram_size=3)
+  assert dict(other.greedy) == dict(temperature=0.0, top_k=0, top_p=1.0, no_repeat_ngram_size=3)
+  assert dict(full.tasks['humaneval']['nucleus']) == dict(temperature=0.8, top_k=0, top_p=0.95)
 
 
 def test_sweep_runs_sharded_on_a_mesh(family, tmp_path):
