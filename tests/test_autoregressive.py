@@ -99,6 +99,7 @@ LAW_SETTINGS = {
     'top_p_0.8_repetition_penalty_1.8': SamplingConfig(top_p=0.8, repetition_penalty=1.8),
     'temperature_1.3_top_k_5_top_p_0.9': SamplingConfig(temperature=1.3, top_k=5, top_p=0.9),
     'temperature_0.8_no_repeat_ngram_2': SamplingConfig(temperature=0.8, no_repeat_ngram_size=2),
+    'sequence_bias': SamplingConfig(sequence_bias=(((3,), 1.0), ((4, 2), -np.inf), ((2, 5), 2.0))),
 }
 
 
@@ -123,11 +124,11 @@ def test_output_law_is_the_models_law(tiny, setting, path):
   laws = [exact_sequence_law(tiny, prompt, NEW, sampling) for prompt in PROMPTS]
   # Non-vacuous: rows given the other prompt's law, or a lost top-k / top-p, would show.
   assert 0.5 * np.abs(laws[0] - laws[1]).sum() > 0.2
-  assert ((laws[0] == 0).mean() > 0.3) == (setting not in ('temperature_1',
-                                                            'temperature_0.8_no_repeat_ngram_2'))
-  if sampling.penalised or sampling.no_repeat_ngram_size:  # Each prefix's tokens change the law.
+  assert ((laws[0] == 0).mean() > 0.3) == (setting not in (
+      'temperature_1', 'temperature_0.8_no_repeat_ngram_2', 'sequence_bias'))
+  if sampling.penalised or sampling.reads_context:  # Each prefix's tokens change the law.
     plain = exact_sequence_law(tiny, PROMPTS[0], NEW, dataclasses.replace(
-        sampling.without_penalty(), no_repeat_ngram_size=0))
+        sampling.without_penalty(), no_repeat_ngram_size=0, sequence_bias=()))
     assert 0.5 * np.abs(laws[0] - plain).sum() > 0.1
   for i, (prompt, law) in enumerate(zip(PROMPTS, laws)):
     pvalue = g_test_pvalue(sequence_counts(tokens[i::2], V_SMALL), law)

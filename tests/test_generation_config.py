@@ -6,6 +6,7 @@ The defaults and the refused settings were read from transformers 5.25.0
 import json
 import re
 
+import numpy as np
 import pytest
 
 from spsjax.sampling import SamplingConfig, generation_config
@@ -44,6 +45,11 @@ def _write(tmp_path, settings):
     ({'no_repeat_ngram_size': 3}, SamplingConfig(temperature=0.0, no_repeat_ngram_size=3)),
     ({'do_sample': True, 'top_k': 0, 'no_repeat_ngram_size': 2, 'repetition_penalty': 1.2},
      SamplingConfig(top_k=0, no_repeat_ngram_size=2, repetition_penalty=1.2)),
+    # Biases, banned words (not the eos alone, as transformers) and suppressed tokens, greedy too.
+    ({'sequence_bias': [[[5, 6], 1.5], [[7], -0.5]], 'bad_words_ids': [[9], [2], [3, 4]],
+      'suppress_tokens': [11], 'eos_token_id': [2, 8]},
+     SamplingConfig(temperature=0.0, sequence_bias=(
+         ((5, 6), 1.5), ((7,), -0.5), ((9,), -np.inf), ((3, 4), -np.inf), ((11,), -np.inf)))),
     # Settings at the values that do nothing, or that do not change the law.
     ({'do_sample': True, 'repetition_penalty': 1.0, 'num_beams': 1, 'bad_words_ids': None,
       'max_new_tokens': 512, 'pad_token_id': 0}, SamplingConfig(top_k=50)),
@@ -58,9 +64,9 @@ def test_no_file_is_transformers_defaults(tmp_path):
 
 @pytest.mark.parametrize('settings, named', [
     ({'do_sample': True, 'top_k': 20, 'top_h': 0.4}, 'top_h=0.4'),
-    ({'do_sample': False, 'suppress_tokens': [3]}, 'suppress_tokens=[3]'),
-    ({'do_sample': True, 'typical_p': 0.9, 'bad_words_ids': [[5]], 'num_beams': 2},
-     'bad_words_ids=[[5]], num_beams=2'),
+    ({'do_sample': False, 'begin_suppress_tokens': [3]}, 'begin_suppress_tokens=[3]'),
+    ({'do_sample': True, 'typical_p': 0.9, 'min_length': 5, 'num_beams': 2},
+     'min_length=5, num_beams=2'),
     ({'num_beams': 4}, 'num_beams=4'),
 ])
 def test_settings_spsjax_cannot_sample_are_refused_by_name(tmp_path, settings, named):
@@ -71,10 +77,10 @@ def test_settings_spsjax_cannot_sample_are_refused_by_name(tmp_path, settings, n
 
 def test_ignore_drops_what_it_names_only(tmp_path):
   path = _write(tmp_path, {'do_sample': True, 'top_k': 20, 'typical_p': 0.9,
-                           'num_beams': 4, 'suppress_tokens': [3]})
+                           'num_beams': 4, 'min_new_tokens': 3})
   with pytest.raises(ValueError, match='num_beams=4'):
-    generation_config.sampling_config(path, ignore=['suppress_tokens'])
-  got = generation_config.sampling_config(path, ignore=['suppress_tokens', 'num_beams'])
+    generation_config.sampling_config(path, ignore=['min_new_tokens'])
+  got = generation_config.sampling_config(path, ignore=['min_new_tokens', 'num_beams'])
   assert got == SamplingConfig(top_k=20, typical_p=0.9)
   with pytest.raises(ValueError, match=r"\['top_p', 'typical_p'\] are not"):
     generation_config.sampling_config(path, ignore=['top_p', 'typical_p'])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from spsjax.models import TokenTree
-from spsjax.sampling import ngrams
+from spsjax.sampling import SamplingConfig, ngrams
 
 
 def reference_banned(context, n, vocab_size):
@@ -44,9 +44,10 @@ def test_banned_after_is_transformers_set(n):
   assert banned_somewhere >= B * R // 5
 
 
-def test_banned_through_each_prefix():
+def test_offsets_through_each_prefix():
   tokens = np.array([[1, 2, 1, 2, 3, 1], [0, 0, 0, 4, 0, 0]], np.int32)
-  got = np.asarray(ngrams.banned_through(jnp.asarray(tokens), 2, 5))
+  got = _banned(ngrams.offsets_through(jnp.asarray(tokens), SamplingConfig(
+      no_repeat_ngram_size=2), 5))
   for b in range(2):
     for t in range(6):
       np.testing.assert_array_equal(got[b, t], reference_banned(list(tokens[b, :t + 1]), 2, 5))
@@ -55,26 +56,36 @@ def test_banned_through_each_prefix():
 
 def _history(n):
   prompts = jnp.array([[1, 2, 3, 1, -1, -1], [4, 4, 1, 2, 4, 3]], jnp.int32)
-  return ngrams.History.of_prompts(n, prompts, jnp.array([4, 6], jnp.int32), 8, 6)
+  return ngrams.History.of_prompts(SamplingConfig(no_repeat_ngram_size=n), prompts,
+                                   jnp.array([4, 6], jnp.int32), 8, 6)
+
+
+def _banned(offsets):
+  """The tokens at -inf; every other offset 0 (an n-gram ban alone)."""
+  offsets = np.asarray(offsets)
+  assert np.all((offsets == 0) | (offsets == -np.inf))
+  return offsets == -np.inf
 
 
 def test_history_appends_and_bans_along_a_chain():
   """`append` commits counts[b] tokens per row; a chain's slot j reads the committed tokens and
   the drafts before it (`banned_along_chain`, `banned_at` with a traced slot)."""
-  assert ngrams.History.of_prompts(0, jnp.zeros((1, 2), jnp.int32), jnp.ones(1), 3, 5) is None
+  assert ngrams.History.of_prompts(SamplingConfig(), jnp.zeros((1, 2), jnp.int32), jnp.ones(1),
+                                   3, 5) is None
   history = _history(2).append(jnp.array([[2, 5, 0], [1, 1, 1]]), jnp.array([2, 0]))
   np.testing.assert_array_equal(history.lengths_B, [6, 6])
   np.testing.assert_array_equal(history.tokens_BxS[:, :7], [[1, 2, 3, 1, 2, 5, -1],
                                                             [4, 4, 1, 2, 4, 3, -1]])
   committed = [[1, 2, 3, 1, 2, 5], [4, 4, 1, 2, 4, 3]]
-  np.testing.assert_array_equal(history.banned(), [reference_banned(c, 2, 6) for c in committed])
+  np.testing.assert_array_equal(_banned(history.after()),
+                                [reference_banned(c, 2, 6) for c in committed])
   drafts = jnp.array([[3, 1, 2], [4, 1, 0]], jnp.int32)
-  chain = np.asarray(history.banned_along_chain(drafts, 4))
+  chain = _banned(history.along_chain(drafts, 4))
   for j in range(4):
     want = [reference_banned(c + list(np.asarray(drafts[b, :j])), 2, 6)
             for b, c in enumerate(committed)]
     np.testing.assert_array_equal(chain[:, j], want, err_msg=f'slot {j}')
-    np.testing.assert_array_equal(jax.jit(history.banned_at)(drafts, jnp.int32(j)), want)
+    np.testing.assert_array_equal(_banned(jax.jit(history.at)(drafts, jnp.int32(j))), want)
   assert chain.any(axis=-1).sum() >= 5
 
 
@@ -84,7 +95,7 @@ def test_history_bans_along_a_tree():
   tree = TokenTree((0, 0, 1, 1, 2, 3))  # Depths 1, 1, 2, 2, 2, 3.
   history = _history(3)
   tokens = jnp.array([[1, 4, 2, 3, 1, 1], [2, 4, 3, 2, 4, 1]], jnp.int32)  # Nodes 1 .. 6.
-  got = np.asarray(history.banned_along_tree(tokens, tree))
+  got = _banned(history.along_tree(tokens, tree))
   committed = [[1, 2, 3, 1], [4, 4, 1, 2, 4, 3]]
   for node in range(7):
     path = [a for a in np.flatnonzero(tree.ancestors[node]) if a > 0]
@@ -95,8 +106,54 @@ def test_history_bans_along_a_tree():
   assert got.any(axis=-1).sum() >= 2
 
 
-def test_ban_sets_minus_infinity():
+def test_shift_adds_the_offsets():
   logits = jnp.array([[0.5, 1.0, -2.0]])
-  np.testing.assert_array_equal(ngrams.ban(logits, jnp.array([[False, True, False]])),
-                                [[0.5, -np.inf, -2.0]])
-  assert ngrams.ban(logits, None) is logits
+  np.testing.assert_array_equal(ngrams.shift(logits, jnp.array([[0.0, -np.inf, 1.5]])),
+                                [[0.5, -np.inf, -0.5]])
+  assert ngrams.shift(logits, None) is logits
+
+
+def reference_biases(context, sequence_bias, vocab_size):
+  """transformers' SequenceBiasLogitsProcessor for one context: single tokens always; a longer
+  sequence's bias on its last token when the context holds at least as many tokens and ends
+  with the others."""
+  out = np.zeros(vocab_size)
+  for tokens, bias in sequence_bias:
+    ends_with = list(context[len(context) - len(tokens) + 1:]) == list(tokens[:-1])
+    if len(tokens) == 1 or (len(tokens) <= len(context) and ends_with):
+      out[tokens[-1]] += bias
+  return out
+
+
+def test_sequence_biases_and_bans_after_each_context():
+  """Biases of sequences of 1-3 tokens (finite and -inf, two on one token), with a 2-gram ban
+  beside them (-inf wins), against transformers' rules, at every context length."""
+  bias = (((3,), 1.5), ((1, 2), -2.0), ((2, 1, 0), -np.inf), ((0, 2), 0.75), ((4, 2), 0.5))
+  sampling = SamplingConfig(sequence_bias=bias, no_repeat_ngram_size=2)
+  rng = np.random.default_rng(0)
+  V, B, S = 5, 4, 16
+  seqs = rng.integers(0, V, (B, S)).astype(np.int32)
+  ends = np.tile(np.arange(1, S + 1, dtype=np.int32), (B, 1))
+  got = np.asarray(ngrams.offsets_after(jnp.asarray(seqs)[:, None], jnp.asarray(ends), sampling,
+                                        V))
+  applied = 0
+  for b in range(B):
+    for r, end in enumerate(ends[b]):
+      context = list(seqs[b, :end])
+      want = np.where(reference_banned(context, 2, V), -np.inf,
+                      reference_biases(context, bias, V))
+      np.testing.assert_array_equal(got[b, r], want, err_msg=f'row {b}, context {context}')
+      applied += np.sum(np.isfinite(want) & (want != 0) & (want != 1.5))
+  assert applied >= 10
+
+
+def test_sequence_bias_settings():
+  s = SamplingConfig(sequence_bias=[[[1, 2], -1.0], [[7], float('-inf')]])
+  assert s.sequence_bias == (((1, 2), -1.0), ((7,), float('-inf'))) and s.reads_context
+  assert hash(s) == hash(SamplingConfig(sequence_bias=(((1, 2), -1.0), ((7,), -np.inf))))
+  for bad in ([[[], 1.0]], [[[-1], 1.0]], [[[1], float('nan')]], [[1, 2]], 'x'):
+    with pytest.raises(ValueError, match='sequence_bias'):
+      SamplingConfig(sequence_bias=bad)
+  with pytest.raises(ValueError, match='outside the vocabulary of 5'):
+    ngrams.History.of(SamplingConfig(sequence_bias=[[[5], 1.0]]), jnp.zeros((1, 3), jnp.int32),
+                      jnp.ones(1, jnp.int32), 5)

@@ -143,6 +143,21 @@ def test_repetition_penalty_is_transformers():
     probabilities(jnp.asarray(logits), s)
 
 
+@pytest.mark.parametrize('native_kernel', [False, True])
+def test_context_rules_are_refused_unshifted(native_kernel):
+  """An n-gram ban or sequence biases read the tokens before the position: every entry point
+  refuses them rather than sample without them (`ngrams.History` shifts the logits first)."""
+  logits = jnp.asarray(LOGITS, jnp.float32)[None]
+  for s in (SamplingConfig(no_repeat_ngram_size=2), SamplingConfig(sequence_bias=[[[1], -1.0]])):
+    with pytest.raises(ValueError, match='without_context'):
+      processors.probabilities_and_sample(jax.random.key(0)[None], logits, s,
+                                          native_kernel=native_kernel)
+    with pytest.raises(ValueError, match='without_context'):
+      probabilities(logits, s)
+    np.testing.assert_allclose(probabilities(logits, s.without_context()), [_softmax(LOGITS)],
+                               rtol=1e-6)
+
+
 def test_tokens_present_through_each_position():
   tokens = jnp.array([[3, 1, 3, -1], [0, 0, 4, 2]])
   got = np.asarray(processors.present_through(tokens, 5))

@@ -56,6 +56,8 @@ SETTINGS = {
     'typical_p_0.9_epsilon_0.15': (SamplingConfig(typical_p=0.9, epsilon_cutoff=0.15), None),
     'temperature_0.9_no_repeat_ngram_2': (
         SamplingConfig(temperature=0.9, no_repeat_ngram_size=2), None),
+    'sequence_bias': (SamplingConfig(sequence_bias=(
+        ((4,), 1.0), ((2, 3), -1.5), ((4, 2), -np.inf), ((3, 3, 0), 2.0))), None),
     'draft_hotter': (SamplingConfig(), SamplingConfig(temperature=2.0)),
     'draft_greedy': (SamplingConfig(), GREEDY),
     'draft_is_target': (SamplingConfig(), None),
@@ -283,32 +285,40 @@ def test_greedy_sps_equals_greedy_ars_with_a_repetition_penalty(pair):
       np.testing.assert_array_equal(sps.num_accepted, k * np.asarray(sps.num_loops))
 
 
-def test_greedy_sps_equals_greedy_ars_without_repeated_ngrams(pair):
-  """Greedy with no repeated 3-gram (2-gram at k = 2): the ban reads each row's prompt and
-  generated tokens (and in SpS the drafts before each slot, or a tree node's path) and changes
-  the tokens. A model drafter bans as the target does: with draft == target every draft is
-  accepted; a tree drafter and alternatives ban along each node's path."""
+@pytest.mark.parametrize('setting', ['no_repeat_ngram', 'sequence_bias'])
+def test_greedy_sps_equals_greedy_ars_with_context_rules(pair, setting):
+  """Greedy with no repeated 3-gram (2-gram at k = 2), or with sequence biases (a banned word,
+  biases of 1-3 token sequences): both read each row's prompt and generated tokens (and in SpS
+  the drafts before each slot, or a tree node's path) and change the tokens. A model drafter
+  applies them as the target does: with draft == target every draft is accepted; a tree drafter
+  and alternatives along each node's path."""
   target, draft = pair
   prompts, lengths = _ragged(3)
+  biases = (((7,), 3.0), ((5, 9), -np.inf), ((9,), 2.5), ((20, 3), 4.0), ((1, 2, 30), 5.0))
   for n, cases in ((3, [(draft, 3, drafters.ModelDrafter()), (target, 4, drafters.ModelDrafter()),
                         (draft, 3, tree_drafters.TreeDrafter(branching=(2, 2, 1))),
                         (target, 3, drafters.ModelDrafter(alternatives=2))]),
                    (2, [(models.for_decoding(draft), 2, drafters.ModelDrafter())])):
-    banned = SamplingConfig(temperature=0.0, no_repeat_ngram_size=n)
+    sampling = (SamplingConfig(temperature=0.0, no_repeat_ngram_size=n)
+                if setting == 'no_repeat_ngram' else
+                SamplingConfig(temperature=0.0, sequence_bias=biases[:n + 2]))
     ars = autoregressive_sample(target, prompts, lengths, jax.random.key(0), max_new_tokens=20,
-                                sampling=banned)
+                                sampling=sampling)
     plain = autoregressive_sample(target, prompts, lengths, jax.random.key(0),
                                   max_new_tokens=20, sampling=GREEDY)
     assert not np.array_equal(ars.tokens, plain.tokens)
     for b in range(len(lengths)):
       seq = list(np.asarray(prompts[b, :lengths[b]])) + list(np.asarray(ars.tokens[b]))
-      new = [tuple(seq[i:i + n]) for i in range(len(seq) - n + 1)][lengths[b] - n + 1:]
-      old = {tuple(seq[i:i + n]) for i in range(lengths[b] - n + 1)}
-      assert len(set(new)) == len(new) and not old & set(new), f'row {b}: {seq}'
+      if setting == 'no_repeat_ngram':
+        new = [tuple(seq[i:i + n]) for i in range(len(seq) - n + 1)][lengths[b] - n + 1:]
+        old = {tuple(seq[i:i + n]) for i in range(lengths[b] - n + 1)}
+        assert len(set(new)) == len(new) and not old & set(new), f'row {b}: {seq}'
+      else:  # The banned word (5, 9) never completed.
+        assert all(seq[i:i + 2] != [5, 9] for i in range(lengths[b] - 1, len(seq) - 1)), seq
     for the_draft, k, drafter in cases:
       sps = speculative_sample(models.for_decoding(target) if n == 2 else target, the_draft,
                                prompts, lengths, jax.random.key(1), k=k, max_new_tokens=20,
-                               sampling=banned, drafter=drafter)
+                               sampling=sampling, drafter=drafter)
       np.testing.assert_array_equal(sps.tokens, ars.tokens, err_msg=f'n={n} k={k} {drafter}')
       if the_draft is target and drafter == drafters.ModelDrafter():
         np.testing.assert_array_equal(sps.num_accepted, k * np.asarray(sps.num_loops))

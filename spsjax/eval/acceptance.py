@@ -26,7 +26,7 @@ from spsjax.models import feature_head
 from spsjax.data import prompts as prompts_lib
 from spsjax.data.tokenizer import Tokenizer
 from spsjax.eval import likelihood, tasks
-from spsjax.sampling import processors, rejection
+from spsjax.sampling import ngrams, processors, rejection
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -42,8 +42,15 @@ def _sums(sampling_config, lenience, target: models.Model, draft: models.Model, 
   draft_BxLxV = feature_head.next_token_logits(draft, target, tokens_BxL)
   present_BxLxV = (processors.present_through(tokens_BxL, target.config.vocab_size)
                    if sampling_config.penalised else None)
-  p = sampling.probabilities(target_BxLxV, sampling_config, present_xV=present_BxLxV)
-  q = sampling.probabilities(draft_BxLxV, sampling_config.without_penalty())  # As SpS drafts.
+  shifted = lambda x_BxLxV: x_BxLxV
+  if sampling_config.reads_context:  # The n-gram ban and sequence biases shift both (as a
+    # model drafter's; a head drafts without them).
+    offsets_BxLxV = ngrams.offsets_through(tokens_BxL, sampling_config, target.config.vocab_size)
+    shifted = lambda x_BxLxV: ngrams.shift(x_BxLxV, offsets_BxLxV)
+  p = sampling.probabilities(shifted(target_BxLxV), sampling_config.without_context(),
+                             present_xV=present_BxLxV)
+  q = sampling.probabilities(shifted(draft_BxLxV),  # As SpS drafts.
+                             sampling_config.without_context().without_penalty())
   beta_BxL = rejection.acceptance_probability(p / lenience, q)
   tv_BxL = 0.5 * jnp.sum(jnp.abs(rejection.lenient_law(p, q, lenience) - p), axis=-1)
   total = lambda x_BxL: jnp.sum(jnp.where(mask_BxL, x_BxL, 0.0))

@@ -107,10 +107,10 @@ def _probabilities(config, params, tokens_BxT, sampling):
   present_BxTxV = (present_through(tokens_BxT, config.vocab_size) if sampling.penalised
                    else None)
   logits_BxTxV = models.logits(config, params, tokens_BxT)
-  if sampling.no_repeat_ngram_size:
-    logits_BxTxV = ngrams.ban(logits_BxTxV, ngrams.banned_through(
-        tokens_BxT, sampling.no_repeat_ngram_size, config.vocab_size))
-  return probabilities(logits_BxTxV, sampling, present_xV=present_BxTxV)
+  if sampling.reads_context:
+    logits_BxTxV = ngrams.shift(logits_BxTxV, ngrams.offsets_through(tokens_BxT, sampling,
+                                                                      config.vocab_size))
+  return probabilities(logits_BxTxV, sampling.without_context(), present_xV=present_BxTxV)
 
 
 def exact_sequence_law(model: models.Model, prompt, num_tokens: int,

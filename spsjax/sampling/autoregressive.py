@@ -29,7 +29,7 @@ class _State:
   cache: KVCache
   row_keys_B: jax.Array
   present_BxV: jax.Array | None  # The tokens present per row (a repetition penalty's), or None.
-  history: ngrams.History | None  # The committed tokens (an n-gram ban's), or None.
+  history: ngrams.History | None  # The committed tokens (`ngrams`' settings), or None.
 
 
 def _last_tokens(state: _State) -> jax.Array:
@@ -47,10 +47,11 @@ class Loop(common.LoopSettings):
     """Samples one token per active row and records it; stopped rows are left as they are."""
     keys_B = common.step_keys(state.row_keys_B, state.num_generated_B)
     if state.history is not None:
-      logits_BxV = ngrams.ban(logits_BxV, state.history.banned())
+      logits_BxV = ngrams.shift(logits_BxV, state.history.after())
     _, new_B = probabilities_and_sample(
-        keys_B, common.whole_vocabulary(logits_BxV, self.mesh, self.rules), self.sampling,
-        native_kernel=self.native_kernel, present_BxV=state.present_BxV)
+        keys_B, common.whole_vocabulary(logits_BxV, self.mesh, self.rules),
+        self.sampling.without_context(), native_kernel=self.native_kernel,
+        present_BxV=state.present_BxV)
     tokens_BxW, num_generated_B, done_B, emitted_B = common.commit(
         state.tokens_BxW, state.num_generated_B, state.done_B, new_B[:, None],
         jnp.ones_like(new_B), eos_id=self.eos_id, max_new_tokens=self.max_new_tokens)
@@ -73,7 +74,7 @@ class Loop(common.LoopSettings):
         row_keys_B=common.row_keys(rng, B),
         present_BxV=common.initial_present(self.sampling, prompts_BxP, prompt_lengths_B,
                                            model.config.vocab_size),
-        history=ngrams.History.of_prompts(self.sampling.no_repeat_ngram_size, prompts_BxP,
+        history=ngrams.History.of_prompts(self.sampling, prompts_BxP,
                                           prompt_lengths_B, self.max_new_tokens,
                                           model.config.vocab_size))
     return self._emit(state, last_logits_Bx1xV[:, 0])

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 
 from spsjax.models import KVCache, Model, TokenTree, extend, kv_cache, prefill
 from spsjax.sampling import common, ngrams, siblings
-from spsjax.sampling.processors import mark_present, probabilities_and_sample_with, uniforms
+from spsjax.sampling.processors import (SamplingConfig, mark_present, probabilities_and_sample_with,
+                                        uniforms)
 
 
 @flax.struct.dataclass
@@ -91,11 +92,9 @@ class Committed:
     return common.last_token(self.prompts_BxP, self.prompt_lengths_B, self.tokens_BxW,
                              self.num_generated_B, back)
 
-  def history(self, n: int) -> ngrams.History | None:
-    """The committed tokens for a ban of repeated n-grams of size n (None for n = 0: none)."""
-    if not n:
-      return None
-    return ngrams.History(self.sequence(), self.lengths_B, n, self.vocab_size)
+  def history(self, sampling: SamplingConfig) -> ngrams.History | None:
+    """The committed tokens for `sampling`'s n-gram ban and sequence biases (None without)."""
+    return ngrams.History.of(sampling, self.sequence(), self.lengths_B, self.vocab_size)
 
   def sequence(self) -> jax.Array:
     """int32[B, P + W]: each row's committed tokens from position 0, then PAD_ID."""
@@ -280,8 +279,9 @@ def draw_draft(loop, uniforms_B: jax.Array, logits_BxV: jax.Array,
   penalty reads `present_BxV` (the committed tokens and the slot's earlier drafts); a drafter
   that passes none drafts without the penalty (q is still the law drawn from: SpS stays exact)."""
   whole = lambda x_BxV: common.whole_vocabulary(x_BxV, loop.mesh, loop.rules)
-  sampling = loop.draft_sampling if present_BxV is not None else (
-      loop.draft_sampling.without_penalty())
+  # The n-gram ban and sequence biases shift the logits before (a drafter that reads them).
+  sampling = loop.draft_sampling.without_context()
+  sampling = sampling if present_BxV is not None else sampling.without_penalty()
   q_BxV, d_B = probabilities_and_sample_with(uniforms_B, whole(logits_BxV), sampling,
                                              native_kernel=loop.native_kernel,
                                              present_BxV=present_BxV)
@@ -397,9 +397,9 @@ class ModelDrafter(Drafter):
     logits_Bx1xV, cache = extend(draft.config, draft.params, cache, last2_Bx2,
                                  logits_at_BxL=jnp.ones((B, 1), jnp.int32),  # The second's.
                                  counts_B=committed.counts(2))
-    history = committed.history(loop.draft_sampling.no_repeat_ngram_size)
+    history = committed.history(loop.draft_sampling)
     q_BxV, d_B, _, alternatives = choose(0, logits_Bx1xV[:, 0], committed.present_BxV,
-                                         None if history is None else history.banned())
+                                         None if history is None else history.after())
     drafts = _Drafts.first(k, d_B, q_BxV, cache, alternatives)
     step = functools.partial(self._step, draft, committed, choose, history)
     if self.ragged:  # Stops when no row drafts on.
@@ -412,13 +412,13 @@ class ModelDrafter(Drafter):
                                     drafts.alternatives), drafts.cache)
 
   def _choose(self, loop, uniforms_BxK, forced_BxK, num_forced_B, i, logits_BxV,
-              present_BxV=None, banned_BxV=None, alternative_keys_BxK=None):
+              present_BxV=None, offsets_BxV=None, alternative_keys_BxK=None):
     """Slot i of every row: (q, draft, whether the row drafts on, the slot's alternatives
     (`siblings.Siblings`) or None), the tokens `present_BxV` before it with a repetition
-    penalty, those `banned_BxV` as repeated n-grams. The plain model draft (no forced tokens,
-    fixed k) pays for nothing else per step."""
+    penalty, the logits shifted by `offsets_BxV` (`ngrams`). The plain model draft (no forced
+    tokens, fixed k) pays for nothing else per step."""
     B, V = logits_BxV.shape
-    logits_BxV = ngrams.ban(logits_BxV, banned_BxV)
+    logits_BxV = ngrams.shift(logits_BxV, offsets_BxV)
     # Whole rows on a mesh: the confidence's reductions need no collectives either.
     logits_BxV = common.whole_vocabulary(logits_BxV, loop.mesh, loop.rules)
     q_BxV, d_B = draw_draft(loop, uniforms_BxK[:, i], logits_BxV, present_BxV)
@@ -454,9 +454,9 @@ class ModelDrafter(Drafter):
     if committed.present_BxV is not None:  # The committed tokens and the slots before d.i.
       present_BxV = mark_present(committed.present_BxV, d.tokens_BxK,
                                  jnp.full(d.num_B.shape, d.i, jnp.int32))
-    banned_BxV = None if history is None else history.banned_at(d.tokens_BxK, d.i)
+    offsets_BxV = None if history is None else history.at(d.tokens_BxK, d.i)
     q_BxV, d_B, confident_B, alternatives = choose(d.i, logits_Bx1xV[:, 0], present_BxV,
-                                                   banned_BxV)
+                                                   offsets_BxV)
     if alternatives is not None:
       alternatives = siblings.set_slot(d.alternatives, d.i, alternatives)
     return _Drafts(i=d.i + 1, tokens_BxK=d.tokens_BxK.at[:, d.i].set(d_B),

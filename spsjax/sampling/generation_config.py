@@ -10,8 +10,12 @@ top-k (0 off), top-p, min-p, typical-p and the epsilon and eta cutoffs, in trans
 which is `processors`'; as in transformers, a typical_p of 1 or more and a cutoff outside (0, 1)
 are off.
 
-Settings that make transformers sample another law than those give (banned words, beams,
-...) are refused by name: spsjax would
+`sequence_bias` ([token ids, bias] pairs), `bad_words_ids` (a bias of -inf on each, but a word
+that is one eos id, as transformers drops it) and `suppress_tokens` (-inf on each) become
+`SamplingConfig.sequence_bias`, greedy or not.
+
+Settings that make transformers sample another law than those give (beams, length constraints,
+forced tokens, ...) are refused by name: spsjax would
 sample a different law and say nothing. `ignore` names those the caller drops knowingly. Settings
 that do not change the law (eos and pad ids, lengths, caching, output options) are not read here
 (the eos ids: `data.hf_tokenizer`).
@@ -35,8 +39,7 @@ _DEFAULTS = dict(do_sample=False, temperature=1.0, top_k=50, top_p=1.0, min_p=No
 # (None: unset does nothing too). Each is a processor of `GenerationMixin._get_logits_processor`
 # or another decoding method.
 _NO_EFFECT: dict[str, tuple[Any, ...]] = {
-    'top_h': (), 'bad_words_ids': (),
-    'suppress_tokens': (), 'begin_suppress_tokens': (), 'sequence_bias': (),
+    'top_h': (), 'begin_suppress_tokens': (),
     'guidance_scale': (1.0,), 'forced_bos_token_id': (), 'forced_eos_token_id': (),
     'exponential_decay_length_penalty': (), 'min_length': (0,), 'min_new_tokens': (0,),
     'num_beams': (1,), 'num_beam_groups': (1,), 'diversity_penalty': (0.0,),
@@ -74,9 +77,10 @@ def from_dict(settings: dict, ignore: Iterable[str] = ()) -> SamplingConfig:
   value = lambda name: _DEFAULTS[name] if settings.get(name) is None else settings[name]
   penalty = float(value('repetition_penalty'))
   ngram = int(value('no_repeat_ngram_size'))
+  bias = _sequence_bias(settings)
   if not value('do_sample'):
     return SamplingConfig(temperature=0.0, repetition_penalty=penalty,
-                          no_repeat_ngram_size=ngram)
+                          no_repeat_ngram_size=ngram, sequence_bias=bias)
   if not value('temperature') > 0:
     raise ValueError(f'generation_config.json samples (do_sample) at temperature '
                      f'{value("temperature")!r}; transformers needs it > 0.')
@@ -84,8 +88,24 @@ def from_dict(settings: dict, ignore: Iterable[str] = ()) -> SamplingConfig:
   return SamplingConfig(temperature=float(value('temperature')), top_k=int(value('top_k')),
                         top_p=float(value('top_p')), min_p=float(value('min_p') or 0.0),
                         repetition_penalty=penalty, no_repeat_ngram_size=ngram,
+                        sequence_bias=bias,
                         typical_p=min(float(value('typical_p')), 1.0),
                         epsilon_cutoff=cutoff('epsilon_cutoff'), eta_cutoff=cutoff('eta_cutoff'))
+
+
+def _sequence_bias(settings: dict) -> tuple:
+  """`sequence_bias`, `bad_words_ids` and `suppress_tokens` as (token ids, bias) pairs, in
+  transformers' order of processors (the biases add; the bans are -inf)."""
+  bias = settings.get('sequence_bias') or []
+  if isinstance(bias, dict):
+    raise ValueError('generation_config.json gives sequence_bias as a dict; spsjax reads the '
+                     'list form, [[token ids], bias] pairs.')
+  eos = settings.get('eos_token_id')
+  eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+  bad_words = [w for w in settings.get('bad_words_ids') or [] if list(w) not in [[e] for e in eos]]
+  suppressed = [[t] for t in settings.get('suppress_tokens') or []]
+  return tuple((tuple(tokens), float(b)) for tokens, b in bias) + tuple(
+      (tuple(tokens), float('-inf')) for tokens in bad_words + suppressed)
 
 
 def sampling_config(directory: str, ignore: Iterable[str] = ()) -> SamplingConfig:

@@ -1,16 +1,22 @@
-"""No repeated n-grams (transformers' `no_repeat_ngram_size`): the tokens banned after a context.
+"""What the tokens before a position do to its logits: banned repeated n-grams and sequence biases.
 
-With size n, a token x is banned after a context c (the committed tokens, prompt first, then
-what the position reads: a chain's earlier drafts, a tree node's ancestors) iff the n-gram
-(c[-n + 1:], x) already occurs in c; n = 1 bans every token of c. A banned token's logit is -inf
-before any other processing (`ban`), as transformers' NoRepeatNGramLogitsProcessor sets it, so
-the law after it is the processed law of the other tokens, greedy decoding included; a row with
-every token banned has no distribution (`processors.probabilities`: NaN, token 0).
+Two of transformers' logit processors read the context c of a position (the committed tokens,
+prompt first, then what the position reads: a chain's earlier drafts, a tree node's ancestors):
+- `no_repeat_ngram_size` n (NoRepeatNGramLogitsProcessor): token x is banned (logit -inf) iff
+  the n-gram (c[-n + 1:], x) already occurs in c; n = 1 bans every token of c;
+- `sequence_bias` (SequenceBiasLogitsProcessor; banned words and suppressed tokens are biases of
+  -inf, `generation_config`): a sequence (s_1 .. s_L) with bias b adds b to the logit of s_L iff
+  c ends with s_1 .. s_{L-1} and holds at least L tokens (always for L = 1).
+Both act on the raw logits before any other processing (`shift`): the repetition penalty then
+reads the biased logits, as in transformers, and the law after a ban is the processed law of the
+other tokens, greedy decoding included; a row with every token banned has no distribution
+(`processors.probabilities`: NaN, token 0).
 
-Contexts are given as sequences with an end each (`banned_after`): the n-grams are found by
+Contexts are given as sequences with an end each (`offsets_after`): n-grams are found by
 comparing every window of n - 1 tokens with the context's last n - 1, O(S n) per context for
-sequences of S tokens, and the banned tokens scattered into a [V] mask. `History` holds what a
-sampler has committed and gives the contexts of a chain's slots and of a tree's nodes.
+sequences of S tokens, and the banned tokens scattered into a [V] mask; a bias compares the
+context's last L - 1 tokens with its prefix. `History` holds what a sampler has committed and gives
+the contexts of a chain's slots and of a tree's nodes.
 """
 
 import flax.struct
@@ -19,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spsjax.models import TokenTree
+from spsjax.sampling.processors import SamplingConfig
 
 
 def banned_after(sequences_BxRxS: jax.Array, ends_BxR: jax.Array, n: int,
@@ -31,11 +38,8 @@ def banned_after(sequences_BxRxS: jax.Array, ends_BxR: jax.Array, n: int,
   S, m = sequences_BxRxS.shape[-1], n - 1
   if S <= m:
     return jnp.zeros((B, R, vocab_size), bool)
-  # The context's last m tokens (clamped reads where the context is shorter: no window then
-  # ends before it, below).
   ends_BxRx1 = ends_BxR[..., None]
-  tail_BxRxM = jnp.take_along_axis(
-      sequences_BxRxS, jnp.clip(ends_BxRx1 - m + jnp.arange(m)[None, None], 0, S - 1), axis=-1)
+  tail_BxRxM = _tails(sequences_BxRxS, ends_BxR, m)
   # Window i: tokens i .. i + m - 1, then the token it would ban, i + m (before the end).
   match_BxRxI = (jnp.arange(S - m)[None, None] + m < ends_BxRx1) & (ends_BxRx1 >= m)
   for j in range(m):
@@ -49,40 +53,97 @@ def banned_after(sequences_BxRxS: jax.Array, ends_BxR: jax.Array, n: int,
       True, mode='drop')
 
 
-def banned_through(tokens_BxT: jax.Array, n: int, vocab_size: int) -> jax.Array:
-  """bool[B, T, V]: the tokens banned after each prefix tokens[:, :t + 1] of whole sequences
-  (the law of the token after position t)."""
+def _tails(sequences_BxRxS, ends_BxR, m: int):
+  """int32[B, R, m]: each context's last m tokens (clamped reads where it holds fewer)."""
+  S = sequences_BxRxS.shape[-1]
+  at_BxRxM = jnp.clip(ends_BxR[..., None] - m + jnp.arange(m)[None, None], 0, S - 1)
+  return jnp.take_along_axis(sequences_BxRxS, at_BxRxM, axis=-1)
+
+
+def biases_after(sequences_BxRxS: jax.Array, ends_BxR: jax.Array, sequence_bias,
+                 vocab_size: int) -> jax.Array:
+  """float32[B, R, V]: the sum of the biases of `sequence_bias` ((tokens, bias) pairs, ids in the
+  vocabulary) that apply after each context (module docstring)."""
+  B, R = ends_BxR.shape
+  sequences_BxRxS = jnp.broadcast_to(sequences_BxRxS, (B, R, sequences_BxRxS.shape[-1]))
+  static_V = np.zeros(vocab_size, np.float32)
+  total_BxRxV = jnp.zeros((B, R, vocab_size), jnp.float32)
+  for tokens, bias in sequence_bias:
+    if len(tokens) == 1:
+      static_V[tokens[0]] += bias
+      continue
+    prefix = jnp.asarray(tokens[:-1], sequences_BxRxS.dtype)
+    match_BxR = (jnp.all(_tails(sequences_BxRxS, ends_BxR, len(prefix)) == prefix[None, None],
+                         axis=-1) & (ends_BxR >= len(tokens)))
+    total_BxRxV = total_BxRxV.at[:, :, tokens[-1]].add(jnp.where(match_BxR, bias, 0.0))
+  return total_BxRxV + jnp.asarray(static_V)[None, None]
+
+
+def offsets_after(sequences_BxRxS: jax.Array, ends_BxR: jax.Array, sampling: SamplingConfig,
+                  vocab_size: int) -> jax.Array:
+  """float32[B, R, V]: what `sampling`'s n-gram ban (-inf) and sequence biases add to the logits
+  after each context."""
+  B, R = ends_BxR.shape
+  offsets_BxRxV = jnp.zeros((B, R, vocab_size), jnp.float32)
+  if sampling.sequence_bias:
+    offsets_BxRxV = biases_after(sequences_BxRxS, ends_BxR, sampling.sequence_bias, vocab_size)
+  if sampling.no_repeat_ngram_size:
+    offsets_BxRxV = jnp.where(banned_after(sequences_BxRxS, ends_BxR,
+                                           sampling.no_repeat_ngram_size, vocab_size),
+                              -jnp.inf, offsets_BxRxV)
+  return offsets_BxRxV
+
+
+def offsets_through(tokens_BxT: jax.Array, sampling: SamplingConfig,
+                    vocab_size: int) -> jax.Array:
+  """float32[B, T, V]: `offsets_after` each prefix tokens[:, :t + 1] of whole sequences (for
+  the law of the token after position t)."""
   B, T = tokens_BxT.shape
-  ends_BxT = jnp.broadcast_to(jnp.arange(1, T + 1, dtype=jnp.int32), (B, T))
-  return banned_after(tokens_BxT[:, None], ends_BxT, n, vocab_size)
+  ends_BxT = jnp.broadcast_to(jnp.arange(1, T + 1, dtype=jnp.int32)[None], (B, T))
+  return offsets_after(tokens_BxT[:, None], ends_BxT, sampling, vocab_size)
 
 
-def ban(logits_xV: jax.Array, banned_xV: jax.Array | None) -> jax.Array:
-  """The logits with the banned tokens' at -inf (unchanged without a mask)."""
-  if banned_xV is None:
+def shift(logits_xV: jax.Array, offsets_xV: jax.Array | None) -> jax.Array:
+  """The logits plus the offsets, in float32 (-inf bans; unchanged without offsets)."""
+  if offsets_xV is None:
     return logits_xV
-  return jnp.where(banned_xV, -jnp.inf, logits_xV)
+  return logits_xV.astype(jnp.float32) + offsets_xV
+
+
+def check_vocabulary(sampling: SamplingConfig, vocab_size: int) -> None:
+  """ValueError where a sequence bias names a token outside the vocabulary."""
+  for tokens, _ in sampling.sequence_bias:
+    if max(tokens) >= vocab_size:
+      raise ValueError(f'sequence_bias names {tokens}: a token outside the vocabulary of '
+                       f'{vocab_size}.')
 
 
 @flax.struct.dataclass
 class History:
   """What each row has committed: tokens_BxS from position 0 (PAD_ID past lengths_B), and the
-  n-gram size banned (static)."""
+  sampling settings that read it (static)."""
   tokens_BxS: jax.Array
   lengths_B: jax.Array
-  n: int = flax.struct.field(pytree_node=False)
+  sampling: SamplingConfig = flax.struct.field(pytree_node=False)
   vocab_size: int = flax.struct.field(pytree_node=False)
 
   @classmethod
-  def of_prompts(cls, n: int, prompts_BxP: jax.Array, prompt_lengths_B: jax.Array, room: int,
-                 vocab_size: int) -> 'History | None':
-    """The prompts with `room` more slots for tokens to come (`append`); None for n = 0."""
-    if not n:
+  def of(cls, sampling: SamplingConfig, tokens_BxS: jax.Array, lengths_B: jax.Array,
+         vocab_size: int) -> 'History | None':
+    """The history of committed tokens for `sampling`; None where it reads no context."""
+    if not sampling.reads_context:
       return None
+    check_vocabulary(sampling, vocab_size)
+    return cls(tokens_BxS, lengths_B, sampling, vocab_size)
+
+  @classmethod
+  def of_prompts(cls, sampling: SamplingConfig, prompts_BxP: jax.Array,
+                 prompt_lengths_B: jax.Array, room: int, vocab_size: int) -> 'History | None':
+    """The prompts with `room` more slots for tokens to come (`append`)."""
     tokens_BxS = jnp.pad(prompts_BxP.astype(jnp.int32), ((0, 0), (0, room)), constant_values=-1)
     tokens_BxS = jnp.where(jnp.arange(tokens_BxS.shape[1])[None] < prompt_lengths_B[:, None],
                            tokens_BxS, -1)
-    return cls(tokens_BxS, prompt_lengths_B.astype(jnp.int32), n, vocab_size)
+    return cls.of(sampling, tokens_BxS, prompt_lengths_B.astype(jnp.int32), vocab_size)
 
   def append(self, tokens_BxT: jax.Array, counts_B: jax.Array) -> 'History':
     """Each row's first counts_B[b] of `tokens` committed after its tokens (no room left: the
@@ -96,10 +157,12 @@ class History:
                                                             mode='drop'),
         lengths_B=self.lengths_B + counts_B.astype(self.lengths_B.dtype))
 
-  def banned(self) -> jax.Array:
-    """bool[B, V]: the tokens banned after each row's committed tokens."""
-    return banned_after(self.tokens_BxS[:, None], self.lengths_B[:, None], self.n,
-                        self.vocab_size)[:, 0]
+  def _offsets(self, sequences_BxRxS, ends_BxR):
+    return offsets_after(sequences_BxRxS, ends_BxR, self.sampling, self.vocab_size)
+
+  def after(self) -> jax.Array:
+    """float32[B, V]: the offsets after each row's committed tokens."""
+    return self._offsets(self.tokens_BxS[:, None], self.lengths_B[:, None])[:, 0]
 
   def _with(self, tokens_BxN: jax.Array) -> jax.Array:
     """int32[B, S + N]: the committed tokens with `tokens` written after each row's."""
@@ -108,20 +171,20 @@ class History:
     write = lambda row_S, t_N, at: jax.lax.dynamic_update_slice(row_S, t_N, (at,))
     return jax.vmap(write)(padded_BxS, tokens_BxN.astype(padded_BxS.dtype), self.lengths_B)
 
-  def banned_at(self, drafts_BxK: jax.Array, i) -> jax.Array:
-    """bool[B, V]: the tokens banned at a chain's slot i (traced or not), after the committed
+  def at(self, drafts_BxK: jax.Array, i) -> jax.Array:
+    """float32[B, V]: the offsets at a chain's slot i (traced or not), after the committed
     tokens and drafts[:, :i]."""
     ends_Bx1 = (self.lengths_B + i)[:, None]
-    return banned_after(self._with(drafts_BxK)[:, None], ends_Bx1, self.n, self.vocab_size)[:, 0]
+    return self._offsets(self._with(drafts_BxK)[:, None], ends_Bx1)[:, 0]
 
-  def banned_along_chain(self, drafts_BxK: jax.Array, slots: int) -> jax.Array:
-    """bool[B, slots, V]: the tokens banned at each of a chain's first `slots` slots, slot j
+  def along_chain(self, drafts_BxK: jax.Array, slots: int) -> jax.Array:
+    """float32[B, slots, V]: the offsets at each of a chain's first `slots` slots, slot j
     reading the committed tokens and drafts[:, :j]."""
     ends_BxR = self.lengths_B[:, None] + jnp.arange(slots, dtype=self.lengths_B.dtype)[None]
-    return banned_after(self._with(drafts_BxK)[:, None], ends_BxR, self.n, self.vocab_size)
+    return self._offsets(self._with(drafts_BxK)[:, None], ends_BxR)
 
-  def banned_along_tree(self, tokens_BxN: jax.Array, tree: TokenTree) -> jax.Array:
-    """bool[B, N + 1, V]: the tokens banned after each node of a tree (the root: after the
+  def along_tree(self, tokens_BxN: jax.Array, tree: TokenTree) -> jax.Array:
+    """float32[B, N + 1, V]: the offsets after each node of a tree (the root: after the
     committed tokens; node i: after them and its path, its ancestors' tokens and its own, root
     excluded, in depth order). tokens_BxN are nodes 1 .. N's."""
     depths = tree.depths
@@ -132,4 +195,4 @@ class History:
     path_tokens_BxRxD = jnp.take(tokens_BxN, jnp.asarray(np.maximum(paths_RxD - 1, 0)), axis=1)
     extended_BxRxS = jax.vmap(self._with, in_axes=1, out_axes=1)(path_tokens_BxRxD)
     ends_BxR = self.lengths_B[:, None] + jnp.asarray(depths)[None]
-    return banned_after(extended_BxRxS, ends_BxR, self.n, self.vocab_size)
+    return self._offsets(extended_BxRxS, ends_BxR)

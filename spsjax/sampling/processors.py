@@ -49,10 +49,12 @@ class SamplingConfig:
   epsilon_cutoff (Hewitt et al. 2022; 0.0: off) keeps the tokens of probability >= epsilon_cutoff,
   and eta_cutoff (the same paper; 0.0: off) those >= min(eta, sqrt(eta) exp(-H)); both keep the
   most likely token (and its ties) whatever its probability, as transformers' warpers do.
-  no_repeat_ngram_size (transformers'; 0: off) bans, before everything else, the tokens that
-  would repeat an n-gram of that size already in the row (prompt included; `ngrams`): the law
-  then depends on the tokens before the position, which every caller passes as
-  `ngrams.History`, as it passes `present_xV` for a repetition penalty.
+  no_repeat_ngram_size (transformers'; 0: off) bans the tokens that would repeat an n-gram of
+  that size already in the row (prompt included), and sequence_bias ((token ids, bias) pairs,
+  transformers' `sequence_bias`; -inf bans: banned words, suppressed tokens) adds a bias to the
+  last token of a sequence whose other tokens end the row, both before everything else
+  (`ngrams`): the law then depends on the tokens before the position, which every caller passes
+  as `ngrams.History`, as it passes `present_xV` for a repetition penalty.
   A positive temperature must be in [1.2e-38, 8.5e37], so that it and its reciprocal are float32
   normal numbers (XLA may divide by multiplying with the reciprocal; a denormal one is flushed to
   0).
@@ -66,6 +68,7 @@ class SamplingConfig:
   epsilon_cutoff: float = 0.0
   eta_cutoff: float = 0.0
   no_repeat_ngram_size: int = 0
+  sequence_bias: tuple[tuple[tuple[int, ...], float], ...] = ()
 
   def __post_init__(self):
     if not (self.temperature == 0 or
@@ -80,6 +83,14 @@ class SamplingConfig:
       raise ValueError(f'min_p must be in [0, 1] (0 is off), got {self.min_p}.')
     if not 0.0 < self.typical_p <= 1.0:
       raise ValueError(f'typical_p must be in (0, 1] (1 is off), got {self.typical_p}.')
+    try:  # Lists (a config's) become tuples: the settings are a static jit argument.
+      bias = tuple((tuple(int(t) for t in tokens), float(b)) for tokens, b in self.sequence_bias)
+    except (TypeError, ValueError):
+      bias = None
+    if bias is None or any(not tokens or min(tokens) < 0 or b != b for tokens, b in bias):
+      raise ValueError('sequence_bias must be (token ids, bias) pairs, each with at least one id '
+                       f'>= 0 and a bias that is not NaN, got {self.sequence_bias!r}.')
+    object.__setattr__(self, 'sequence_bias', bias)
     if int(self.no_repeat_ngram_size) != self.no_repeat_ngram_size or self.no_repeat_ngram_size < 0:
       raise ValueError(f'no_repeat_ngram_size must be an integer >= 0 (0 is off), got '
                        f'{self.no_repeat_ngram_size}.')
@@ -104,6 +115,17 @@ class SamplingConfig:
   def penalised(self) -> bool:
     """Whether the law depends on the tokens present (a repetition penalty other than 1)."""
     return self.repetition_penalty != 1.0
+
+  @property
+  def reads_context(self) -> bool:
+    """Whether the logits are shifted by what the tokens before the position hold (an n-gram
+    ban or sequence biases: `ngrams`)."""
+    return bool(self.no_repeat_ngram_size or self.sequence_bias)
+
+  def without_context(self) -> 'SamplingConfig':
+    """These settings without the n-gram ban and the sequence biases: the law of logits already
+    shifted by them (`ngrams.History`)."""
+    return dataclasses.replace(self, no_repeat_ngram_size=0, sequence_bias=())
 
   def without_penalty(self) -> 'SamplingConfig':
     return dataclasses.replace(self, repetition_penalty=1.0)
@@ -153,7 +175,12 @@ def penalise(logits_xV: jax.Array, sampling: SamplingConfig,
              present_xV: jax.Array | None) -> jax.Array:
   """The logits after `sampling`'s repetition penalty (themselves without one): a present
   token's logit x becomes x / penalty, or x * penalty where x < 0, as transformers'
-  RepetitionPenaltyLogitsProcessor does. A penalty needs `present_xV` (bool, the logits' shape)."""
+  RepetitionPenaltyLogitsProcessor does. A penalty needs `present_xV` (bool, the logits' shape).
+  Refuses an n-gram ban or sequence biases (`probabilities`)."""
+  if sampling.reads_context:
+    raise ValueError('no_repeat_ngram_size and sequence_bias read the tokens before each '
+                     'position: shift the logits by `ngrams.History` (or `ngrams.offsets_through`)'
+                     ' and pass sampling.without_context().')
   if not sampling.penalised:
     return logits_xV
   if present_xV is None:
@@ -178,6 +205,9 @@ def probabilities(logits_xV: jax.Array, sampling: SamplingConfig, *,
   token 0 (`draw`).
 
   `top_k_search`: top-k by that search, without `lax.top_k` (the same law; `_top_k_mask`).
+  An n-gram ban or sequence biases (`SamplingConfig.reads_context`) are refused: they read the
+  tokens before each position, so the caller shifts the logits by them (`ngrams.History`) and
+  passes `sampling.without_context()`.
   """
   logits_xV = penalise(logits_xV, sampling, present_xV).astype(jnp.float32)
   V = logits_xV.shape[-1]

@@ -187,13 +187,14 @@ class Loop(common.LoopSettings):
     first_logits_BxV = common.whole_vocabulary(first_logits_Bx1xV[:, 0], self.mesh, self.rules)
     present_BxV = common.initial_present(self.sampling, prompts_BxP, prompt_lengths_B,
                                          target.config.vocab_size)
-    history = ngrams.History.of_prompts(self.sampling.no_repeat_ngram_size, prompts_BxP,
-                                        prompt_lengths_B, 0, target.config.vocab_size)
+    history = ngrams.History.of_prompts(self.sampling, prompts_BxP, prompt_lengths_B, 0,
+                                        target.config.vocab_size)
     if history is not None:
-      first_logits_BxV = ngrams.ban(first_logits_BxV, history.banned())
+      first_logits_BxV = ngrams.shift(first_logits_BxV, history.after())
     _, first_B = probabilities_and_sample(
         jax.vmap(jax.random.fold_in)(row_keys_B, jnp.zeros((B,), jnp.uint32)), first_logits_BxV,
-        self.sampling, native_kernel=self.native_kernel, present_BxV=present_BxV)
+        self.sampling.without_context(), native_kernel=self.native_kernel,
+        present_BxV=present_BxV)
     zeros_B = jnp.zeros((B,), jnp.int32)
     tokens_BxW, num_generated_B, done_B, _ = common.commit(
         common.output_buffer(B, self.max_new_tokens, k + 1), zeros_B, jnp.zeros((B,), bool),
@@ -252,19 +253,20 @@ class Loop(common.LoopSettings):
     """Modified rejection sampling per row: (n_B, token_B), the drafts accepted and the token
     after them (drawn from the residual, or from p after the last draft when all were accepted;
     `rejection.accept_and_resample_rows`). With a repetition penalty, p at slot j reads the
-    committed tokens and the drafts before j as present; with an n-gram ban, it bans what
-    would repeat an n-gram of them (`committed`'s tokens, then the drafts)."""
-    history = committed.history(self.sampling.no_repeat_ngram_size) if committed else None
+    committed tokens and the drafts before j as present; an n-gram ban and sequence biases read
+    `committed`'s tokens, then the drafts (`ngrams`)."""
+    history = committed.history(self.sampling) if committed else None
     if history is not None:
-      logits_BxKp1xV = ngrams.ban(logits_BxKp1xV, history.banned_along_chain(
+      logits_BxKp1xV = ngrams.shift(logits_BxKp1xV, history.along_chain(
           proposal.tokens_BxK, logits_BxKp1xV.shape[1]))
     present_BxKp1xV = None
     if present_BxV is not None:
       drafted_BxKxV = present_through(proposal.tokens_BxK, present_BxV.shape[1])
       present_BxKp1xV = present_BxV[:, None] | jnp.pad(drafted_BxKxV, ((0, 0), (1, 0), (0, 0)))
-    p_BxKp1xV = (native_probabilities(logits_BxKp1xV, self.sampling, present_BxKp1xV)
+    sampling = self.sampling.without_context()  # Shifted above.
+    p_BxKp1xV = (native_probabilities(logits_BxKp1xV, sampling, present_BxKp1xV)
                  if self.native_kernel
-                 else probabilities(logits_BxKp1xV, self.sampling, present_xV=present_BxKp1xV))
+                 else probabilities(logits_BxKp1xV, sampling, present_xV=present_BxKp1xV))
     return accept_and_resample_rows(keys_B, p_BxKp1xV, proposal.q_BxKxV, proposal.tokens_BxK,
                                     proposal.num_B, self.lenience,
                                     native_kernel=self.native_kernel)
@@ -273,18 +275,20 @@ class Loop(common.LoopSettings):
                    present_BxV=None, committed: drafters.Committed | None = None):
     """A tree's accept step per row (`rejection.accept_tree`): (path [B, depth + 1], n_B,
     token_B). With a repetition penalty, p after node n reads the committed tokens and the
-    tokens of n and its ancestors as present; an n-gram ban reads them in that order."""
-    history = committed.history(self.sampling.no_repeat_ngram_size) if committed else None
+    tokens of n and its ancestors as present; an n-gram ban and sequence biases read them in
+    that order."""
+    history = committed.history(self.sampling) if committed else None
     if history is not None:
-      logits_BxNp1xV = ngrams.ban(logits_BxNp1xV, history.banned_along_tree(
+      logits_BxNp1xV = ngrams.shift(logits_BxNp1xV, history.along_tree(
           proposal.tokens_BxK, proposal.tree))
     present_BxNp1xV = None
     if present_BxV is not None:  # Node n's path: its ancestors and itself, the root's committed.
       present_BxNp1xV = present_along(present_BxV, proposal.tokens_BxK,
                                       proposal.tree.ancestors[:, 1:])
-    p_BxNp1xV = (native_probabilities(logits_BxNp1xV, self.sampling, present_BxNp1xV)
+    sampling = self.sampling.without_context()  # Shifted above.
+    p_BxNp1xV = (native_probabilities(logits_BxNp1xV, sampling, present_BxNp1xV)
                  if self.native_kernel
-                 else probabilities(logits_BxNp1xV, self.sampling, present_xV=present_BxNp1xV))
+                 else probabilities(logits_BxNp1xV, sampling, present_xV=present_BxNp1xV))
     return jax.vmap(functools.partial(accept_tree, tree=proposal.tree))(
         keys_B, p_BxNp1xV, proposal.q_BxKxV, proposal.tokens_BxK, proposal.valid_BxK)
 

@@ -45,7 +45,7 @@ def draft_tree(loop, branching: tuple[int, ...], committed: Committed, keys_BxK,
   the tree)."""
   tree = TokenTree.full(branching)
   levels = tree.levels
-  history = committed.history(loop.draft_sampling.no_repeat_ngram_size)
+  history = committed.history(loop.draft_sampling)
   B, V = keys_BxK.shape[0], committed.vocab_size
   M = tree.num_nodes + 1
   tokens_BxM = jnp.zeros((B, M), jnp.int32).at[:, 0].set(committed.last(1))
@@ -62,8 +62,8 @@ def draft_tree(loop, branching: tuple[int, ...], committed: Committed, keys_BxK,
     if committed.present_BxV is not None:  # The committed tokens and each parent's path's.
       present_RxV = rows(present_along(committed.present_BxV, tokens_BxM[:, 1:],
                                        tree.ancestors[parents:parents + L, 1:]))
-    if history is not None:  # No repeated n-gram after each parent's path.
-      logits_BxLxV = ngrams.ban(logits_BxLxV, history.banned_along_tree(
+    if history is not None:  # The n-gram ban and biases after each parent's path.
+      logits_BxLxV = ngrams.shift(logits_BxLxV, history.along_tree(
           tokens_BxM[:, 1:], tree)[:, parents:parents + L])
     q_RxV, first_R = draw_draft(loop, rows(uniforms(node_keys_BxL)), rows(logits_BxLxV),
                                 present_RxV)
