@@ -211,14 +211,10 @@ class PromptLookup(Drafter):
     start_B = jnp.zeros((B,), jnp.int32)  # Where the copied tokens start (0: no match yet).
     found_B = jnp.zeros((B,), bool)
     for n in range(self.max_ngram, self.min_ngram - 1, -1):
-      J = S - n + 1  # Candidate match positions j: seq[j:j+n] against the last n tokens.
-      match_BxJ = jnp.ones((B, J), bool)
-      for t in range(n):
-        last_B = jnp.take_along_axis(seq_BxS, jnp.maximum(c_B - n + t, 0)[:, None], axis=1)
-        match_BxJ &= seq_BxS[:, t:t + J] == last_B
-      # The match must end before the row's last token, so that at least one token follows it.
-      j_J = jnp.arange(J)
-      match_BxJ &= (j_J[None] + n <= c_B[:, None] - 1) & (c_B[:, None] > n)
+      # Candidate match positions j: seq[j:j+n] against the last n tokens, ending before the
+      # row's last token, so that at least one token follows it.
+      match_BxJ = ngrams.tail_matches(seq_BxS[:, None], c_B[:, None], n)[:, 0]
+      j_J = jnp.arange(match_BxJ.shape[1])
       latest_B = jnp.max(jnp.where(match_BxJ, j_J[None], -1), axis=1)
       take_B = ~found_B & (latest_B >= 0)
       start_B = jnp.where(take_B, latest_B + n, start_B)

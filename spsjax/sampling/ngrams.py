@@ -38,12 +38,8 @@ def banned_after(sequences_BxRxS: jax.Array, ends_BxR: jax.Array, n: int,
   S, m = sequences_BxRxS.shape[-1], n - 1
   if S <= m:
     return jnp.zeros((B, R, vocab_size), bool)
-  ends_BxRx1 = ends_BxR[..., None]
-  tail_BxRxM = _tails(sequences_BxRxS, ends_BxR, m)
-  # Window i: tokens i .. i + m - 1, then the token it would ban, i + m (before the end).
-  match_BxRxI = (jnp.arange(S - m)[None, None] + m < ends_BxRx1) & (ends_BxRx1 >= m)
-  for j in range(m):
-    match_BxRxI &= sequences_BxRxS[..., j:S - m + j] == tail_BxRxM[..., j:j + 1]
+  # Window i is followed by token i + m, the one it bans (the last window has none).
+  match_BxRxI = tail_matches(sequences_BxRxS, ends_BxR, m)[..., :S - m]
   next_BxRxI = sequences_BxRxS[..., m:]
   ids_BxRxI = jnp.where(match_BxRxI & (next_BxRxI >= 0) & (next_BxRxI < vocab_size), next_BxRxI,
                         vocab_size)
@@ -51,6 +47,19 @@ def banned_after(sequences_BxRxS: jax.Array, ends_BxR: jax.Array, n: int,
   slots_BxRxI = jnp.broadcast_to(jnp.arange(R)[None, :, None], ids_BxRxI.shape)
   return jnp.zeros((B, R, vocab_size), bool).at[rows_BxRxI, slots_BxRxI, ids_BxRxI].set(
       True, mode='drop')
+
+
+def tail_matches(sequences_BxRxS: jax.Array, ends_BxR: jax.Array, m: int) -> jax.Array:
+  """bool[B, R, S - m + 1]: [b, r, i] iff window i (tokens i .. i + m - 1) of the sequence equals
+  context r's last m tokens and is followed by a token of the context (i + m < ends[b, r]): the
+  earlier occurrences of the context's tail (m = 0: every position before the end). The n-gram
+  ban's and prompt lookup's (`drafters.PromptLookup`) search."""
+  S = sequences_BxRxS.shape[-1]
+  tail_BxRxM = _tails(sequences_BxRxS, ends_BxR, m)
+  match_BxRxI = jnp.arange(S - m + 1)[None, None] + m < ends_BxR[..., None]
+  for j in range(m):
+    match_BxRxI &= sequences_BxRxS[..., j:S - m + 1 + j] == tail_BxRxM[..., j:j + 1]
+  return match_BxRxI
 
 
 def _tails(sequences_BxRxS, ends_BxR, m: int):
