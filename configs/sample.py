@@ -6,7 +6,8 @@ initialised, random prompts of prompt_len tokens); method (ars|sps), k (or auto:
 picks k in 0 .. k_max, 0 being ArS, from a cost model measured once on this machine and the
 acceptance seen so far, `spsjax.bench.auto_k`; recalibrate measures again), batch, draft_name,
 max_new_tokens, temperature, top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff,
-repetition_penalty, no_repeat_ngram_size, seed, data/model_axis (mesh
+repetition_penalty, no_repeat_ngram_size, min_new_tokens (the eos token banned at each row's
+first new tokens: the tokenizer's eos ids, or eos_id), seed, data/model_axis (mesh
 axes), runlocal (fewer tokens); drafter (model | lookup | hybrid | feature | heads:
 `spsjax.sampling.drafter_config`; feature and heads draft with `draft_name`, a head trained by
 configs/train.py model=feature or heads, e.g. draft_name=feature), max_ngram, min_ngram
@@ -34,8 +35,8 @@ def get_config(arg=None):
                 method='ars', k='4', k_max=8, recalibrate=False, batch=4, prompt_len=16,
                 max_new_tokens=64, temperature=1.0,
                 top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0,
-                eta_cutoff=0.0, repetition_penalty=1.0, no_repeat_ngram_size=0, seed=0,
-                data=1,
+                eta_cutoff=0.0, repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0,
+                seed=0, data=1,
                 model_axis=1, runlocal=False,
                 draft_weights='w8a8', drafter='model', max_ngram=3, min_ngram=1,
                 stop_below=0.0, alternatives=0, branching='', lenience=1.0, hf_target='',
@@ -67,6 +68,7 @@ def get_config(arg=None):
   c.batch = a.batch
   c.prompt_len = a.prompt_len
   c.max_new_tokens = 16 if a.runlocal else a.max_new_tokens
+  c.min_new_tokens = a.min_new_tokens  # > 0: eos banned before (added to hf_sampling's too).
   c.eos_id = -1  # -1: no eos.
   c.seed = a.seed
   c.mesh = dict(data=a.data, model=a.model_axis)

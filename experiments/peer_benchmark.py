@@ -65,9 +65,10 @@ def main(argv):
   rows, records = [], []
   for decoding, settings in c.decodings.items():
     config = sampling.SamplingConfig(**settings)
-    if config.sequence_bias:  # Its form differs between transformers versions.
-      raise ValueError(f'{decoding}: the peer benchmark does not pass sequence_bias to '
-                       'transformers; run it without.')
+    if config.sequence_bias or config.ban_before_new or config.ban_before_length:
+      # sequence_bias's form differs between transformers versions; it runs without eos.
+      raise ValueError(f'{decoding}: the peer benchmark does not pass sequence_bias or bans by '
+                       'position to transformers; run it without.')
     greedy = config.temperature == 0
     hf_kw = dict(max_new_tokens=c.max_new_tokens, min_new_tokens=c.max_new_tokens,
                  eos_token_id=None, pad_token_id=0, do_sample=not greedy,

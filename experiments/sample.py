@@ -9,6 +9,7 @@ trained models and the prompts are HumanEval's; without either, both models are 
 initialised (said in the output) and the prompts are random ids.
 """
 
+import dataclasses
 import time
 
 from absl import app
@@ -80,6 +81,17 @@ def _prompt_room(c, target: models.TransformerConfig,
                                  speculative.headroom(k) if c.method == 'sps' else 0)
 
 
+def _with_min_new_tokens(sampling_config, min_new_tokens: int, eos_id):
+  """The eos ids banned at each row's first `min_new_tokens` new tokens (transformers'
+  min_new_tokens)."""
+  eos = common.eos_ids(eos_id)
+  if not eos:
+    raise app.UsageError(f'min_new_tokens={min_new_tokens} bans the eos token, but this run has '
+                         'none (eos_id, or a checkpoint\'s tokenizer).')
+  return dataclasses.replace(sampling_config, ban_before_new=(
+      sampling_config.ban_before_new + ((eos, int(min_new_tokens)),)))
+
+
 def main(argv):
   distributed.start(argv, _RUNTIME())
   c = _CONFIG.value
@@ -117,6 +129,9 @@ def main(argv):
                                             target.config.vocab_size), np.int32)
     lengths = np.full((c.batch,), c.prompt_len, np.int32)
     eos_id = None if c.eos_id < 0 else c.eos_id
+  if c.min_new_tokens:
+    sampling_config = _with_min_new_tokens(sampling_config, c.min_new_tokens, eos_id)
+    print0(f'Sampling: {sampling_config}')
 
   policy = {}
   if c.method == 'sps' and c.k == 'auto':

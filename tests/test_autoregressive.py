@@ -1,7 +1,6 @@
 """ArS: its output law is the model's (against enumeration, with top-k, top-p and eos); greedy
 equals an argmax rollout of the reference forward; one compilation; clear errors."""
 
-import dataclasses
 
 import chex
 import jax
@@ -100,6 +99,9 @@ LAW_SETTINGS = {
     'temperature_1.3_top_k_5_top_p_0.9': SamplingConfig(temperature=1.3, top_k=5, top_p=0.9),
     'temperature_0.8_no_repeat_ngram_2': SamplingConfig(temperature=0.8, no_repeat_ngram_size=2),
     'sequence_bias': SamplingConfig(sequence_bias=(((3,), 1.0), ((4, 2), -np.inf), ((2, 5), 2.0))),
+    # 4 banned while a row holds < 5 tokens: the first 2 new ones after (1, 4, 2), 3 after (3, 5).
+    'bans_by_position': SamplingConfig(ban_before_new=(((6,), 2), ((1,), 1)),
+                                       ban_before_length=(((4,), 5),)),
 }
 
 
@@ -127,8 +129,8 @@ def test_output_law_is_the_models_law(tiny, setting, path):
   assert ((laws[0] == 0).mean() > 0.3) == (setting not in (
       'temperature_1', 'temperature_0.8_no_repeat_ngram_2', 'sequence_bias'))
   if sampling.penalised or sampling.reads_context:  # Each prefix's tokens change the law.
-    plain = exact_sequence_law(tiny, PROMPTS[0], NEW, dataclasses.replace(
-        sampling.without_penalty(), no_repeat_ngram_size=0, sequence_bias=()))
+    plain = exact_sequence_law(tiny, PROMPTS[0], NEW,
+                               sampling.without_penalty().without_context())
     assert 0.5 * np.abs(laws[0] - plain).sum() > 0.1
   for i, (prompt, law) in enumerate(zip(PROMPTS, laws)):
     pvalue = g_test_pvalue(sequence_counts(tokens[i::2], V_SMALL), law)

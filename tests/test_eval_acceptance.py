@@ -126,3 +126,37 @@ def test_lenient_alpha_and_total_variation(family):
   assert tv / count == pytest.approx(np.mean(want_tv), abs=1e-5) and tv > 0
   exact, _ = acceptance.model_alpha(target, draft, cfg, prompts_BxP, lengths_B, out)
   assert exact < beta
+
+
+def test_alpha_with_bans_by_position(family):
+  """Half the vocabulary banned at each row's first 3 new tokens, a quarter while a row holds
+  fewer than 12 tokens (prompts of different lengths): beta from both models' laws with those
+  bans at each generated position's own count, recomputed here."""
+  target, draft, tok = family
+  V = tok.vocab_size
+  half, quarter = tuple(range(0, V, 2)), tuple(range(1, V, 4))
+  cfg = sampling.SamplingConfig(temperature=0.7, ban_before_new=((half, 3),),
+                                ban_before_length=((quarter, 12),))
+  samples = acceptance.sample_task(target, tok, _task(), cfg, batch=5, seed=2)
+  alpha, count = acceptance.samples_alpha(target, draft, samples)
+  betas, off_by_one = [], []
+  prompts_BxP, lengths_B, out = samples.calls[0]
+  tokens_BxN, num_generated_B = np.asarray(out.tokens), np.asarray(out.num_generated)
+  assert len(set(lengths_B.tolist())) > 1
+  for b in range(prompts_BxP.shape[0]):
+    L, n = int(lengths_B[b]), int(num_generated_B[b])
+    generated = tokens_BxN[b, :n]
+    assert not set(generated[:3].tolist()) & set(half)
+    assert not set(generated[:max(12 - L, 0)].tolist()) & set(quarter)
+    seq = np.concatenate([prompts_BxP[b, :L], generated])
+    p_logits, q_logits = (np.asarray(forwards.logits(m, seq), np.float64)[L - 1:L - 1 + n]
+                          for m in (target, draft))
+    def beta(g, at):
+      banned = list(half) * (at < 3) + list(quarter) * (L + at < 12)
+      p, q = (_softmax(0.7)(np.where(np.isin(np.arange(V), banned), -np.inf, x[g]))
+              for x in (p_logits, q_logits))
+      return np.minimum(p, q).sum()
+    betas += [beta(g, g) for g in range(n)]
+    off_by_one += [beta(g, g + 1) for g in range(n)]  # Bans counted one token late.
+  assert count == len(betas) and alpha == pytest.approx(np.mean(betas), abs=1e-5)
+  assert abs(np.mean(betas) - np.mean(off_by_one)) > 1e-3  # Well beyond the tolerance.

@@ -9,6 +9,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import select
 import shutil
 import subprocess
@@ -308,14 +309,19 @@ def test_sampling_as_a_checkpoints_generation_config(tmp_path):
   (target / 'generation_config.json').write_text(json.dumps(
       {'do_sample': True, 'temperature': 0.7, 'top_p': 0.9, 'min_p': 0.05,
        'repetition_penalty': 1.1, 'no_repeat_ngram_size': 3, 'suppress_tokens': [5],
-       'min_new_tokens': 2}))
+       'min_new_tokens': 2, 'eos_token_id': 3, 'forced_eos_token_id': 3}))
   run = _run('experiments/sample.py', f'--config=configs/sample.py:hf_target={target},'
-             'hf_sampling=true,hf_ignore=min_new_tokens,batch=1,max_new_tokens=4',
+             'hf_sampling=true,hf_ignore=forced_eos_token_id,batch=1,max_new_tokens=4,'
+             'min_new_tokens=3',
              '--config.repeats=1')
   assert run.returncode == 0, run.stderr[-3000:]
   assert (f'Sampling as {target}/generation_config.json asks: SamplingConfig(temperature=0.7, '
           'top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, no_repeat_ngram_size=3, '
-          "sequence_bias=(((5,), -inf),)) (dropped: min_new_tokens)") in run.stdout
+          "sequence_bias=(((5,), -inf),), ban_before_new=(((3,), 2),)) "
+          '(dropped: forced_eos_token_id)') in run.stdout
+  # min_new_tokens adds the tokenizer's eos ids to the file's bans.
+  assert re.search(r'Sampling: .*ban_before_new=\(\(\(3,\), 2\), \(\([0-9, ]+\), 3\)\)\)',
+                   run.stdout), run.stdout
 
 
 def test_binaries_take_hugging_face_directories():

@@ -50,6 +50,15 @@ def _write(tmp_path, settings):
       'suppress_tokens': [11], 'eos_token_id': [2, 8]},
      SamplingConfig(temperature=0.0, sequence_bias=(
          ((5, 6), 1.5), ((7,), -0.5), ((9,), -np.inf), ((3, 4), -np.inf), ((11,), -np.inf)))),
+    # Minimum lengths ban the eos ids; begin_suppress_tokens bans at the first new token.
+    ({'do_sample': True, 'top_k': 0, 'min_new_tokens': 4, 'min_length': 9,
+      'begin_suppress_tokens': [3, 5], 'eos_token_id': [2, 8]},
+     SamplingConfig(top_k=0, ban_before_new=(((2, 8), 4), ((3, 5), 1)),
+                    ban_before_length=(((2, 8), 9),))),
+    ({'min_new_tokens': 2, 'eos_token_id': 7},
+     SamplingConfig(temperature=0.0, ban_before_new=(((7,), 2),))),
+    ({'min_new_tokens': 0, 'min_length': 0, 'begin_suppress_tokens': []},
+     SamplingConfig(temperature=0.0)),
     # Settings at the values that do nothing, or that do not change the law.
     ({'do_sample': True, 'repetition_penalty': 1.0, 'num_beams': 1, 'bad_words_ids': None,
       'max_new_tokens': 512, 'pad_token_id': 0}, SamplingConfig(top_k=50)),
@@ -64,9 +73,9 @@ def test_no_file_is_transformers_defaults(tmp_path):
 
 @pytest.mark.parametrize('settings, named', [
     ({'do_sample': True, 'top_k': 20, 'top_h': 0.4}, 'top_h=0.4'),
-    ({'do_sample': False, 'begin_suppress_tokens': [3]}, 'begin_suppress_tokens=[3]'),
-    ({'do_sample': True, 'typical_p': 0.9, 'min_length': 5, 'num_beams': 2},
-     'min_length=5, num_beams=2'),
+    ({'do_sample': False, 'forced_eos_token_id': 3}, 'forced_eos_token_id=3'),
+    ({'do_sample': True, 'typical_p': 0.9, 'guidance_scale': 2.0, 'num_beams': 2},
+     'guidance_scale=2.0, num_beams=2'),
     ({'num_beams': 4}, 'num_beams=4'),
 ])
 def test_settings_spsjax_cannot_sample_are_refused_by_name(tmp_path, settings, named):
@@ -77,13 +86,19 @@ def test_settings_spsjax_cannot_sample_are_refused_by_name(tmp_path, settings, n
 
 def test_ignore_drops_what_it_names_only(tmp_path):
   path = _write(tmp_path, {'do_sample': True, 'top_k': 20, 'typical_p': 0.9,
-                           'num_beams': 4, 'min_new_tokens': 3})
+                           'num_beams': 4, 'forced_eos_token_id': 3})
   with pytest.raises(ValueError, match='num_beams=4'):
-    generation_config.sampling_config(path, ignore=['min_new_tokens'])
-  got = generation_config.sampling_config(path, ignore=['min_new_tokens', 'num_beams'])
+    generation_config.sampling_config(path, ignore=['forced_eos_token_id'])
+  got = generation_config.sampling_config(path, ignore=['forced_eos_token_id', 'num_beams'])
   assert got == SamplingConfig(top_k=20, typical_p=0.9)
   with pytest.raises(ValueError, match=r"\['top_p', 'typical_p'\] are not"):
     generation_config.sampling_config(path, ignore=['top_p', 'typical_p'])
+
+
+def test_minimum_lengths_need_the_eos_ids(tmp_path):
+  for name in ('min_new_tokens', 'min_length'):
+    with pytest.raises(ValueError, match='no eos_token_id'):
+      generation_config.sampling_config(_write(tmp_path, {name: 3}))
 
 
 def test_sampling_at_temperature_zero_is_refused(tmp_path):

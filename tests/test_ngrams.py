@@ -156,4 +156,72 @@ def test_sequence_bias_settings():
       SamplingConfig(sequence_bias=bad)
   with pytest.raises(ValueError, match='outside the vocabulary of 5'):
     ngrams.History.of(SamplingConfig(sequence_bias=[[[5], 1.0]]), jnp.zeros((1, 3), jnp.int32),
-                      jnp.ones(1, jnp.int32), 5)
+                      jnp.ones(1, jnp.int32), jnp.ones(1, jnp.int32), 5)
+
+
+def reference_position_bans(context_length, prompt_length, sampling, vocab_size):
+  """transformers' MinNewTokensLengthLogitsProcessor and SuppressTokensAtBeginLogitsProcessor
+  (`ban_before_new`: new tokens so far below n) and MinLengthLogitsProcessor
+  (`ban_before_length`: tokens so far below n) for one unpadded row, as a [V] mask."""
+  banned = np.zeros(vocab_size, bool)
+  for ids, n in sampling.ban_before_new:
+    if context_length - prompt_length < n:
+      banned[list(ids)] = True
+  for ids, n in sampling.ban_before_length:
+    if context_length < n:
+      banned[list(ids)] = True
+  return banned
+
+
+POSITION_BANS = SamplingConfig(ban_before_new=(((2, 5), 3), ((1,), 1)),
+                               ban_before_length=(((4,), 7), ((5,), 2)))
+
+
+def test_bans_by_position_along_chains_and_trees():
+  """Each context's new tokens count from its row's prompt (ragged: 4 and 6 tokens), at every
+  slot of a chain and node of a tree, after commits; `ban_before_new` needs the prompt's
+  length."""
+  prompts = jnp.array([[1, 2, 3, 1, -1, -1], [4, 4, 1, 2, 4, 3]], jnp.int32)
+  prompt_lengths = np.array([4, 6])
+  history = ngrams.History.of_prompts(POSITION_BANS, prompts, jnp.asarray(prompt_lengths), 8, 6)
+  drafts = jnp.array([[3, 1, 2, 0], [4, 1, 0, 2]], jnp.int32)
+  tree = TokenTree((0, 0, 1, 1, 2, 3))  # Depths 1, 1, 2, 2, 2, 3.
+  seen = set()
+  for committed in (0, 1, 2, 3):
+    if committed:
+      history = history.append(jnp.array([[0], [0]]), jnp.array([1, 1]))
+    lengths = prompt_lengths + committed
+    chain = _banned(history.along_chain(drafts, 5))
+    nodes = _banned(history.along_tree(drafts[:, :3].repeat(2, axis=1), tree))
+    for b in range(2):
+      for j in range(5):
+        want = reference_position_bans(lengths[b] + j, prompt_lengths[b], POSITION_BANS, 6)
+        np.testing.assert_array_equal(chain[b, j], want, err_msg=f'{committed}, row {b}, {j}')
+        seen.add(tuple(want))
+      for node, depth in enumerate(tree.depths):
+        np.testing.assert_array_equal(nodes[b, node], reference_position_bans(
+            lengths[b] + depth, prompt_lengths[b], POSITION_BANS, 6))
+      np.testing.assert_array_equal(_banned(history.after())[b], reference_position_bans(
+          lengths[b], prompt_lengths[b], POSITION_BANS, 6))
+  assert len(seen) >= 4  # Several different sets: the rules switch off at different slots.
+  through = _banned(ngrams.offsets_through(prompts, POSITION_BANS, 6, jnp.array([2, 3])))
+  for b, p in enumerate((2, 3)):
+    for t in range(6):
+      np.testing.assert_array_equal(through[b, t], reference_position_bans(t + 1, p,
+                                                                            POSITION_BANS, 6))
+  with pytest.raises(ValueError, match="pass the prompts' lengths"):
+    ngrams.offsets_through(prompts, POSITION_BANS, 6)
+  for name in ('ban_before_new', 'ban_before_length'):
+    with pytest.raises(ValueError, match=f'{name} names'):
+      ngrams.check_vocabulary(SamplingConfig(**{name: (((4,), 7),)}), 4)
+
+
+def test_position_ban_settings():
+  s = SamplingConfig(ban_before_new=[[[1, 2], 3]], ban_before_length=[[[7], 0]])
+  assert s.ban_before_new == (((1, 2), 3),) and s.ban_before_length == (((7,), 0),)
+  assert s.reads_context and not s.without_context().reads_context
+  assert hash(s) == hash(SamplingConfig(ban_before_new=(((1, 2), 3),),
+                                        ban_before_length=(((7,), 0),)))
+  for bad in ([[[], 1]], [[[-1], 1]], [[[1], -1]], [[[1], 1.5]], [[[1], True]], [[1, 2]], 'x'):
+    with pytest.raises(ValueError, match='ban_before_new'):
+      SamplingConfig(ban_before_new=bad)

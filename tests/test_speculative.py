@@ -58,6 +58,10 @@ SETTINGS = {
         SamplingConfig(temperature=0.9, no_repeat_ngram_size=2), None),
     'sequence_bias': (SamplingConfig(sequence_bias=(
         ((4,), 1.0), ((2, 3), -1.5), ((4, 2), -np.inf), ((3, 3, 0), 2.0))), None),
+    # 6 and 2 banned at the first two new tokens (2 while the row holds < 5), 1 at the first:
+    # total variation 0.68 from the law without.
+    'bans_by_position': (SamplingConfig(ban_before_new=(((6,), 2), ((1,), 1)),
+                                        ban_before_length=(((2,), 5),)), None),
     'draft_hotter': (SamplingConfig(), SamplingConfig(temperature=2.0)),
     'draft_greedy': (SamplingConfig(), GREEDY),
     'draft_is_target': (SamplingConfig(), None),
@@ -285,36 +289,48 @@ def test_greedy_sps_equals_greedy_ars_with_a_repetition_penalty(pair):
       np.testing.assert_array_equal(sps.num_accepted, k * np.asarray(sps.num_loops))
 
 
-@pytest.mark.parametrize('setting', ['no_repeat_ngram', 'sequence_bias'])
+@pytest.mark.parametrize('setting', ['no_repeat_ngram', 'sequence_bias', 'bans_by_position'])
 def test_greedy_sps_equals_greedy_ars_with_context_rules(pair, setting):
-  """Greedy with no repeated 3-gram (2-gram at k = 2), or with sequence biases (a banned word,
-  biases of 1-3 token sequences): both read each row's prompt and generated tokens (and in SpS
-  the drafts before each slot, or a tree node's path) and change the tokens. A model drafter
-  applies them as the target does: with draft == target every draft is accepted; a tree drafter
-  and alternatives along each node's path."""
+  """Greedy with no repeated 3-gram (2-gram at k = 2), with sequence biases (a banned word,
+  biases of 1-3 token sequences), or with bans by position (the tokens plain greedy decoding
+  starts with banned at the first new tokens, its most frequent one while a row holds fewer
+  than 10): all read each row's prompt and generated tokens (and in SpS the drafts before each
+  slot, or a tree node's path) and change the tokens. A model drafter applies them as the
+  target does: with draft == target every draft is accepted; a tree drafter and alternatives
+  along each node's path."""
   target, draft = pair
   prompts, lengths = _ragged(3)
   biases = (((7,), 3.0), ((5, 9), -np.inf), ((9,), 2.5), ((20, 3), 4.0), ((1, 2, 30), 5.0))
+  plain = autoregressive_sample(target, prompts, lengths, jax.random.key(0), max_new_tokens=20,
+                                sampling=GREEDY)
+  plain_tokens = np.asarray(plain.tokens)
+  first = tuple(sorted(set(plain_tokens[:, :2].ravel().tolist())))
+  frequent = int(np.bincount(plain_tokens.ravel()).argmax())
   for n, cases in ((3, [(draft, 3, drafters.ModelDrafter()), (target, 4, drafters.ModelDrafter()),
                         (draft, 3, tree_drafters.TreeDrafter(branching=(2, 2, 1))),
                         (target, 3, drafters.ModelDrafter(alternatives=2))]),
                    (2, [(models.for_decoding(draft), 2, drafters.ModelDrafter())])):
-    sampling = (SamplingConfig(temperature=0.0, no_repeat_ngram_size=n)
-                if setting == 'no_repeat_ngram' else
-                SamplingConfig(temperature=0.0, sequence_bias=biases[:n + 2]))
+    sampling = {
+        'no_repeat_ngram': SamplingConfig(temperature=0.0, no_repeat_ngram_size=n),
+        'sequence_bias': SamplingConfig(temperature=0.0, sequence_bias=biases[:n + 2]),
+        'bans_by_position': SamplingConfig(temperature=0.0, ban_before_new=((first, n),),
+                                           ban_before_length=(((frequent,), 10),)),
+    }[setting]
     ars = autoregressive_sample(target, prompts, lengths, jax.random.key(0), max_new_tokens=20,
                                 sampling=sampling)
-    plain = autoregressive_sample(target, prompts, lengths, jax.random.key(0),
-                                  max_new_tokens=20, sampling=GREEDY)
     assert not np.array_equal(ars.tokens, plain.tokens)
     for b in range(len(lengths)):
-      seq = list(np.asarray(prompts[b, :lengths[b]])) + list(np.asarray(ars.tokens[b]))
+      generated = list(np.asarray(ars.tokens[b]))
+      seq = list(np.asarray(prompts[b, :lengths[b]])) + generated
       if setting == 'no_repeat_ngram':
         new = [tuple(seq[i:i + n]) for i in range(len(seq) - n + 1)][lengths[b] - n + 1:]
         old = {tuple(seq[i:i + n]) for i in range(lengths[b] - n + 1)}
         assert len(set(new)) == len(new) and not old & set(new), f'row {b}: {seq}'
-      else:  # The banned word (5, 9) never completed.
+      elif setting == 'sequence_bias':  # The banned word (5, 9) never completed.
         assert all(seq[i:i + 2] != [5, 9] for i in range(lengths[b] - 1, len(seq) - 1)), seq
+      else:
+        assert not set(generated[:n]) & set(first), seq
+        assert frequent not in generated[:10 - lengths[b]], seq
     for the_draft, k, drafter in cases:
       sps = speculative_sample(models.for_decoding(target) if n == 2 else target, the_draft,
                                prompts, lengths, jax.random.key(1), k=k, max_new_tokens=20,

@@ -31,7 +31,7 @@ from spsjax.sampling import ngrams, processors, rejection
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _sums(sampling_config, lenience, target: models.Model, draft: models.Model, tokens_BxL,
-          mask_BxL):
+          mask_BxL, prompt_lengths_B):
   """From one forward pass of each model, over masked positions (next-token laws): sum of beta =
   sum_x min(q(x), p(x) / lenience) (the probability a draft is accepted; sum min(p, q) when
   exact), count, sum of the total variation between a draft slot's law under `lenience` and p,
@@ -43,9 +43,10 @@ def _sums(sampling_config, lenience, target: models.Model, draft: models.Model, 
   present_BxLxV = (processors.present_through(tokens_BxL, target.config.vocab_size)
                    if sampling_config.penalised else None)
   shifted = lambda x_BxLxV: x_BxLxV
-  if sampling_config.reads_context:  # The n-gram ban and sequence biases shift both (as a
-    # model drafter's; a head drafts without them).
-    offsets_BxLxV = ngrams.offsets_through(tokens_BxL, sampling_config, target.config.vocab_size)
+  if sampling_config.reads_context:  # The n-gram ban, sequence biases and bans by position
+    # shift both (as a model drafter's; a head drafts without them).
+    offsets_BxLxV = ngrams.offsets_through(tokens_BxL, sampling_config, target.config.vocab_size,
+                                           prompt_lengths_B)
     shifted = lambda x_BxLxV: ngrams.shift(x_BxLxV, offsets_BxLxV)
   p = sampling.probabilities(shifted(target_BxLxV), sampling_config.without_context(),
                              present_xV=present_BxLxV)
@@ -89,7 +90,8 @@ def pair_statistics(target: models.Model, draft: models.Model, sampling_config, 
   `out` is gathered here if it is a global array; on `mesh` the sequences are replicated."""
   seq, mask = likelihood.generated_positions(prompts_BxP, lengths_B, out, mesh)
   beta, count, tv, logp_B, logq_B, counts_B = _sums(sampling_config, float(lenience), target,
-                                                    draft, seq, mask)
+                                                    draft, seq, mask,
+                                                    np.asarray(lengths_B, np.int32))
   return PairStatistics(beta=float(beta), count=int(count), tv=float(tv),
                         logp_sums=np.asarray(logp_B), logq_sums=np.asarray(logq_B),
                         counts=np.asarray(counts_B))

@@ -102,14 +102,15 @@ def scaled_model(config: models.TransformerConfig, seed: int, scale: float) -> m
   return models.Model(config, params)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3))
-def _probabilities(config, params, tokens_BxT, sampling):
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def _probabilities(config, params, tokens_BxT, sampling, prompt_length):
   present_BxTxV = (present_through(tokens_BxT, config.vocab_size) if sampling.penalised
                    else None)
   logits_BxTxV = models.logits(config, params, tokens_BxT)
   if sampling.reads_context:
-    logits_BxTxV = ngrams.shift(logits_BxTxV, ngrams.offsets_through(tokens_BxT, sampling,
-                                                                      config.vocab_size))
+    prompt_lengths_B = jnp.full(tokens_BxT.shape[:1], prompt_length, jnp.int32)
+    logits_BxTxV = ngrams.shift(logits_BxTxV, ngrams.offsets_through(
+        tokens_BxT, sampling, config.vocab_size, prompt_lengths_B))
   return probabilities(logits_BxTxV, sampling.without_context(), present_xV=present_BxTxV)
 
 
@@ -123,7 +124,7 @@ def exact_sequence_law(model: models.Model, prompt, num_tokens: int,
   V, P = model.config.vocab_size, len(prompt)
   seqs = np.array([tuple(prompt) + rest
                    for rest in itertools.product(range(V), repeat=num_tokens - 1)], np.int32)
-  probs = np.asarray(_probabilities(model.config, model.params, jnp.asarray(seqs), sampling),
+  probs = np.asarray(_probabilities(model.config, model.params, jnp.asarray(seqs), sampling, P),
                      np.float64)  # [V^(n-1), P + n - 1, V]
   joint = np.ones((1,))
   for i in range(num_tokens):

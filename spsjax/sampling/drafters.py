@@ -93,8 +93,10 @@ class Committed:
                              self.num_generated_B, back)
 
   def history(self, sampling: SamplingConfig) -> ngrams.History | None:
-    """The committed tokens for `sampling`'s n-gram ban and sequence biases (None without)."""
-    return ngrams.History.of(sampling, self.sequence(), self.lengths_B, self.vocab_size)
+    """The committed tokens for `sampling`'s n-gram ban, sequence biases and bans by position
+    (None without)."""
+    return ngrams.History.of(sampling, self.sequence(), self.lengths_B, self.prompt_lengths_B,
+                             self.vocab_size)
 
   def sequence(self) -> jax.Array:
     """int32[B, P + W]: each row's committed tokens from position 0, then PAD_ID."""

@@ -12,7 +12,9 @@ are off.
 
 `sequence_bias` ([token ids, bias] pairs), `bad_words_ids` (a bias of -inf on each, but a word
 that is one eos id, as transformers drops it) and `suppress_tokens` (-inf on each) become
-`SamplingConfig.sequence_bias`, greedy or not.
+`SamplingConfig.sequence_bias`, greedy or not. `min_new_tokens` and `begin_suppress_tokens`
+become `SamplingConfig.ban_before_new` (the file's eos ids banned at the first min_new_tokens new
+tokens; the suppressed ids at the first), `min_length` `ban_before_length` (the eos ids).
 
 Settings that make transformers sample another law than those give (beams, length constraints,
 forced tokens, ...) are refused by name: spsjax would
@@ -39,9 +41,9 @@ _DEFAULTS = dict(do_sample=False, temperature=1.0, top_k=50, top_p=1.0, min_p=No
 # (None: unset does nothing too). Each is a processor of `GenerationMixin._get_logits_processor`
 # or another decoding method.
 _NO_EFFECT: dict[str, tuple[Any, ...]] = {
-    'top_h': (), 'begin_suppress_tokens': (),
+    'top_h': (),
     'guidance_scale': (1.0,), 'forced_bos_token_id': (), 'forced_eos_token_id': (),
-    'exponential_decay_length_penalty': (), 'min_length': (0,), 'min_new_tokens': (0,),
+    'exponential_decay_length_penalty': (),
     'num_beams': (1,), 'num_beam_groups': (1,), 'diversity_penalty': (0.0,),
     'penalty_alpha': (), 'dola_layers': (), 'watermarking_config': (),
     'encoder_repetition_penalty': (1.0,), 'encoder_no_repeat_ngram_size': (0,),
@@ -71,16 +73,18 @@ def from_dict(settings: dict, ignore: Iterable[str] = ()) -> SamplingConfig:
     raise ValueError(
         'generation_config.json sets ' + ', '.join(f'{n}={settings[n]!r}' for n in refused) +
         ': transformers would sample another law than spsjax can (repetition_penalty, '
-        'temperature, top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff and '
-        'no_repeat_ngram_size only). Pass the sampling settings yourself, or '
+        'temperature, top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff, '
+        'no_repeat_ngram_size, sequence biases, banned or suppressed tokens and minimum '
+        'lengths only). Pass the sampling settings yourself, or '
         'ignore=(...) to drop these.')
   value = lambda name: _DEFAULTS[name] if settings.get(name) is None else settings[name]
   penalty = float(value('repetition_penalty'))
   ngram = int(value('no_repeat_ngram_size'))
   bias = _sequence_bias(settings)
+  bans = _bans_by_position(settings)
   if not value('do_sample'):
     return SamplingConfig(temperature=0.0, repetition_penalty=penalty,
-                          no_repeat_ngram_size=ngram, sequence_bias=bias)
+                          no_repeat_ngram_size=ngram, sequence_bias=bias, **bans)
   if not value('temperature') > 0:
     raise ValueError(f'generation_config.json samples (do_sample) at temperature '
                      f'{value("temperature")!r}; transformers needs it > 0.')
@@ -90,7 +94,34 @@ def from_dict(settings: dict, ignore: Iterable[str] = ()) -> SamplingConfig:
                         repetition_penalty=penalty, no_repeat_ngram_size=ngram,
                         sequence_bias=bias,
                         typical_p=min(float(value('typical_p')), 1.0),
-                        epsilon_cutoff=cutoff('epsilon_cutoff'), eta_cutoff=cutoff('eta_cutoff'))
+                        epsilon_cutoff=cutoff('epsilon_cutoff'), eta_cutoff=cutoff('eta_cutoff'),
+                        **bans)
+
+
+def _eos(settings: dict) -> list[int]:
+  eos = settings.get('eos_token_id')
+  return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def _bans_by_position(settings: dict) -> dict:
+  """`min_new_tokens`, `begin_suppress_tokens` and `min_length` as `SamplingConfig`'s
+  ban_before_new and ban_before_length (transformers adds the first and last only with eos ids,
+  and only above 0)."""
+  new, length = [], []
+  minimum = lambda name: int(settings.get(name) or 0)
+  if minimum('min_new_tokens') > 0 or minimum('min_length') > 0:
+    eos = _eos(settings)
+    if not eos:
+      raise ValueError('generation_config.json sets min_new_tokens or min_length but no '
+                       'eos_token_id: which tokens to ban is in the model\'s config; pass the '
+                       'sampling settings yourself.')
+    if minimum('min_new_tokens') > 0:
+      new.append((tuple(eos), minimum('min_new_tokens')))
+    if minimum('min_length') > 0:
+      length.append((tuple(eos), minimum('min_length')))
+  if settings.get('begin_suppress_tokens'):
+    new.append((tuple(settings['begin_suppress_tokens']), 1))
+  return dict(ban_before_new=tuple(new), ban_before_length=tuple(length))
 
 
 def _sequence_bias(settings: dict) -> tuple:
@@ -100,8 +131,7 @@ def _sequence_bias(settings: dict) -> tuple:
   if isinstance(bias, dict):
     raise ValueError('generation_config.json gives sequence_bias as a dict; spsjax reads the '
                      'list form, [[token ids], bias] pairs.')
-  eos = settings.get('eos_token_id')
-  eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+  eos = _eos(settings)
   bad_words = [w for w in settings.get('bad_words_ids') or [] if list(w) not in [[e] for e in eos]]
   suppressed = [[t] for t in settings.get('suppress_tokens') or []]
   return tuple((tuple(tokens), float(b)) for tokens, b in bias) + tuple(

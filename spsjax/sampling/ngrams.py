@@ -1,13 +1,18 @@
-"""What the tokens before a position do to its logits: banned repeated n-grams and sequence biases.
+"""What the tokens before a position do to its logits: banned repeated n-grams, sequence biases and
+bans by position.
 
-Two of transformers' logit processors read the context c of a position (the committed tokens,
+Transformers' logit processors that read the context c of a position (the committed tokens,
 prompt first, then what the position reads: a chain's earlier drafts, a tree node's ancestors):
 - `no_repeat_ngram_size` n (NoRepeatNGramLogitsProcessor): token x is banned (logit -inf) iff
   the n-gram (c[-n + 1:], x) already occurs in c; n = 1 bans every token of c;
 - `sequence_bias` (SequenceBiasLogitsProcessor; banned words and suppressed tokens are biases of
   -inf, `generation_config`): a sequence (s_1 .. s_L) with bias b adds b to the logit of s_L iff
-  c ends with s_1 .. s_{L-1} and holds at least L tokens (always for L = 1).
-Both act on the raw logits before any other processing (`shift`): the repetition penalty then
+  c ends with s_1 .. s_{L-1} and holds at least L tokens (always for L = 1);
+- `ban_before_new` (MinNewTokensLengthLogitsProcessor, SuppressTokensAtBeginLogitsProcessor):
+  ids banned while c holds fewer than n tokens after the row's prompt, and `ban_before_length`
+  (MinLengthLogitsProcessor): while c holds fewer than n tokens (one row's prompt, unpadded:
+  transformers counts a left-padded batch's pads too).
+All act on the raw logits before any other processing (`shift`): the repetition penalty then
 reads the biased logits, as in transformers, and the law after a ban is the processed law of the
 other tokens, greedy decoding included; a row with every token banned has no distribution
 (`processors.probabilities`: NaN, token 0).
@@ -88,10 +93,28 @@ def biases_after(sequences_BxRxS: jax.Array, ends_BxR: jax.Array, sequence_bias,
   return total_BxRxV + jnp.asarray(static_V)[None, None]
 
 
+def banned_by_position(ends_BxR: jax.Array, prompt_lengths_B: jax.Array | None,
+                       sampling: SamplingConfig, vocab_size: int) -> jax.Array:
+  """bool[B, R, V]: the tokens `sampling`'s `ban_before_new` and `ban_before_length` ban after
+  contexts of ends[b, r] tokens, row b's prompt holding prompt_lengths[b] of them (needed only
+  with `ban_before_new`)."""
+  B, R = ends_BxR.shape
+  banned_BxRxV = jnp.zeros((B, R, vocab_size), bool)
+  if sampling.ban_before_new and prompt_lengths_B is None:
+    raise ValueError('ban_before_new counts new tokens: pass the prompts\' lengths.')
+  rules = [(ids, n, ends_BxR - prompt_lengths_B[:, None]) for ids, n in sampling.ban_before_new]
+  rules += [(ids, n, ends_BxR) for ids, n in sampling.ban_before_length]
+  for ids, n, held_BxR in rules:
+    ids_V = np.zeros(vocab_size, bool)
+    ids_V[list(ids)] = True
+    banned_BxRxV |= (held_BxR < n)[..., None] & jnp.asarray(ids_V)[None, None]
+  return banned_BxRxV
+
+
 def offsets_after(sequences_BxRxS: jax.Array, ends_BxR: jax.Array, sampling: SamplingConfig,
-                  vocab_size: int) -> jax.Array:
-  """float32[B, R, V]: what `sampling`'s n-gram ban (-inf) and sequence biases add to the logits
-  after each context."""
+                  vocab_size: int, prompt_lengths_B: jax.Array | None = None) -> jax.Array:
+  """float32[B, R, V]: what `sampling`'s n-gram ban (-inf), sequence biases and bans by position
+  (-inf; `banned_by_position`) add to the logits after each context."""
   B, R = ends_BxR.shape
   offsets_BxRxV = jnp.zeros((B, R, vocab_size), jnp.float32)
   if sampling.sequence_bias:
@@ -100,16 +123,20 @@ def offsets_after(sequences_BxRxS: jax.Array, ends_BxR: jax.Array, sampling: Sam
     offsets_BxRxV = jnp.where(banned_after(sequences_BxRxS, ends_BxR,
                                            sampling.no_repeat_ngram_size, vocab_size),
                               -jnp.inf, offsets_BxRxV)
+  if sampling.ban_before_new or sampling.ban_before_length:
+    offsets_BxRxV = jnp.where(banned_by_position(ends_BxR, prompt_lengths_B, sampling,
+                                                 vocab_size), -jnp.inf, offsets_BxRxV)
   return offsets_BxRxV
 
 
-def offsets_through(tokens_BxT: jax.Array, sampling: SamplingConfig,
-                    vocab_size: int) -> jax.Array:
+def offsets_through(tokens_BxT: jax.Array, sampling: SamplingConfig, vocab_size: int,
+                    prompt_lengths_B: jax.Array | None = None) -> jax.Array:
   """float32[B, T, V]: `offsets_after` each prefix tokens[:, :t + 1] of whole sequences (for
-  the law of the token after position t)."""
+  the law of the token after position t), each starting with its prompt of prompt_lengths[b]
+  tokens (needed with `ban_before_new` only)."""
   B, T = tokens_BxT.shape
   ends_BxT = jnp.broadcast_to(jnp.arange(1, T + 1, dtype=jnp.int32)[None], (B, T))
-  return offsets_after(tokens_BxT[:, None], ends_BxT, sampling, vocab_size)
+  return offsets_after(tokens_BxT[:, None], ends_BxT, sampling, vocab_size, prompt_lengths_B)
 
 
 def shift(logits_xV: jax.Array, offsets_xV: jax.Array | None) -> jax.Array:
@@ -120,30 +147,33 @@ def shift(logits_xV: jax.Array, offsets_xV: jax.Array | None) -> jax.Array:
 
 
 def check_vocabulary(sampling: SamplingConfig, vocab_size: int) -> None:
-  """ValueError where a sequence bias names a token outside the vocabulary."""
-  for tokens, _ in sampling.sequence_bias:
-    if max(tokens) >= vocab_size:
-      raise ValueError(f'sequence_bias names {tokens}: a token outside the vocabulary of '
-                       f'{vocab_size}.')
+  """ValueError where a sequence bias or a ban names a token outside the vocabulary."""
+  for name in ('sequence_bias', 'ban_before_new', 'ban_before_length'):
+    for tokens, _ in getattr(sampling, name):
+      if max(tokens) >= vocab_size:
+        raise ValueError(f'{name} names {tokens}: a token outside the vocabulary of '
+                         f'{vocab_size}.')
 
 
 @flax.struct.dataclass
 class History:
-  """What each row has committed: tokens_BxS from position 0 (PAD_ID past lengths_B), and the
-  sampling settings that read it (static)."""
+  """What each row has committed: tokens_BxS from position 0 (PAD_ID past lengths_B), the first
+  prompt_lengths_B of them its prompt, and the sampling settings that read it (static)."""
   tokens_BxS: jax.Array
   lengths_B: jax.Array
+  prompt_lengths_B: jax.Array
   sampling: SamplingConfig = flax.struct.field(pytree_node=False)
   vocab_size: int = flax.struct.field(pytree_node=False)
 
   @classmethod
   def of(cls, sampling: SamplingConfig, tokens_BxS: jax.Array, lengths_B: jax.Array,
-         vocab_size: int) -> 'History | None':
+         prompt_lengths_B: jax.Array, vocab_size: int) -> 'History | None':
     """The history of committed tokens for `sampling`; None where it reads no context."""
     if not sampling.reads_context:
       return None
     check_vocabulary(sampling, vocab_size)
-    return cls(tokens_BxS, lengths_B, sampling, vocab_size)
+    return cls(tokens_BxS, lengths_B, prompt_lengths_B.astype(lengths_B.dtype), sampling,
+               vocab_size)
 
   @classmethod
   def of_prompts(cls, sampling: SamplingConfig, prompts_BxP: jax.Array,
@@ -152,7 +182,8 @@ class History:
     tokens_BxS = jnp.pad(prompts_BxP.astype(jnp.int32), ((0, 0), (0, room)), constant_values=-1)
     tokens_BxS = jnp.where(jnp.arange(tokens_BxS.shape[1])[None] < prompt_lengths_B[:, None],
                            tokens_BxS, -1)
-    return cls.of(sampling, tokens_BxS, prompt_lengths_B.astype(jnp.int32), vocab_size)
+    lengths_B = prompt_lengths_B.astype(jnp.int32)
+    return cls.of(sampling, tokens_BxS, lengths_B, lengths_B, vocab_size)
 
   def append(self, tokens_BxT: jax.Array, counts_B: jax.Array) -> 'History':
     """Each row's first counts_B[b] of `tokens` committed after its tokens (no room left: the
@@ -167,7 +198,8 @@ class History:
         lengths_B=self.lengths_B + counts_B.astype(self.lengths_B.dtype))
 
   def _offsets(self, sequences_BxRxS, ends_BxR):
-    return offsets_after(sequences_BxRxS, ends_BxR, self.sampling, self.vocab_size)
+    return offsets_after(sequences_BxRxS, ends_BxR, self.sampling, self.vocab_size,
+                         self.prompt_lengths_B)
 
   def after(self) -> jax.Array:
     """float32[B, V]: the offsets after each row's committed tokens."""

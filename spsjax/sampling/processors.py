@@ -33,6 +33,23 @@ from spsjax import native
 from spsjax.native import library
 
 
+def _length_bans(name: str, pairs) -> tuple[tuple[tuple[int, ...], int], ...]:
+  """`ban_before_new` or `ban_before_length` as tuples (lists, a config's, accepted: the
+  settings are a static jit argument), validated: each pair some ids >= 0 and a count >= 0."""
+  def count(n):
+    if isinstance(n, (bool, str)) or int(n) != n:
+      raise ValueError
+    return int(n)
+  try:
+    bans = tuple((tuple(int(t) for t in tokens), count(n)) for tokens, n in pairs)
+  except (TypeError, ValueError):
+    bans = None
+  if bans is None or any(not tokens or min(tokens) < 0 or n < 0 for tokens, n in bans):
+    raise ValueError(f'{name} must be (token ids, n) pairs, each with at least one id >= 0 and '
+                     f'an integer n >= 0, got {pairs!r}.')
+  return bans
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
   """temperature 0: greedy; top_k 0: off; top_p 1.0: off; min_p 0.0: off. Hashable, so it is a
@@ -55,6 +72,11 @@ class SamplingConfig:
   last token of a sequence whose other tokens end the row, both before everything else
   (`ngrams`): the law then depends on the tokens before the position, which every caller passes
   as `ngrams.History`, as it passes `present_xV` for a repetition penalty.
+  ban_before_new ((token ids, n) pairs) bans the ids at a row's first n new tokens (transformers'
+  `min_new_tokens` with the eos ids; `begin_suppress_tokens` with n = 1), and ban_before_length
+  ((token ids, n) pairs) while the row holds fewer than n tokens, prompt included (`min_length`
+  with the eos ids): both read the position, which `ngrams.History` knows, so they shift the
+  logits with the n-gram ban.
   A positive temperature must be in [1.2e-38, 8.5e37], so that it and its reciprocal are float32
   normal numbers (XLA may divide by multiplying with the reciprocal; a denormal one is flushed to
   0).
@@ -69,6 +91,8 @@ class SamplingConfig:
   eta_cutoff: float = 0.0
   no_repeat_ngram_size: int = 0
   sequence_bias: tuple[tuple[tuple[int, ...], float], ...] = ()
+  ban_before_new: tuple[tuple[tuple[int, ...], int], ...] = ()
+  ban_before_length: tuple[tuple[tuple[int, ...], int], ...] = ()
 
   def __post_init__(self):
     if not (self.temperature == 0 or
@@ -91,6 +115,8 @@ class SamplingConfig:
       raise ValueError('sequence_bias must be (token ids, bias) pairs, each with at least one id '
                        f'>= 0 and a bias that is not NaN, got {self.sequence_bias!r}.')
     object.__setattr__(self, 'sequence_bias', bias)
+    for name in ('ban_before_new', 'ban_before_length'):
+      object.__setattr__(self, name, _length_bans(name, getattr(self, name)))
     if int(self.no_repeat_ngram_size) != self.no_repeat_ngram_size or self.no_repeat_ngram_size < 0:
       raise ValueError(f'no_repeat_ngram_size must be an integer >= 0 (0 is off), got '
                        f'{self.no_repeat_ngram_size}.')
@@ -120,12 +146,14 @@ class SamplingConfig:
   def reads_context(self) -> bool:
     """Whether the logits are shifted by what the tokens before the position hold (an n-gram
     ban or sequence biases: `ngrams`)."""
-    return bool(self.no_repeat_ngram_size or self.sequence_bias)
+    return bool(self.no_repeat_ngram_size or self.sequence_bias or self.ban_before_new or
+                self.ban_before_length)
 
   def without_context(self) -> 'SamplingConfig':
-    """These settings without the n-gram ban and the sequence biases: the law of logits already
-    shifted by them (`ngrams.History`)."""
-    return dataclasses.replace(self, no_repeat_ngram_size=0, sequence_bias=())
+    """These settings without the n-gram ban, the sequence biases and the bans by position: the
+    law of logits already shifted by them (`ngrams.History`)."""
+    return dataclasses.replace(self, no_repeat_ngram_size=0, sequence_bias=(), ban_before_new=(),
+                               ban_before_length=())
 
   def without_penalty(self) -> 'SamplingConfig':
     return dataclasses.replace(self, repetition_penalty=1.0)
