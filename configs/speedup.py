@@ -91,8 +91,9 @@ def get_config(arg=None):
                 f'dynamic k below confidence {a.stop_below}; 0: fixed k; '
                 f'{a.alternatives} alternatives a slot; tree branching {a.branching or "-"}).')
   if a.alternatives or a.branching or a.drafter == 'tree':
-    c.title += ('\n\nA tree of drafts: the theory columns are a chain\'s (s measured on k + 1 '
-                'positions, the loop\'s tokens geometric in alpha), not the tree\'s.')
+    c.title += ('\n\nA tree of drafts: s is the target\'s call on the tree\'s nodes, a level-by-'
+                'level drafter\'s calls count as draft steps by their time, alpha is the '
+                'acceptance per depth and the tokens per loop predicted a chain\'s at that alpha.')
   if sampled:
     named = lambda d: ', '.join(f'{name} {value}' for name, value in d.items())
     warpers = {name: v for name, v in sampled.items() if name not in both}

@@ -83,9 +83,11 @@ def main(argv):
         rows = speedup.run_rows(target, draft, tok, task, decoding, sampling_config, batch,
                                 k_max, c.seed, policy=policy, **kw)
         k = k_max if policy is None else _most_run(policy, k_max)
-        capacity = speedup.halfway_capacity(task, tok, target, draft, k)
+        tree = drafter.tree(k)  # A tree's score call and level calls are what a loop runs.
+        capacity = speedup.halfway_capacity(task, tok, target, draft, k,
+                                            None if tree is None else tree.num_nodes + 1)
         costs = decode.measure_costs(target, draft, k, batch, capacity, c.cost_repeats,
-                                     mesh=mesh)
+                                     mesh=mesh, tree=tree, draft_calls=drafter.draft_calls(k))
         loop_profile = None
         if policy is None or any(choice.k for choice in policy.choices):
           loop_profile = speedup.profile_row(

@@ -259,3 +259,22 @@ def test_step_variants_compile_afresh_and_compute_the_plain_steps_logits(monkeyp
                    ['scanned'])
   with pytest.raises(ValueError, match='plain layout'):
     variants.probe(models.fuse(model), 12, [])
+
+
+def test_a_head_s_level_calls_are_timed_on_their_positions():
+  """An EAGLE head drafting a tree: `measure_costs` times a head call on each level's pairs
+  (one program per width), and the loop's draft time is the sum over its calls."""
+  config = models.TransformerConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4,
+                                    num_kv_heads=2, d_ff=64, max_seq_len=64)
+  target = zero_model(config)
+  head_config = models.feature_head.head_config(config)
+  head = models.Model(head_config, models.feature_head.init_head('feature', head_config,
+                                                                 jax.random.key(0)))
+  with timing.CompileClock() as clock:
+    costs = decode.measure_costs(target, head, 3, batch=2, capacity=24, repeats=1,
+                                 tree=models.TokenTree.full((3, 2, 1)), draft_calls=(1, 3, 6))
+  assert clock.programs['jit(_head_steps)'] == 3, clock.programs  # Widths 1, 3 and 6.
+  assert costs.scored == 1 + 3 + 6 + 6 and costs.draft_loop > 0
+  assert costs.draft_steps == pytest.approx(costs.draft_loop / costs.draft_step)
+  one = decode.measure_costs(target, head, 3, batch=2, capacity=24, repeats=1)
+  assert one.draft_loop is None and one.draft_steps is None and one.scored is None

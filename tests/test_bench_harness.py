@@ -14,7 +14,7 @@ from spsjax import models, sampling
 from spsjax.bench import auto_k, comparison, decode, speedup, sweep, table1, theory, timing
 from spsjax.data import prompts as prompts_lib
 from spsjax.eval import acceptance, likelihood, metrics
-from spsjax.sampling import drafters
+from spsjax.sampling import drafters, tree_drafters
 from tests import data_helpers, forwards, stats
 
 
@@ -552,3 +552,41 @@ def test_costs_are_measured_halfway_through_a_generation(family):
   lengths = [len(tok.encode(p)) for p in task.prompts]
   want = round(sum(lengths) / 2) + 10 // 2 + 3 + 1
   assert speedup.halfway_capacity(task, tok, target, draft, 3) == want
+
+
+def test_theory_of_a_tree_drafter_measures_its_tree_and_level_calls(family):
+  """A tree drafter's prediction: s of the target's call on the tree's nodes and root, draft
+  steps from its level calls' measured time, operations over the positions both read; alpha per
+  depth (`alpha_from_counts` of the path's accepted drafts) predicts the tokens per loop."""
+  target, draft, tok = family
+  task = speedup.Task('docstrings', ('def add(a, b):\n    """', 'x = 1\n'), ('Add.', 'Set x.'),
+                      max_new_tokens=6)
+  tree_drafter = tree_drafters.TreeDrafter(branching=(2, 2, 1))
+  tree = tree_drafter.tree(3)
+  assert tree_drafter.draft_calls(3) == (1, 2, 4) and tree.num_nodes == 10
+  greedy = sampling.SamplingConfig(temperature=0.0)
+  ars, sps = speedup.run_rows(target, draft, tok, task, 'greedy', greedy, batch=1, k=3, seed=0,
+                              drafter=tree_drafter)
+  assert ars.completions == sps.completions
+  capacity = speedup.halfway_capacity(task, tok, target, draft, 3, tree.num_nodes + 1)
+  assert capacity == speedup.halfway_capacity(task, tok, target, draft, 3) + 11 - 4
+  costs = decode.measure_costs(target, draft, 3, batch=1, capacity=capacity, repeats=2,
+                               tree=tree, draft_calls=tree_drafter.draft_calls(3))
+  assert costs.scored == 11 and costs.draft_loop > 0 and costs.draft_steps > 0
+  assert costs.draft_steps == pytest.approx(costs.draft_loop / costs.draft_step)
+  cmp = comparison.Comparison(ars=ars, sps=sps, costs=costs, k=3, c_hat=0.5,
+                              drafter=tree_drafter)
+  p = cmp.prediction
+  assert (p.scored, p.draft_positions, p.draft_steps) == (11, 7.0, costs.draft_steps)
+  assert p.s == costs.s and p.speedup == pytest.approx(
+      p.tokens_per_loop / (costs.draft_steps * costs.c + costs.s))
+  assert p.operations == pytest.approx((7 * 0.5 + 11) / p.tokens_per_loop)
+  t = sps.timing
+  assert p.alpha == t['alpha'] and p.tokens_per_loop == pytest.approx(
+      theory.expected_tokens_per_loop(t['alpha'], 3))
+  # A chain's costs (no tree measured) fall back to the drafter's k steps and k + 1 positions.
+  chain_costs = decode.Costs(target_step=1e-3, draft_step=1e-4, score_call=1.2e-3)
+  chain = comparison.Comparison(ars=ars, sps=sps, costs=chain_costs, k=3, c_hat=0.5,
+                                drafter=tree_drafter).prediction
+  assert (chain.draft_steps, chain.scored) == (3.0, None)
+  assert chain.operations == pytest.approx((7 * 0.5 + 4) / chain.tokens_per_loop)

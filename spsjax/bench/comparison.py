@@ -14,7 +14,8 @@ max_new_tokens and eos cut a row's last loop (`timing.Timing.uncut_tokens_per_lo
 counts every accepted draft. A drafter that proposes fewer than k drafts in some loops (prompt
 lookup, dynamic k) is predicted from the measured number of loops that proposed each count
 (`theory.Prediction.loops_by_proposed`) and the draft steps it runs per loop (none for prompt
-lookup).
+lookup). A tree's s is the target's call on its nodes, and a level-by-level drafter's draft steps
+its level calls' measured time over a step's (`decode.Costs.draft_steps`).
 
 From the loop profile: what the row would give if every draft were accepted at the same costs
 (`perfect_draft_speedup`: a bound on what a better draft can gain at this k, so that a row short
@@ -98,10 +99,15 @@ class Comparison:
     alpha = t['alpha']
     if alpha != alpha and self.auto:  # Every call ran as ArS: no loop measured alpha.
       alpha = self.auto['alpha']
+    calls = self.drafter.draft_calls(self.k)
+    steps = self.costs.draft_steps
+    if steps is None:
+      steps = self.drafter.draft_steps(self.k, t.get('proposed_per_loop', self.k))
     return theory.Prediction(
         alpha=alpha, k=self.k, c=self.costs.c, s=self.costs.s, c_hat=self.c_hat,
         loops_by_proposed=tuple(t.get('loops_by_proposed', ())) if ragged else (),
-        draft_steps=self.drafter.draft_steps(self.k, t.get('proposed_per_loop', self.k)))
+        draft_steps=steps, scored=self.costs.scored,
+        draft_positions=None if calls is None else float(sum(calls)))
 
   @property
   def parity(self) -> dict[str, metrics.Parity]:

@@ -327,7 +327,9 @@ class Costs:
   """Measured step costs at one batch and cache size (seconds, medians)."""
   target_step: float
   draft_step: float
-  score_call: float  # Target `extend` on k + 1 positions.
+  score_call: float  # Target `extend` on k + 1 positions, or on a drafter's tree (`scored`).
+  draft_loop: float | None = None  # A loop's draft calls (`Drafter.draft_calls`; None: steps).
+  scored: int | None = None  # Positions the score call reads; None: k + 1.
 
   @property
   def c(self) -> float:
@@ -337,37 +339,54 @@ class Costs:
   def s(self) -> float:
     return self.score_call / self.target_step
 
+  @property
+  def draft_steps(self) -> float | None:
+    """A loop's draft calls in one-position draft steps (None where not measured)."""
+    if self.draft_loop is None:
+      return None
+    return self.draft_loop / self.draft_step if self.draft_step > 0 else 0.0
+
 
 def measure_costs(target: models.Model, draft: models.Model | None, k: int, batch: int,
-                  capacity: int, repeats: int = 20, mesh: Mesh | None = None) -> Costs:
-  """Step costs; a drafter without a model (draft None) costs nothing per step (c = 0)."""
-  t, _, _ = extend_seconds(target, (1, k + 1), capacity, repeats=repeats, batch=batch,
-                                  mesh=mesh)
-  draft_step = 0.0
+                  capacity: int, repeats: int = 20, mesh: Mesh | None = None,
+                  tree: models.TokenTree | None = None,
+                  draft_calls: tuple[int, ...] | None = None) -> Costs:
+  """Step costs; a drafter without a model (draft None) costs nothing per step (c = 0). With a
+  `tree` (`Drafter.tree`) the score call is the target's call on its nodes and root; with
+  `draft_calls` (`Drafter.draft_calls`) a loop's draft calls are timed too, each as a call on
+  as many positions (a level's call sees its ancestors only, which changes little but the
+  mask)."""
+  scored = k + 1 if tree is None else tree
+  t, _, _ = extend_seconds(target, (1, scored), capacity, repeats=repeats, batch=batch,
+                           mesh=mesh)
+  widths = tuple(sorted(set(draft_calls or ()) | {1}))
+  d = {w: 0.0 for w in widths}
   if draft is not None and feature_head.is_head(draft):
-    draft_step = head_step_seconds(draft, target, k, capacity, repeats=repeats, batch=batch,
-                                   mesh=mesh)
+    d = {w: head_step_seconds(draft, target, k, capacity, repeats=repeats, batch=batch,
+                              mesh=mesh, positions=w) for w in widths}
   elif draft is not None:
-    d, _, _ = extend_seconds(draft, (1,), capacity, repeats=repeats, batch=batch,
-                                    mesh=mesh)
-    draft_step = d[1]
-  return Costs(target_step=t[1], draft_step=draft_step, score_call=t[k + 1])
+    d, _, _ = extend_seconds(draft, widths, capacity, repeats=repeats, batch=batch, mesh=mesh)
+  return Costs(target_step=t[1], draft_step=d[1], score_call=t[scored],
+               draft_loop=None if draft_calls is None else sum(d[w] for w in draft_calls),
+               scored=None if tree is None else tree.num_nodes + 1)
 
 
-def _head_steps(steps, k, head, target, cache, features_BxD, tokens_B, lengths_B):
-  """`steps` draft steps of a head in one program: an EAGLE head reading one pair (at the same
-  row lengths), or parallel heads' one pass of k drafts."""
+def _head_steps(steps, k, head, target, cache, features_BxTxD, tokens_BxT, lengths_B):
+  """`steps` draft steps of a head in one program: an EAGLE head reading T pairs (at the same
+  row lengths), or parallel heads' one pass of k drafts (from the first pair)."""
 
   def one(_, carry):
     cache, checksum_B = carry
     if feature_head.kind(head) == 'heads':
-      logits_BxKxV, _ = feature_head.parallel_heads(head, target, features_BxD, tokens_B, num=k)
+      logits_BxKxV, _ = feature_head.parallel_heads(head, target, features_BxTxD[:, 0],
+                                                    tokens_BxT[:, 0], num=k)
     else:
       logits_BxKxV, _, cache = feature_head.extend_head(
-          head, target, cache.with_lengths(lengths_B), features_BxD[:, None], tokens_B[:, None])
+          head, target, cache.with_lengths(lengths_B), features_BxTxD, tokens_BxT)
     return cache, checksum_B + logits_BxKxV[:, -1, 0]
 
-  return jax.lax.fori_loop(0, steps, one, (cache, jnp.zeros(tokens_B.shape, jnp.float32)))
+  B = tokens_BxT.shape[0]
+  return jax.lax.fori_loop(0, steps, one, (cache, jnp.zeros((B,), jnp.float32)))
 
 
 _head_program = jax.jit(_head_steps, static_argnums=(0, 1), donate_argnums=4)  # As extend_program.
@@ -375,20 +394,21 @@ _head_program = jax.jit(_head_steps, static_argnums=(0, 1), donate_argnums=4)  #
 
 def head_step_seconds(head: models.Model, target: models.Model, k: int, capacity: int, *,
                       repeats: int, batch: int = 1, steps: int = 8,
-                      mesh: Mesh | None = None) -> float:
+                      mesh: Mesh | None = None, positions: int = 1) -> float:
   """Median seconds of one draft step of a head over `target`'s features (`draft_steps` of its
-  drafter count them): one pair through an EAGLE head and the target's output layer at a
-  nearly full cache, or parallel heads' pass of k drafts; timed as `extend_seconds` times."""
+  drafter count them): `positions` pairs (one a step; a tree's level more) through an EAGLE
+  head and the target's output layer at a nearly full cache, or parallel heads' pass of k
+  drafts; timed as `extend_seconds` times."""
   head, target = (common.place_params(m, mesh) for m in (head, target))
   run = functools.partial(_head_program, steps, k)
   cache = models.init_cache(head.config, batch, capacity)
-  lengths_B = jnp.full((batch,), capacity - 1, jnp.int32)
-  features_BxD = jnp.ones((batch, head.config.d_model), head.config.jnp_dtype)
-  tokens_B = jnp.ones((batch,), jnp.int32)
+  lengths_B = jnp.full((batch,), capacity - positions, jnp.int32)
+  features_BxTxD = jnp.ones((batch, positions, head.config.d_model), head.config.jnp_dtype)
+  tokens_BxT = jnp.ones((batch, positions), jnp.int32)
   state = {'cache': cache}
 
   def call():
-    state['cache'], checksum_B = run(head, target, state['cache'], features_BxD, tokens_B,
+    state['cache'], checksum_B = run(head, target, state['cache'], features_BxTxD, tokens_BxT,
                                      lengths_B)
     return checksum_B
 

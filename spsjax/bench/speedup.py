@@ -64,13 +64,15 @@ def calibration_prompts(task: Task, tok: Tokenizer, target: models.Model,
 
 
 def halfway_capacity(task: Task, tok: Tokenizer, target: models.Model,
-                     draft: models.Model | None, k: int) -> int:
+                     draft: models.Model | None, k: int, scored: int | None = None) -> int:
   """The cache size at which a row's c and s are measured (`measure_costs`): a prompt of the
-  task's mean length halfway through its generation, plus the k + 1 slots a score writes
-  (`decode.extend_seconds` attends over all but those). Attention reads every slot in use, so
-  costs measured over the whole max_seq_len cache overstate a step, most at batch 8."""
+  task's mean length halfway through its generation, plus the slots a score writes (k + 1, or
+  `scored`: a tree's nodes and root; `decode.extend_seconds` attends over all but those).
+  Attention reads every slot in use, so costs measured over the whole max_seq_len cache
+  overstate a step, most at batch 8."""
   _, lengths_N = _encode(task, tok, target, draft, k)
-  capacity = int(round(float(np.mean(lengths_N)))) + task.max_new_tokens // 2 + k + 1
+  capacity = (int(round(float(np.mean(lengths_N)))) + task.max_new_tokens // 2 +
+              (k + 1 if scored is None else scored))
   limits = [m.config.max_seq_len for m in (target, draft) if m is not None]
   return min([capacity] + limits)
 

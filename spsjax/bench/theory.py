@@ -93,6 +93,10 @@ class Prediction:
   measured `loops_by_proposed` (loops that proposed n = 0 .. k drafts; empty: k in every loop)
   and the draft model steps it runs per loop, `draft_steps` (None: k; 0 without a draft model).
   The loop's cost is then draft_steps c + s, scoring still k + 1 positions.
+  A tree of drafts (depth k) gives s of the target's call on its nodes, the positions it scores
+  (`scored`) and its draft calls' positions (`draft_positions`; a level's call reads several),
+  both for the operations; alpha is then the acceptance per depth (`alpha_from_counts` of its
+  loops: accepted drafts are the path's), whose expected tokens per loop are a chain's.
   """
   alpha: float
   k: int
@@ -101,6 +105,8 @@ class Prediction:
   c_hat: float
   loops_by_proposed: tuple[int, ...] = ()
   draft_steps: float | None = None
+  scored: int | None = None  # None: k + 1.
+  draft_positions: float | None = None  # None: the draft steps.
 
   @property
   def tokens_per_loop(self) -> float:
@@ -129,7 +135,9 @@ class Prediction:
   @property
   def operations(self) -> float:
     """Operations relative to ArS: draft_steps c_hat + k + 1 per loop over the tokens it yields
-    (Theorem 3.11 with k fixed)."""
+    (Theorem 3.11 with k fixed); a tree's draft positions c_hat + its scored positions."""
     if self.c_hat < 0:
       raise ValueError(f'c_hat must be >= 0, got {self.c_hat}.')
-    return (self._steps * self.c_hat + self.k + 1) / self.tokens_per_loop
+    draft = self._steps if self.draft_positions is None else self.draft_positions
+    scored = self.k + 1 if self.scored is None else self.scored
+    return (draft * self.c_hat + scored) / self.tokens_per_loop

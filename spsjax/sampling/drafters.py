@@ -185,6 +185,13 @@ class Drafter(abc.ABC):
     """The draft model steps a loop runs, for the theory's cost per loop
     (`bench.theory.Prediction`), given the drafts proposed per loop measured."""
 
+  def draft_calls(self, k: int) -> tuple[int, ...] | None:
+    """The positions each draft call of a loop reads, where a call reads more than one (a tree
+    drafter's levels), for the theory's cost and operations per loop; None: `draft_steps`
+    one-position steps."""
+    del k
+    return None
+
 
 def _point_masses(tokens_BxK, vocab_size):
   return jax.nn.one_hot(tokens_BxK, vocab_size, dtype=jnp.float32)

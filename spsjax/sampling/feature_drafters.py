@@ -250,6 +250,9 @@ class FeatureTreeDrafter(_Branched, FeatureDrafter):
   position c - 1 on (the tree's slots hold nothing it reads)."""
   branching: tuple[int, ...] = (2, 2, 1, 1)
 
+  def draft_calls(self, k: int) -> tuple[int, ...]:
+    return tree_drafters.level_calls(self.tree(k))
+
   def propose(self, loop, draft: HeadAndTarget, state: _HeadState, committed: Committed,
               keys_BxK):
     tree = self.tree(loop.k)

@@ -95,6 +95,12 @@ def tree_of(branching: tuple[int, ...], k: int) -> TokenTree:
   return TokenTree.full(branching)
 
 
+def level_calls(tree: TokenTree) -> tuple[int, ...]:
+  """The positions of a level-by-level drafter's calls in a loop on `tree`: the first reads what
+  was committed (counted as one step), then one call per level but the deepest, on its nodes."""
+  return (1,) + tuple(count for _, count in tree.levels[1:-1])
+
+
 def check_children_fit(branching: tuple[int, ...], target: Model) -> None:
   """ValueError where a node would have more children than the vocabulary has tokens."""
   if max(branching) > target.config.vocab_size:
@@ -127,6 +133,9 @@ class TreeDrafter(Drafter):
   def draft_steps(self, k: int, proposed_per_loop: float) -> float:
     del proposed_per_loop
     return float(k)
+
+  def draft_calls(self, k: int) -> tuple[int, ...]:
+    return level_calls(self.tree(k))
 
   def init(self, loop, draft: Model, prompts_BxP, prompt_lengths_B, capacity,
            features_BxPxD=None) -> KVCache:
