@@ -195,6 +195,44 @@ def test_each_loops_drafts_come_from_the_head_on_the_targets_features(pair48, ki
   assert int(np.sum(state.num_accepted_B)) > 0  # Loops after accepted drafts were compared too.
 
 
+@pytest.mark.parametrize('kind', ['feature', 'heads'])
+def test_heads_draft_a_chain_under_the_context_rules(pair48, kind):
+  """A head's chain is drafted after the draft sampling's n-gram ban and bans by position, as a
+  model drafter's: q at a slot is the head's law without the tokens banned there (after the
+  committed tokens and the drafts before it), renormalised, and no draft is banned. The
+  parallel heads' laws come from one pass, so every slot is set against the same call without
+  the rules; the EAGLE head's first slot (its later ones read drafts that differ)."""
+  head = _head(pair48, kind, 1 if kind == 'feature' else 3, 2, scale=3.0)
+  k, plain = 3, SamplingConfig(temperature=0.8)
+  # Every token of the context banned (1-grams: the drafts before a slot too), and a third of
+  # the vocabulary at the first three new tokens (the prefill gave the first: slots 0 and 1).
+  ruled = dataclasses.replace(plain, no_repeat_ngram_size=1,
+                              ban_before_new=((tuple(range(0, 48, 3)), 3),))
+  prompts, lengths = _ragged(3)
+  drafter = _drafter(kind, 0, k)
+  got, state = {}, None
+  for sampling in (plain, ruled):  # Both from the state after the same first token.
+    loop, args = speculative.prepare(pair48, head, prompts, lengths, k=k, max_new_tokens=20,
+                                     sampling=sampling, drafter=drafter)
+    state = state or jax.jit(loop.init)(*args, jax.random.key(0))
+    committed = drafters.Committed(args[2], args[3], state.tokens_BxW, state.num_generated_B,
+                                   48, ~state.done_B)
+    keys = jax.random.split(jax.random.key(5), (len(lengths), k))
+    proposal, _ = drafter.propose(loop, drafter.bind(pair48, head), state.draft_state,
+                                  committed, keys)
+    got[sampling] = (np.asarray(proposal.q_BxKxV), np.asarray(proposal.tokens_BxK), committed)
+  (q_plain, _, _), (q, tokens, committed) = got[plain], got[ruled]
+  allowed = np.asarray(committed.history(ruled).along_chain(jnp.asarray(tokens), k)) == 0
+  banned = (~allowed).sum(-1)
+  assert banned[:, :2].min() > 16 and np.all(banned[:, 2] < banned[:, 1])
+  for i in range(k if kind == 'heads' else 1):
+    want = q_plain[:, i] * allowed[:, i]
+    np.testing.assert_allclose(q[:, i], want / want.sum(-1, keepdims=True), rtol=1e-5,
+                               atol=1e-6, err_msg=f'slot {i}')
+  assert np.take_along_axis(allowed, tokens[..., None], -1).all()  # No draft is banned.
+  assert np.all(np.take_along_axis(q, tokens[..., None], -1) > 0)
+
+
 # --- Exactness ----------------------------------------------------------------------------------
 
 V_SMALL, RAGGED_PROMPTS, NEW_LONG, ROWS = 7, ((1, 4, 2), (5,)), 5, 100_000
@@ -255,6 +293,25 @@ def test_greedy_sps_equals_greedy_ars(tiny_target, kind, k):
     assert int(np.sum(sps.num_accepted)) > 0
     loops[variant] = int(np.sum(sps.num_loops))
   assert all(loops[v] < loops[0] for v in loops if v), loops
+
+
+@pytest.mark.parametrize('kind', ['feature', 'heads'])
+def test_greedy_sps_equals_greedy_ars_under_context_rules(tiny_target, kind):
+  """No repeated 2-gram and no eos (6) in the first 3 new tokens: the head's chain drafts under
+  the same rules, and SpS emits ArS's tokens, with drafts accepted."""
+  head = _head(tiny_target, kind, 1 if kind == 'feature' else 4, 6, scale=2.0)
+  prompts, lengths = _ragged(4, batch=8, width=4, vocab=V_SMALL)
+  rules = SamplingConfig(temperature=0.0, no_repeat_ngram_size=2, ban_before_new=(((6,), 3),))
+  ars = autoregressive_sample(tiny_target, prompts, lengths, jax.random.key(0),
+                              max_new_tokens=8, sampling=rules, eos_id=6)
+  plain = autoregressive_sample(tiny_target, prompts, lengths, jax.random.key(0),
+                                max_new_tokens=8, sampling=GREEDY, eos_id=6)
+  assert not np.array_equal(ars.tokens, plain.tokens)
+  sps = speculative_sample(tiny_target, head, prompts, lengths, jax.random.key(1), k=3,
+                           max_new_tokens=8, sampling=rules, eos_id=6,
+                           drafter=_drafter(kind, 0, 3))
+  np.testing.assert_array_equal(sps.tokens, ars.tokens)
+  assert int(np.sum(sps.num_accepted)) > 0
 
 
 def test_unrolled_head_steps_give_the_same_tokens(pair48):

@@ -44,7 +44,7 @@ def _sums(sampling_config, lenience, target: models.Model, draft: models.Model, 
                    if sampling_config.penalised else None)
   shifted = lambda x_BxLxV: x_BxLxV
   if sampling_config.reads_context:  # The n-gram ban, sequence biases and bans by position
-    # shift both (as a model drafter's; a head drafts without them).
+    # shift both (as every drafter with a model drafts).
     offsets_BxLxV = ngrams.offsets_through(tokens_BxL, sampling_config, target.config.vocab_size,
                                            prompt_lengths_B)
     shifted = lambda x_BxLxV: ngrams.shift(x_BxLxV, offsets_BxLxV)

@@ -7,7 +7,10 @@ scored positions from the scoring forward (`drafters.Verdict.features_BxKp1xD`).
 
 Exactness holds as for any drafter: a proposal is a function of the committed tokens (the
 target's features are a function of them) and of the loop's draft keys, and q is the law each
-draft was drawn from after the draft's sampling processors.
+draft was drawn from after the draft's sampling processors. The context rules among them (the
+n-gram ban, sequence biases, bans by position: `ngrams`) read the committed tokens and the drafts
+before each slot, as for a model drafter; the parallel heads' one pass gives every slot's logits,
+and the slots are then drawn in order.
 
 With `alternatives` = m > 0 either drafter proposes a tree (`models.TokenTree.
 chain_with_alternatives`): beside each slot's draft, m other tokens from the same law without
@@ -28,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from spsjax.models import KVCache, Model, TokenTree, feature_head, init_cache, kv_cache
-from spsjax.sampling import siblings, tree_drafters
+from spsjax.sampling import ngrams, siblings, tree_drafters
 from spsjax.sampling.drafters import (Committed, Drafter, Proposal, Verdict, alternatives_tree,
                                       chain_with_alternatives, check_alternatives,
                                       check_alternatives_fit, draw_draft)
@@ -73,13 +76,17 @@ class Pending:
                                axis=1)[:, 0]
 
 
-def _sampler(loop, keys_BxK, alternatives: int):
-  """(slot i, logits [B, V]) -> (q [B, V], draft [B], the slot's `alternatives` siblings or None)
-  with slot i's key, as a draft model."""
+def _sampler(loop, keys_BxK, alternatives: int, committed: Committed):
+  """(slot i, logits [B, V], the drafts so far [B, k]) -> (q [B, V], draft [B], the slot's
+  `alternatives` siblings or None) with slot i's key, as a draft model: the logits shifted by
+  the draft sampling's context rules after the committed tokens and drafts[:, :i] (`ngrams`)."""
   uniforms_BxK = uniforms(keys_BxK)
   sibling_keys_BxK = siblings.keys_apart(keys_BxK) if alternatives else None
+  history = committed.history(loop.draft_sampling)
 
-  def choose(i, logits_BxV):
+  def choose(i, logits_BxV, drafts_BxK):
+    if history is not None:
+      logits_BxV = ngrams.shift(logits_BxV, history.at(drafts_BxK, i))
     q_BxV, d_B = draw_draft(loop, uniforms_BxK[:, i], logits_BxV)
     if not alternatives:
       return q_BxV, d_B, None
@@ -188,10 +195,11 @@ class FeatureDrafter(_FeatureDrafterBase):
   def propose(self, loop, draft: HeadAndTarget, state: _HeadState, committed: Committed,
               keys_BxK):
     k, B = loop.k, keys_BxK.shape[0]
-    choose = _sampler(loop, keys_BxK, self.alternatives)
+    choose = _sampler(loop, keys_BxK, self.alternatives, committed)
     logits_Bx1xV, features_BxD, cache = _read_pending(draft, state, committed)
-    q_BxV, d_B, alternatives = choose(0, logits_Bx1xV[:, 0])
-    tokens_BxK = jnp.zeros((B, k), jnp.int32).at[:, 0].set(d_B)
+    tokens_BxK = jnp.zeros((B, k), jnp.int32)
+    q_BxV, d_B, alternatives = choose(0, logits_Bx1xV[:, 0], tokens_BxK)
+    tokens_BxK = tokens_BxK.at[:, 0].set(d_B)
     q_BxKxV = jnp.zeros((B, k) + q_BxV.shape[1:], jnp.float32).at[:, 0].set(q_BxV)
     if alternatives is not None:
       alternatives = siblings.first_of_slots(alternatives, k)
@@ -202,7 +210,7 @@ class FeatureDrafter(_FeatureDrafterBase):
       logits_Bx1xV, predicted_Bx1xD, cache = feature_head.extend_head(
           draft.head, draft.target, cache, features_BxD[:, None], tokens_BxK[:, i - 1, None],
           counts_B=step_counts_B)
-      q_BxV, d_B, more = choose(i, logits_Bx1xV[:, 0])
+      q_BxV, d_B, more = choose(i, logits_Bx1xV[:, 0], tokens_BxK)
       if more is not None:
         alternatives = siblings.set_slot(alternatives, i, more)
       return (tokens_BxK.at[:, i].set(d_B), q_BxKxV.at[:, i].set(q_BxV), alternatives,
@@ -298,12 +306,14 @@ class HeadsDrafter(_FeatureDrafterBase):
   def propose(self, loop, draft: HeadAndTarget, pending: Pending, committed: Committed,
               keys_BxK):
     k = loop.k
-    choose = _sampler(loop, keys_BxK, self.alternatives)
+    choose = _sampler(loop, keys_BxK, self.alternatives, committed)
     logits_BxKxV, _ = feature_head.parallel_heads(draft.head, draft.target, pending.newest(),
                                                   committed.last(1), num=k)
-    drawn = [choose(i, logits_BxKxV[:, i]) for i in range(k)]
+    tokens_BxK, drawn = jnp.zeros(logits_BxKxV.shape[:2], jnp.int32), []
+    for i in range(k):  # In slot order: a context rule reads the drafts before each slot.
+      drawn.append(choose(i, logits_BxKxV[:, i], tokens_BxK))
+      tokens_BxK = tokens_BxK.at[:, i].set(drawn[-1][1])
     q_BxKxV = jnp.stack([q for q, _, _ in drawn], axis=1)
-    tokens_BxK = jnp.stack([d for _, d, _ in drawn], axis=1)
     alternatives = siblings.stack_slots([a for _, _, a in drawn]) if self.alternatives else None
     return _proposal(tokens_BxK, q_BxKxV, alternatives), pending
 
