@@ -6,8 +6,9 @@ initialised, random prompts of prompt_len tokens); method (ars|sps), k (or auto:
 picks k in 0 .. k_max, 0 being ArS, from a cost model measured once on this machine and the
 acceptance seen so far, `spsjax.bench.auto_k`; recalibrate measures again), batch, draft_name,
 max_new_tokens, temperature, top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff,
-repetition_penalty, no_repeat_ngram_size, min_new_tokens (the eos token banned at each row's
-first new tokens: the tokenizer's eos ids, or eos_id), seed, data/model_axis (mesh
+repetition_penalty, no_repeat_ngram_size, sequence_bias (token ids joined by _, a colon and a
+bias, pairs joined by +: 5_9:-inf bans 9 after 5), min_new_tokens (the eos token banned at each
+row's first new tokens: the tokenizer's eos ids, or eos_id), seed, data/model_axis (mesh
 axes), runlocal (fewer tokens); drafter (model | lookup | hybrid | feature | heads:
 `spsjax.sampling.drafter_config`; feature and heads draft with `draft_name`, a head trained by
 configs/train.py model=feature or heads, e.g. draft_name=feature), max_ngram, min_ngram
@@ -26,7 +27,7 @@ drop, joined by +, e.g. suppress_tokens).
 
 import ml_collections
 
-from spsjax.config_args import lookahead, parse_arg
+from spsjax.config_args import lookahead, parse_arg, sequence_bias
 from spsjax.models import presets
 
 
@@ -35,7 +36,8 @@ def get_config(arg=None):
                 method='ars', k='4', k_max=8, recalibrate=False, batch=4, prompt_len=16,
                 max_new_tokens=64, temperature=1.0,
                 top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0,
-                eta_cutoff=0.0, repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0,
+                eta_cutoff=0.0, repetition_penalty=1.0, no_repeat_ngram_size=0, sequence_bias='',
+                min_new_tokens=0,
                 seed=0, data=1,
                 model_axis=1, runlocal=False,
                 draft_weights='w8a8', drafter='model', max_ngram=3, min_ngram=1,
@@ -59,7 +61,8 @@ def get_config(arg=None):
   c.sampling = dict(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
                     typical_p=a.typical_p, epsilon_cutoff=a.epsilon_cutoff,
                     eta_cutoff=a.eta_cutoff, repetition_penalty=a.repetition_penalty,
-                    no_repeat_ngram_size=a.no_repeat_ngram_size)
+                    no_repeat_ngram_size=a.no_repeat_ngram_size,
+                    sequence_bias=sequence_bias(a.sequence_bias))
   if a.hf_sampling and not a.hf_target:
     raise ValueError('hf_sampling reads the generation_config.json of hf_target; pass hf_target.')
   c.hf_sampling = a.hf_sampling  # main replaces `sampling` by the checkpoint's.

@@ -131,6 +131,7 @@ def main(argv):
     eos_id = None if c.eos_id < 0 else c.eos_id
   if c.min_new_tokens:
     sampling_config = _with_min_new_tokens(sampling_config, c.min_new_tokens, eos_id)
+  if c.min_new_tokens or not c.hf_sampling:
     print0(f'Sampling: {sampling_config}')
 
   policy = {}

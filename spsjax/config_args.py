@@ -60,17 +60,36 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(values)
 
 
+def sequence_bias(text: str) -> list[list]:
+  """`SamplingConfig.sequence_bias` from a config argument: pairs joined by '+', each token ids
+  joined by '_', ':' and a bias ('-inf' bans), e.g. '5_9:-inf+7:2.5' ('': none)."""
+  pairs = []
+  for item in filter(None, text.split('+')):
+    ids, colon, bias = item.partition(':')
+    try:
+      tokens = [int(t) for t in ids.split('_')]
+      value = float(bias)
+    except ValueError:
+      tokens = value = None
+    if not colon or tokens is None or min(tokens) < 0 or value != value:
+      raise ValueError(f'sequence_bias={text!r}: want pairs joined by +, each token ids >= 0 '
+                       f'joined by _, a colon and a bias (e.g. 5_9:-inf+7:2.5); got {item!r}.')
+    pairs.append([tokens, value])
+  return pairs
+
+
 def lookahead(a) -> int | str:
   """The k of a sampling config's parsed arguments `a` (k, k_max, drafter, alternatives,
   branching): an integer >= 1 or 'auto'; ValueError for a bad k or k_max, for k=auto with a tree
-  of drafts (its cost model has none), and for a tree drafter's k other than its depth."""
+  of fixed depth (`branching`: its cost model takes k from 1 to k_max; alternatives beside a
+  chain of any k are fine), and for a tree drafter's k other than its depth."""
   if a.k != 'auto' and not (a.k.isdigit() and int(a.k) >= 1):
     raise ValueError(f'k must be an integer >= 1 or auto, got {a.k!r}.')
   if a.k_max < 1:
     raise ValueError(f'k_max must be >= 1, got {a.k_max}.')
-  if a.k == 'auto' and (a.alternatives or a.branching or a.drafter == 'tree'):
-    raise ValueError('k=auto chooses among chains of drafts (its cost model has no trees); pass '
-                     'a k with alternatives or a tree.')
+  if a.k == 'auto' and (a.branching or a.drafter == 'tree'):
+    raise ValueError('k=auto chooses k from 1 to k_max (or ArS); a tree drafter\'s depth is fixed '
+                     'by its branching: pass that as k, or use alternatives=.')
   depth = len(a.branching.split('+'))
   if a.branching and a.k != str(depth):
     raise ValueError(f'branching={a.branching} drafts trees of depth {depth}: pass that as k '

@@ -181,16 +181,18 @@ def test_calibration_is_measured_once_and_cached(pair, tmp_path, monkeypatch):
   assert 'avx' in auto_k._cpu() or 'x86' not in auto_k._cpu()  # Vector extensions are named.
 
 
-@pytest.mark.parametrize('alpha,want_k', [(0.0, 0), (1.0, 4)])
-def test_a_call_is_the_sampler_call_it_chose(pair, alpha, want_k):
+@pytest.mark.parametrize('alpha,want_k,alternatives', [(0.0, 0, 0), (1.0, 4, 0), (1.0, 4, 2)])
+def test_a_call_is_the_sampler_call_it_chose(pair, alpha, want_k, alternatives):
   """The policy's call gives exactly the tokens of ArS (useless draft) or of SpS at the chosen k
-  (perfect draft) with the same key: each call is exact as the sampler it runs."""
+  (perfect draft; a chain, or a tree with 2 alternatives beside each draft) with the same key:
+  each call is exact as the sampler it runs."""
   target, draft, prompts, lengths = pair
   cfg = SamplingConfig(temperature=0.9)
   prior = auto_k.Acceptance(alpha * 10, 10)
   key = jax.random.key(7)
+  drafter = drafters.ModelDrafter(alternatives=alternatives)
   out, choice, seen = auto_k.sample(COSTS, prior, target, draft, prompts, lengths, key,
-                                    max_new_tokens=10, sampling=cfg)
+                                    max_new_tokens=10, sampling=cfg, drafter=drafter)
   assert choice.k == want_k
   if want_k == 0:
     want = sampling.autoregressive_sample(target, prompts, lengths, key, max_new_tokens=10,
@@ -198,7 +200,7 @@ def test_a_call_is_the_sampler_call_it_chose(pair, alpha, want_k):
     assert seen == dataclasses.replace(prior, ars_calls=1)
   else:
     want = sampling.speculative_sample(target, draft, prompts, lengths, key, k=want_k,
-                                       max_new_tokens=10, sampling=cfg)
+                                       max_new_tokens=10, sampling=cfg, drafter=drafter)
     assert seen.loops == 10 + int(np.sum(want.num_loops)) and seen.alpha < alpha
   np.testing.assert_array_equal(out.tokens, want.tokens)
 

@@ -72,11 +72,12 @@ def fixture_run_to_error(tmp_path_factory):
 
 
 def test_sample_sps_on_random_models_with_k_auto(tmp_path):
-  """k=auto: the cost model is measured, written under SPSJAX_CACHE_DIR and printed with the
-  policy's choice, and each call's k is reported (fixed k: the other drafters' test below)."""
+  """k=auto (with an alternative beside each draft: a tree at every k): the cost model is
+  measured, written under SPSJAX_CACHE_DIR and printed with the policy's choice, and each call's
+  k is reported (fixed k: the other drafters' test below)."""
   run = subprocess.run(
       [sys.executable, 'experiments/sample.py',
-       '--config=configs/sample.py:method=sps,k=auto,k_max=2,batch=2,runlocal',
+       '--config=configs/sample.py:method=sps,k=auto,k_max=2,batch=2,runlocal,alternatives=1',
        '--config.repeats=1'], cwd=_REPO, capture_output=True, text=True, timeout=300,
       check=False, env=dict(xla_env.subprocess_env(), SPSJAX_CACHE_DIR=str(tmp_path)))
   assert run.returncode == 0, run.stderr[-3000:]
@@ -85,6 +86,14 @@ def test_sample_sps_on_random_models_with_k_auto(tmp_path):
   assert len(cached) == 1 and f'k=auto: cost model {cached[0]}' in run.stdout, run.stdout
   assert 'cost model, batch 2, 16 tokens per row: ArS ' in run.stdout and 'k=2 ' in run.stdout
   assert 'auto chooses k = ' in run.stdout and 'k=auto chose k = [' in run.stdout
+
+
+def test_sample_takes_sequence_biases():
+  run = _run('experiments/sample.py', '--config=configs/sample.py:method=sps,k=2,batch=1,runlocal,'
+             'temperature=0,sequence_bias=5_9:-inf+7:2.5', '--config.repeats=1')
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert ('Sampling: SamplingConfig(temperature=0.0, sequence_bias=(((5, 9), -inf), ((7,), '
+          '2.5)))') in run.stdout, run.stdout
 
 
 @pytest.mark.parametrize('drafter,name', [
@@ -167,6 +176,13 @@ def _one_line_error(run, *parts):
     (['experiments/sample.py', '--config=configs/sample.py:method=sps,drafter=tree,'
       'branching=2+1'],
      ['branching=2+1 drafts trees of depth 2: pass that as k (got k=4).']),
+    (['experiments/sample.py', '--config=configs/sample.py:sequence_bias=5_9:x'],
+     ["sequence_bias='5_9:x': want pairs joined by +, each token ids >= 0 joined by _, a colon "
+      "and a bias (e.g. 5_9:-inf+7:2.5); got '5_9:x'."]),
+    (['experiments/sample.py', '--config=configs/sample.py:method=sps,k=auto,drafter=tree,'
+      'branching=2+1'],
+     ["k=auto chooses k from 1 to k_max (or ArS); a tree drafter's depth is fixed by its "
+      'branching: pass that as k, or use alternatives=.']),
     (['experiments/sample.py', '--config=configs/sample.py:method=sps,k=0'],
      ["k must be an integer >= 1 or auto, got '0'."]),
     (['experiments/sweep.py', '--config=configs/sweep.py:sweep=drafter,ks=2+x'],

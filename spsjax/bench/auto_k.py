@@ -5,7 +5,8 @@ Cost model (`LoopCosts`, per batch): the seconds of one ArS step and of one SpS 
 at k = k_max, each from whole calls of the real samplers (draft steps, scoring, acceptance and
 bookkeeping: what isolated `extend` timings miss; a draft step costs ~1.5x more in a loop than
 alone), a loop at another k interpolated linearly (k draft steps, and a scoring whose cost grows
-about linearly with its positions, barely at batch 1); and each sampler's fixed cost per call
+about linearly with its positions, barely at batch 1: a model drafter's alternatives, k (1 + m)
+nodes, too); and each sampler's fixed cost per call
 (the prefills: SpS also prefills the draft). Calibration runs the workload's own prompts at its
 own `max_new_tokens`, and again at one new token: the difference gives a step or a loop at the
 workload's context lengths (a batch's attention reads its caches once per step or score, so the
