@@ -16,11 +16,11 @@ that is one eos id, as transformers drops it) and `suppress_tokens` (-inf on eac
 become `SamplingConfig.ban_before_new` (the file's eos ids banned at the first min_new_tokens new
 tokens; the suppressed ids at the first), `min_length` `ban_before_length` (the eos ids).
 
-Settings that make transformers sample another law than those give (beams, length constraints,
-forced tokens, ...) are refused by name: spsjax would
+Settings that make transformers sample another law than those give (beams, forced tokens,
+guidance, an exponential length penalty, ...) are refused by name: spsjax would
 sample a different law and say nothing. `ignore` names those the caller drops knowingly. Settings
-that do not change the law (eos and pad ids, lengths, caching, output options) are not read here
-(the eos ids: `data.hf_tokenizer`).
+that do not change the law (eos and pad ids, maximum lengths, caching, output options) are not
+read here (the eos ids: `data.hf_tokenizer`; the minimum lengths read them from the file).
 """
 
 import json
