@@ -15,7 +15,9 @@ configs/train.py model=feature or heads, e.g. draft_name=feature), max_ngram, mi
 (prompt lookup's n-grams), stop_below (dynamic k: a model draft stops below this confidence),
 alternatives (a tree: that many other tokens beside each draft of the model, hybrid, feature or
 heads drafter), branching (drafter tree, feature or heads: children per node at each depth
-joined by +, e.g. 3+2+1, k its length),
+joined by +, e.g. 3+2+1, k its length), tree_nodes and tree_width (drafter tree or feature:
+each row's own tree of tree_nodes nodes, depth k at most: EAGLE-2's dynamic tree, tree_width
+candidates per expanded node),
 lenience (in (0, 1]; below 1 is LOSSY: SpS no longer samples the target's law); hf_target,
 hf_draft (Hugging Face checkpoint directories with config.json, safetensors and tokenizer.json, in
 place of root's target and draft); hf_sampling (sample as the hf_target's generation_config.json
@@ -41,7 +43,8 @@ def get_config(arg=None):
                 seed=0, data=1,
                 model_axis=1, runlocal=False,
                 draft_weights='w8a8', drafter='model', max_ngram=3, min_ngram=1,
-                stop_below=0.0, alternatives=0, branching='', lenience=1.0, hf_target='',
+                stop_below=0.0, alternatives=0, branching='', tree_nodes=0, tree_width=4,
+                lenience=1.0, hf_target='',
                 hf_draft='', hf_sampling=False, hf_ignore='')
   c = ml_collections.ConfigDict()
   c.root = a.root
@@ -54,7 +57,7 @@ def get_config(arg=None):
   c.recalibrate = a.recalibrate
   c.drafter = dict(kind=a.drafter, max_ngram=a.max_ngram, min_ngram=a.min_ngram,
                    stop_below=a.stop_below, alternatives=a.alternatives,
-                   branching=a.branching)
+                   branching=a.branching, tree_nodes=a.tree_nodes, tree_width=a.tree_width)
   c.lenience = a.lenience  # < 1: LOSSY (Leviathan et al.'s lenience), labelled in the output.
   c.model = presets.get(a.model)
   c.draft = presets.get(a.draft)

@@ -18,7 +18,9 @@ drafter (model | lookup |
 hybrid | feature | heads: `spsjax.sampling.drafter_config`; feature and heads take a head trained by
 configs/train.py model=feature or heads as `draft`), max_ngram, min_ngram, stop_below (dynamic k),
 alternatives (a tree of drafts: that many other tokens beside each), branching (drafter tree,
-feature or heads: children per node at each depth joined by +, k its length), lenience (in
+feature or heads: children per node at each depth joined by +, k its length), tree_nodes and
+tree_width (drafter tree or feature: each row's own tree of tree_nodes nodes, depth k at most,
+EAGLE-2's dynamic tree, tree_width candidates per expanded node), lenience (in
 (0, 1]; below 1 is LOSSY, labelled in the title and the SpS rows with its total variation);
 hf_target, hf_draft (Hugging Face checkpoint directories in place of root's target and draft);
 sampling settings beside the paper's (each off by default, named in the title): top_p (in place
@@ -43,8 +45,8 @@ def get_config(arg=None):
   a = parse_arg(arg, root=REFERENCE_ROOT, draft='', k='4', k_max=8, humaneval=164,
                 docstrings=200, code=200, batches='1+8', seed=0, results='', runlocal=False, demo=False,
                 data=1, model_axis=1, draft_weights='w8a8', drafter='model', max_ngram=3,
-                min_ngram=1, stop_below=0.0, alternatives=0, branching='', lenience=1.0,
-                hf_target='', hf_draft='', recalibrate=False, top_p=-1.0, min_p=0.0,
+                min_ngram=1, stop_below=0.0, alternatives=0, branching='', tree_nodes=0,
+                tree_width=4, lenience=1.0, hf_target='', hf_draft='', recalibrate=False, top_p=-1.0, min_p=0.0,
                 typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0,
                 no_repeat_ngram_size=0)
   if a.demo:
@@ -58,7 +60,7 @@ def get_config(arg=None):
   c.draft_weights = a.draft_weights  # The draft's packed weights (native CPU path).
   c.drafter = dict(kind=a.drafter, max_ngram=a.max_ngram, min_ngram=a.min_ngram,
                    stop_below=a.stop_below, alternatives=a.alternatives,
-                   branching=a.branching)
+                   branching=a.branching, tree_nodes=a.tree_nodes, tree_width=a.tree_width)
   c.lenience = a.lenience  # < 1: LOSSY.
   c.k = lookahead(a)
   c.k_max = a.k_max  # k=auto: each row calibrates, then each call runs at k in 0 .. k_max.
@@ -87,10 +89,13 @@ def get_config(arg=None):
   c.title = ('# Table 1 (Chen et al., 2023): ArS vs SpS, {target_path} and draft {draft}, k = {k}'
              ' (draft weights stored in {draft_weights} on the native CPU path)')
   if a.drafter != 'model' or a.stop_below or a.alternatives:
+    dynamic = (f'; dynamic trees of {a.tree_nodes} nodes, width {a.tree_width}'
+               if a.tree_nodes else '')
     c.title += (f'\n\nDrafter: {a.drafter} (n-grams {a.max_ngram} down to {a.min_ngram}; '
                 f'dynamic k below confidence {a.stop_below}; 0: fixed k; '
-                f'{a.alternatives} alternatives a slot; tree branching {a.branching or "-"}).')
-  if a.alternatives or a.branching or a.drafter == 'tree':
+                f'{a.alternatives} alternatives a slot; tree branching {a.branching or "-"}'
+                f'{dynamic}).')
+  if a.alternatives or a.branching or a.drafter == 'tree' or a.tree_nodes:
     c.title += ('\n\nA tree of drafts: s is the target\'s call on the tree\'s nodes, a level-by-'
                 'level drafter\'s calls count as draft steps by their time, alpha is the '
                 'acceptance per depth and the tokens per loop predicted a chain\'s at that alpha.')

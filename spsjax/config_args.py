@@ -80,16 +80,18 @@ def sequence_bias(text: str) -> list[list]:
 
 def lookahead(a) -> int | str:
   """The k of a sampling config's parsed arguments `a` (k, k_max, drafter, alternatives,
-  branching): an integer >= 1 or 'auto'; ValueError for a bad k or k_max, for k=auto with a tree
-  of fixed depth (`branching`: its cost model takes k from 1 to k_max; alternatives beside a
-  chain of any k are fine), and for a tree drafter's k other than its depth."""
+  branching, tree_nodes): an integer >= 1 or 'auto'; ValueError for a bad k or k_max, for k=auto
+  with a tree of fixed depth (`branching`: its cost model takes k from 1 to k_max; alternatives
+  beside a chain of any k are fine) or a dynamic tree (`tree_nodes`), and for a tree drafter's k
+  other than its depth."""
   if a.k != 'auto' and not (a.k.isdigit() and int(a.k) >= 1):
     raise ValueError(f'k must be an integer >= 1 or auto, got {a.k!r}.')
   if a.k_max < 1:
     raise ValueError(f'k_max must be >= 1, got {a.k_max}.')
-  if a.k == 'auto' and (a.branching or a.drafter == 'tree'):
+  if a.k == 'auto' and (a.branching or a.drafter == 'tree' or a.tree_nodes):
     raise ValueError('k=auto chooses k from 1 to k_max (or ArS); a tree drafter\'s depth is fixed '
-                     'by its branching: pass that as k, or use alternatives=.')
+                     'by its branching, a dynamic tree\'s bound with its nodes: pass k, or use '
+                     'alternatives=.')
   depth = len(a.branching.split('+'))
   if a.branching and a.k != str(depth):
     raise ValueError(f'branching={a.branching} drafts trees of depth {depth}: pass that as k '

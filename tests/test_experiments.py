@@ -100,6 +100,7 @@ def test_sample_takes_sequence_biases():
     ('lookup', 'PromptLookup(max_ngram=3'),
     ('hybrid,stop_below=0.2,lenience=0.5', 'Hybrid(stop_below=0.2'),
     ('tree,branching=2+1+1', 'TreeDrafter(branching=(2, 1, 1))'),
+    ('tree,tree_nodes=5,tree_width=2', 'DynamicTreeDrafter(nodes=5, width=2)'),
     ('heads,alternatives=2', 'HeadsDrafter(alternatives=2)')])
 def test_sample_sps_with_other_drafters(drafter, name):
   run = _run('experiments/sample.py',
@@ -182,7 +183,14 @@ def _one_line_error(run, *parts):
     (['experiments/sample.py', '--config=configs/sample.py:method=sps,k=auto,drafter=tree,'
       'branching=2+1'],
      ["k=auto chooses k from 1 to k_max (or ArS); a tree drafter's depth is fixed by its "
-      'branching: pass that as k, or use alternatives=.']),
+      "branching, a dynamic tree's bound with its nodes: pass k, or use alternatives=."]),
+    (['experiments/sample.py', '--config=configs/sample.py:method=sps,k=auto,drafter=feature,'
+      'tree_nodes=6'],
+     ["a dynamic tree's bound with its nodes: pass k"]),
+    (['experiments/sample.py', '--config=configs/sample.py:method=sps,drafter=heads,'
+      'tree_nodes=6'],
+     ['tree_nodes=6: dynamic trees are grown by the draft model (drafter tree) or an EAGLE head '
+      '(drafter feature), not the heads drafter.']),
     (['experiments/sample.py', '--config=configs/sample.py:method=sps,k=0'],
      ["k must be an integer >= 1 or auto, got '0'."]),
     (['experiments/sweep.py', '--config=configs/sweep.py:sweep=drafter,ks=2+x'],

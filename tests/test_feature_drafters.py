@@ -15,7 +15,8 @@ from spsjax import models, native, sharding
 from spsjax.models import feature_head
 from spsjax.sampling import (SamplingConfig, autoregressive_sample, drafter_config, drafters,
                              probabilities, speculative, speculative_sample)
-from spsjax.sampling.feature_drafters import (FeatureDrafter, FeatureTreeDrafter, HeadsDrafter,
+from spsjax.sampling.feature_drafters import (FeatureDrafter, FeatureDynamicDrafter,
+                                              FeatureTreeDrafter, HeadsDrafter,
                                               HeadsTreeDrafter)
 from tests import forwards
 from tests.stats import scaled_model
@@ -28,8 +29,12 @@ DRAFTERS = {'feature': FeatureDrafter(), 'heads': HeadsDrafter()}
 
 
 def _drafter(kind: str, variant, k: int):
-  """The `kind` drafter as a chain (variant 0), with that many alternatives (an int), or drafting
-  a full tree of depth k ('tree': 2 children a node, then 1)."""
+  """The `kind` drafter as a chain (variant 0), with that many alternatives (an int), drafting
+  a full tree of depth k ('tree': 2 children a node, then 1), or the EAGLE head growing each
+  row's own tree ('dynamic': k + 2 nodes, width 2)."""
+  if variant == 'dynamic':
+    assert kind == 'feature'
+    return FeatureDynamicDrafter(nodes=k + 2, width=2)
   if variant == 'tree':
     tree_drafter = FeatureTreeDrafter if kind == 'feature' else HeadsTreeDrafter
     return tree_drafter(branching=(2,) * min(k, 2) + (1,) * (k - 2))
@@ -249,12 +254,15 @@ def tiny_target():
     ('feature', 'temperature_1', 3, True, 0), ('feature', 'top_p_0.8', 2, True, 0),
     ('heads', 'temperature_1', 2, True, 0), ('heads', 'top_p_0.8', 3, True, 0),
     ('feature', 'temperature_1', 2, True, 2), ('heads', 'top_p_0.8', 2, True, 1),
-    ('feature', 'top_p_0.8', 2, True, 'tree'), ('heads', 'temperature_1', 2, True, 'tree')])
+    ('feature', 'top_p_0.8', 2, True, 'tree'), ('heads', 'temperature_1', 2, True, 'tree'),
+    ('feature', 'temperature_1', 2, True, 'dynamic'), ('feature', 'top_p_0.8', 3, False,
+                                                       'dynamic')])
 def test_output_law_is_target_law(tiny_target, kind, setting, k, packed, variant):
   """5 tokens per row after two prompts of different lengths interleaved in one batch (rows accept
   different numbers of drafts in the same loops; the law covers the bonus token and a second
   loop), against each prompt's enumerated joint law of the target; with alternatives, or the heads
-  drafting a tree (2, 2), a tree of drafts. Power: 50,000 rows per prompt detect at 80% any law
+  drafting a tree (2, 2), a tree of drafts; the EAGLE head growing each row's own tree (point
+  masses). Power: 50,000 rows per prompt detect at 80% any law
   within total variation 0.035 (temperature 1) or 0.028 (top-p 0.8) of the target's
   (`stats.detectable_tv`)."""
   sampling = {'temperature_1': SamplingConfig(), 'top_p_0.8': SamplingConfig(top_p=0.8)}[setting]
@@ -278,13 +286,15 @@ def test_greedy_sps_equals_greedy_ars(tiny_target, kind, k):
   """Ragged prompts, 8 tokens, an eos some rows emit: the same tokens as greedy ArS, with
   drafts accepted (the small vocabulary makes a random head's argmax often right); with 2
   alternatives beside each draft (the head's next best) too, and drafting a tree (the heads': the
-  Cartesian tree of their top tokens), in fewer loops than the chain."""
+  Cartesian tree of their top tokens), in fewer loops than the chain; and the EAGLE head growing
+  each row's own tree."""
   head = _head(tiny_target, kind, 1 if kind == 'feature' else 4, 6, scale=2.0)
   prompts, lengths = _ragged(k, batch=8, width=4, vocab=V_SMALL)
   ars = autoregressive_sample(tiny_target, prompts, lengths, jax.random.key(0),
                               max_new_tokens=8, sampling=GREEDY, eos_id=6)
   loops = {}
-  for variant in (0, 2) + (('tree',) if k > 1 else ()):
+  dynamic = ('dynamic',) if kind == 'feature' else ()
+  for variant in (0, 2) + (('tree',) + dynamic if k > 1 else ()):
     sps = speculative_sample(
         tiny_target, head, prompts, lengths, jax.random.key(1), k=k, max_new_tokens=8,
         sampling=GREEDY, eos_id=6, drafter=_drafter(kind, variant, k))
@@ -292,13 +302,15 @@ def test_greedy_sps_equals_greedy_ars(tiny_target, kind, k):
     np.testing.assert_array_equal(sps.num_generated, ars.num_generated)
     assert int(np.sum(sps.num_accepted)) > 0
     loops[variant] = int(np.sum(sps.num_loops))
-  assert all(loops[v] < loops[0] for v in loops if v), loops
+  assert all(loops[v] < loops[0] for v in loops if v not in (0, 'dynamic')), loops
 
 
 @pytest.mark.parametrize('kind', ['feature', 'heads'])
 def test_greedy_sps_equals_greedy_ars_under_context_rules(tiny_target, kind):
   """No repeated 2-gram and no eos (6) in the first 3 new tokens: the head's chain drafts under
-  the same rules, and SpS emits ArS's tokens, with drafts accepted."""
+  the same rules, and SpS emits ArS's tokens, with drafts accepted; also with the EAGLE head
+  growing each row's own tree (its values ignore the rules, the target's accept step reads them
+  along each row's paths)."""
   head = _head(tiny_target, kind, 1 if kind == 'feature' else 4, 6, scale=2.0)
   prompts, lengths = _ragged(4, batch=8, width=4, vocab=V_SMALL)
   rules = SamplingConfig(temperature=0.0, no_repeat_ngram_size=2, ban_before_new=(((6,), 3),))
@@ -307,11 +319,12 @@ def test_greedy_sps_equals_greedy_ars_under_context_rules(tiny_target, kind):
   plain = autoregressive_sample(tiny_target, prompts, lengths, jax.random.key(0),
                                 max_new_tokens=8, sampling=GREEDY, eos_id=6)
   assert not np.array_equal(ars.tokens, plain.tokens)
-  sps = speculative_sample(tiny_target, head, prompts, lengths, jax.random.key(1), k=3,
-                           max_new_tokens=8, sampling=rules, eos_id=6,
-                           drafter=_drafter(kind, 0, 3))
-  np.testing.assert_array_equal(sps.tokens, ars.tokens)
-  assert int(np.sum(sps.num_accepted)) > 0
+  for variant in (0, 'dynamic') if kind == 'feature' else (0,):
+    sps = speculative_sample(tiny_target, head, prompts, lengths, jax.random.key(1), k=3,
+                             max_new_tokens=8, sampling=rules, eos_id=6,
+                             drafter=_drafter(kind, variant, 3))
+    np.testing.assert_array_equal(sps.tokens, ars.tokens, err_msg=str(variant))
+    assert int(np.sum(sps.num_accepted)) > 0
 
 
 def test_unrolled_head_steps_give_the_same_tokens(pair48):

@@ -536,20 +536,13 @@ def _tree_attention(qkv, keys, values, starts, freqs, parents, first):
 @pytest.mark.parametrize('isa', ISAS)
 def test_cached_attention_on_a_tree(isa):
   """A call on a token tree's nodes (a whole tree of 7, its last level of 4 alone, and a tree of
-  29 taken in blocks of 16 a kv head at a time): the kernel and XLA's ops against the tree written
-  out (`_tree_attention`): every output and cache slot. A window is refused with a tree."""
+  29 taken in blocks of 16 a kv head at a time; each row its own tree of 7, whole and its last 3):
+  the kernel and XLA's ops against the tree written out (`_tree_attention`): every output and
+  cache slot. A window is refused with a tree."""
   B, S, K, G, H = 3, 48, 2, 3, 16
   keys, values = _normal(0, (B, S, K, H)), _normal(1, (B, S, K, H))
-  small = models.TokenTree.full((2, 2))
-  large = models.TokenTree.full((4, 2, 2))
-  for tree, first in ((small, 0), (small, 3), (large, 0)):
-    T = tree.num_nodes + 1 - first
-    qkv = _normal(T, (B, T, K * G + 2 * K, H), scale=3.0)
-    starts = np.array([first, 11, S - T], np.int32)
-    mask = tree.mask(first)
-    operands = dict(tree_depths=mask.depths_M[:first + T],
-                    tree_allowed=mask.ancestors_TxM[:, :first + T])
-    want = _tree_attention(qkv, keys, values, starts, _freqs(qkv), tree.parents, first)
+
+  def check(qkv, starts, operands, want, label):  # Both paths, every output and cache slot.
     for path in ('xla', 'kernel'):
       call = attention.reference if path == 'xla' else functools.partial(
           attention._kernel, isa=isa,  # pylint: disable=protected-access
@@ -557,8 +550,33 @@ def test_cached_attention_on_a_tree(isa):
       got = jax.jit(lambda *a, call=call: call(*a[:4], freqs_H2=_freqs(qkv), **operands))(
           qkv, keys, values, starts)
       for name, g, w in zip(('outputs', 'keys', 'values'), got, want, strict=True):
-        np.testing.assert_allclose(g, w, rtol=3e-5, atol=3e-5,
-                                   err_msg=f'{path}, {name}, {T} nodes from {first}')
+        np.testing.assert_allclose(g, w, rtol=3e-5, atol=3e-5, err_msg=f'{path}, {name}, {label}')
+
+  small = models.TokenTree.full((2, 2))
+  large = models.TokenTree.full((4, 2, 2))
+  for tree, first in ((small, 0), (small, 3), (large, 0)):
+    T = tree.num_nodes + 1 - first
+    qkv = _normal(T, (B, T, K * G + 2 * K, H), scale=3.0)
+    starts = np.array([first, 11, S - T], np.int32)
+    mask = tree.mask(first)
+    operands = dict(tree_depths=mask.depths_xM[:first + T],
+                    tree_allowed=mask.ancestors_xTxM[:, :first + T])
+    check(qkv, starts, operands,
+          _tree_attention(qkv, keys, values, starts, _freqs(qkv), tree.parents, first),
+          f'{T} nodes from {first}')
+  # Each row its own tree of 6 nodes (`models.RowTrees`), the whole tree and its last 3 nodes.
+  parents = ((0, 0, 1, 1, 2, 2), (0, 1, 2, 0, 1, 2), (0, 1, 1, 3, 0, 5))
+  rows = models.RowTrees.of(jnp.asarray(parents, jnp.int32), 3, 2)
+  for first in (0, 4):
+    T = 7 - first
+    qkv = _normal(10 + T, (B, T, K * G + 2 * K, H), scale=3.0)
+    starts = np.array([first, 11, S - T], np.int32)
+    mask = rows.mask(first)
+    operands = dict(tree_depths=mask.depths_xM, tree_allowed=mask.ancestors_xTxM)
+    each = [_tree_attention(qkv[b:b + 1], keys[b:b + 1], values[b:b + 1], starts[b:b + 1],
+                            _freqs(qkv), parents[b], first) for b in range(B)]
+    check(qkv, starts, operands, [np.concatenate(w) for w in zip(*each)],
+          f'per row from {first}')
   with pytest.raises(ValueError, match='no window'):
     attention.cached_attention(qkv, keys, values, starts, rope_freqs=_freqs(qkv), window=4,
                                **operands)

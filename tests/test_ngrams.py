@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from spsjax import models
 from spsjax.models import TokenTree
 from spsjax.sampling import SamplingConfig, ngrams
 
@@ -89,17 +90,21 @@ def test_history_appends_and_bans_along_a_chain():
   assert chain.any(axis=-1).sum() >= 5
 
 
-def test_history_bans_along_a_tree():
+@pytest.mark.parametrize('per_row', [False, True])
+def test_history_bans_along_a_tree(per_row):
   """Node i reads the committed tokens, then its ancestors' tokens and its own in depth order;
-  the root the committed tokens alone."""
-  tree = TokenTree((0, 0, 1, 1, 2, 3))  # Depths 1, 1, 2, 2, 2, 3.
+  the root the committed tokens alone. `per_row`: each row its own tree (`models.RowTrees`)."""
+  trees = [TokenTree((0, 0, 1, 1, 2, 3))] * 2  # Depths 1, 1, 2, 2, 2, 3.
+  if per_row:
+    trees[1] = TokenTree((0, 1, 2, 0, 4, 4))  # Depths 1, 2, 3, 1, 2, 2.
   history = _history(3)
   tokens = jnp.array([[1, 4, 2, 3, 1, 1], [2, 4, 3, 2, 4, 1]], jnp.int32)  # Nodes 1 .. 6.
+  tree = models.RowTrees.of(jnp.asarray([t.parents for t in trees]), 3, 2) if per_row else trees[0]
   got = _banned(history.along_tree(tokens, tree))
   committed = [[1, 2, 3, 1], [4, 4, 1, 2, 4, 3]]
   for node in range(7):
-    path = [a for a in np.flatnonzero(tree.ancestors[node]) if a > 0]
     for b in range(2):
+      path = [a for a in np.flatnonzero(trees[b].ancestors[node]) if a > 0]
       context = committed[b] + [int(tokens[b, a - 1]) for a in path]
       np.testing.assert_array_equal(got[b, node], reference_banned(context, 3, 6),
                                     err_msg=f'row {b}, node {node}, context {context}')

@@ -424,7 +424,8 @@ def _run_checking_caches(target, draft, loop, prompts, lengths, rng):
       target_want.append({c - 1})
       draft_want.append({c - 1, c - 2})
     _check_cache(target, state.target_cache, rows, target_want)
-    _check_cache(draft, state.draft_state, rows, draft_want)
+    draft_cache = getattr(state.draft_state, 'cache', state.draft_state)  # Or a state's cache.
+    _check_cache(draft, draft_cache, rows, draft_want)
   return accepted
 
 

@@ -15,7 +15,7 @@ from spsjax.models import TokenTree, kv_cache
 from spsjax.sampling import (SamplingConfig, autoregressive_sample, drafter_config, drafters,
                              speculative, speculative_sample)
 from spsjax.sampling.rejection import accept_tree
-from spsjax.sampling.tree_drafters import TreeDrafter
+from spsjax.sampling.tree_drafters import DynamicTreeDrafter, TreeDrafter
 from tests.forwards import full_logits
 from tests.stats import exact_sequence_law, g_test_pvalue, sequence_counts
 from tests.test_drafters import NEW, PROMPT, V_SMALL, tiny_pair  # pylint: disable=unused-import
@@ -49,21 +49,47 @@ def test_tree_structure():
     TokenTree.full((2, 0))
 
 
+def test_row_trees_are_each_rows_token_tree():
+  """`RowTrees`' views (ancestors by repeated squaring, depths, children) equal each row's
+  `TokenTree`'s, for trees of depth 1 to 8; `TokenTree.for_rows` the tree in every row."""
+  rng = np.random.default_rng(0)
+  for N in (1, 3, 8):
+    trees = [TokenTree(tuple(int(rng.integers(0, i)) for i in range(1, N + 1)))
+             for _ in range(6)] + [TokenTree(tuple(range(N)))]  # And a chain: depth N.
+    width = max(t.children.shape[1] for t in trees)
+    rows = models.RowTrees.of(jnp.asarray([t.parents for t in trees]),
+                              max(t.depth for t in trees), width)
+    for b, tree in enumerate(trees):
+      np.testing.assert_array_equal(rows.ancestors[b], tree.ancestors)
+      np.testing.assert_array_equal(rows.depths[b], tree.depths)
+      np.testing.assert_array_equal(
+          rows.children[b], np.pad(tree.children, ((0, 0), (0, width - tree.children.shape[1])),
+                                   constant_values=-1))
+  shared = TREE.for_rows(3)
+  np.testing.assert_array_equal(shared.ancestors, np.broadcast_to(TREE.ancestors, (3, 9, 9)))
+  assert shared.num_nodes == 8 and shared.depth == 3 and shared.width == 2
+  np.testing.assert_array_equal(TREE.mask(4).ancestors_xTxM, shared.mask(4).ancestors_xTxM[1])
+
+
 # --- The target's call on a tree -------------------------------------------------------------
 
 VOCAB = 61
 TREE = TokenTree((0, 0, 1, 1, 2, 4, 4, 3))
+OTHER_TREE = TokenTree((0, 1, 2, 0, 4, 1, 6, 6))  # As many nodes, deeper: a second row's own.
 N_TREE = TREE.num_nodes
 _extend = jax.jit(models.extend, static_argnums=0, static_argnames='tree')
+_extend_rows = jax.jit(models.extend, static_argnums=0)  # A `RowTrees` tree is traced.
 _tree_logits = jax.jit(models.tree_logits, static_argnums=(0, 3))
 
 
-def _path_logits(config, params, prefixes, tokens_BxT, tree: TokenTree) -> np.ndarray:
+def _path_logits(config, params, prefixes, tokens_BxT, tree) -> np.ndarray:
   """float32[B, N + 1, V]: for each row and node, the uncached forward's logits at the end of the
-  row's prefix followed by the node's root-to-node tokens (one padded batch, one program)."""
+  row's prefix followed by the node's root-to-node tokens (one padded batch, one program). `tree`:
+  a `TokenTree`, or one per row."""
   width = 48
   rows = []
-  for prefix, tokens_T in zip(prefixes, tokens_BxT):
+  trees = tree if isinstance(tree, (list, tuple)) else [tree] * len(prefixes)
+  for prefix, tokens_T, tree in zip(prefixes, tokens_BxT, trees, strict=True):
     for node in range(tree.num_nodes + 1):
       seq = np.concatenate([prefix, tokens_T[tree.ancestors[node]]])
       rows.append((np.pad(seq, (0, width - len(seq))), len(seq) - 1))
@@ -82,16 +108,18 @@ def test_tree_logits_are_each_paths_forward():
                              expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize('layout,window', [('xla', None), ('fused', None), ('xla', 3),
-                                           ('packed', None), ('packed', 3)])
-def test_a_tree_call_and_its_kept_path_decode_the_reference(layout, window):
+@pytest.mark.parametrize('layout,window,per_row', [
+    ('xla', None, False), ('fused', None, False), ('xla', 3, False), ('packed', None, False),
+    ('packed', 3, False), ('xla', None, True), ('packed', None, True), ('xla', 3, True)])
+def test_a_tree_call_and_its_kept_path_decode_the_reference(layout, window, per_row):
   """Rows at ragged lengths, each loop: a tree call whose root is the row's next token, one
   random path carrying the sequence's true tokens and other tokens elsewhere. Every node's
   logits are the uncached forward's on the row's tokens and the node's root-to-node tokens; the
   path is then kept (`kv_cache.keep_path`) and decoding goes on from it. With a sliding window
   (Gemma 2's layers) the rings hold window - 1 + N slots (a packed model's cache holds every
-  position; its products are the kernels', its attention on the tree XLA's). Without keeping the
-  path the next loops' logits are wrong (so the check can fail)."""
+  position; its products are the kernels', its attention on the tree XLA's). `per_row`: each
+  row its own tree (`models.RowTrees`). Without keeping the path the next loops' logits are
+  wrong (so the check can fail)."""
   extra = dict(sliding_window=window, global_layers=(1,)) if window else {}
   config = models.TransformerConfig(vocab_size=VOCAB, d_model=32, num_layers=2, num_heads=4,
                                     num_kv_heads=2, d_ff=64, max_seq_len=64, **extra)
@@ -101,6 +129,14 @@ def test_a_tree_call_and_its_kept_path_decode_the_reference(layout, window):
   sequence_BxL = np.asarray(jax.random.randint(jax.random.key(1), (2, 40), 0, VOCAB))
   rng = np.random.default_rng(0)
   N = TREE.num_nodes
+  trees = [TREE, OTHER_TREE] if per_row else [TREE, TREE]
+  depth = max(t.depth for t in trees)
+  if per_row:
+    call = lambda cache, tokens: _extend_rows(model.config, model.params, cache, tokens,
+                                              tree=models.RowTrees.of(jnp.asarray(
+                                                  [t.parents for t in trees]), depth, 2))
+  else:
+    call = lambda cache, tokens: _extend(model.config, model.params, cache, tokens, tree=TREE)
 
   def run(keep):
     lengths = np.array([3, 6])
@@ -108,20 +144,18 @@ def test_a_tree_call_and_its_kept_path_decode_the_reference(layout, window):
                               jnp.asarray(lengths), 48, rollback=N)
     worst = 0.0
     for _ in range(8):
-      if lengths.max() + TREE.depth + 1 >= 40:
+      if lengths.max() + depth + 1 >= 40:
         break
       ends = rng.integers(1, N + 1, size=2)  # Each row's path: the ancestors of one node.
       tokens_BxT = rng.integers(0, VOCAB, size=(2, N + 1))
-      path_BxD = np.full((2, TREE.depth + 1), -1)
+      path_BxD = np.full((2, depth + 1), -1)
       for b, (l, end) in enumerate(zip(lengths, ends)):
-        path = np.flatnonzero(TREE.ancestors[end])
+        path = np.flatnonzero(trees[b].ancestors[end])
         path_BxD[b, :len(path)] = path
         tokens_BxT[b, path] = sequence_BxL[b, l:l + len(path)]
-      out_BxTxV, cache = _extend(model.config, model.params,
-                                 cache.with_lengths(jnp.asarray(lengths)),
-                                 jnp.asarray(tokens_BxT), tree=TREE)
+      out_BxTxV, cache = call(cache.with_lengths(jnp.asarray(lengths)), jnp.asarray(tokens_BxT))
       expected = _path_logits(config, params, [sequence_BxL[b, :l] for b, l in enumerate(lengths)],
-                              tokens_BxT, TREE)
+                              tokens_BxT, trees)
       worst = max(worst, float(np.abs(np.asarray(out_BxTxV) - expected).max()))
       if keep:
         cache = kv_cache.keep_path(cache, jnp.asarray(lengths), jnp.asarray(path_BxD))
@@ -171,7 +205,8 @@ def _bigram_tree_draws(P, Q, tree: TokenTree, n: int, point_alternatives: bool, 
         rest = rest.at[t].set(0.0)
     p = jnp.stack([P[t] for t in tokens])
     nodes = jnp.stack(tokens[1:])
-    return accept_tree(accept_key[0], p, jnp.stack(q), nodes, jnp.stack(valid), tree) + (nodes,)
+    return accept_tree(accept_key[0], p, jnp.stack(q), nodes, jnp.stack(valid), tree.children,
+                       tree.depth) + (nodes,)
 
   return jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(seed), n))
 
@@ -236,8 +271,9 @@ def test_sps_with_alternatives_samples_the_target_law(tiny_pair, sampling, draft
 
 def test_greedy_sps_with_trees_is_greedy_ars(tiny_pair):
   """Ragged prompts, an eos: greedy SpS gives ArS's tokens with 3 alternatives a slot (k = 1 and
-  4; `Hybrid`'s lookup drafts at k = 3) and with tree drafters of three shapes, one of each on a
-  4 x 2 mesh and one of each with both models packed for the native CPU kernels."""
+  4; `Hybrid`'s lookup drafts at k = 3), with tree drafters of three shapes and with dynamic
+  trees, one of each on a 4 x 2 mesh and one of each with both models packed for the native CPU
+  kernels."""
   target, draft = tiny_pair
   packed = (models.pack(target), models.pack(draft))
   rng = np.random.default_rng(0)
@@ -252,7 +288,9 @@ def test_greedy_sps_with_trees_is_greedy_ars(tiny_pair):
                          (2, drafters.ModelDrafter(alternatives=3), mesh),
                          (3, drafters.ModelDrafter(alternatives=2), packed),
                          (1, TreeDrafter((3,)), None), (4, TreeDrafter((1, 2, 2, 1)), None),
-                         (2, TreeDrafter((2, 2)), mesh), (3, TreeDrafter((2, 2, 1)), packed)]:
+                         (2, TreeDrafter((2, 2)), mesh), (3, TreeDrafter((2, 2, 1)), packed),
+                         (3, DynamicTreeDrafter(5, 2), None), (2, DynamicTreeDrafter(4, 2), mesh),
+                         (4, DynamicTreeDrafter(6, 3), packed)]:
     models_on, mesh_on = (on, None) if isinstance(on, tuple) else ((target, draft), on)
     out = speculative_sample(*models_on, prompts, lengths, jax.random.key(0), k=k,
                              max_new_tokens=9, sampling=GREEDY, eos_id=5, drafter=drafter,
@@ -262,8 +300,8 @@ def test_greedy_sps_with_trees_is_greedy_ars(tiny_pair):
 
 
 def test_greedy_sps_with_trees_and_a_repetition_penalty_is_greedy_ars(pair):
-  """Greedy after a penalty of 3 (which changes the tokens, so the check can fail): alternatives
-  and a tree drafter give ArS's tokens, unpacked and with both models packed for the native CPU
+  """Greedy after a penalty of 3 (which changes the tokens, so the check can fail): alternatives,
+  a tree drafter and a dynamic tree give ArS's tokens, unpacked and with both models packed for the native CPU
   kernels; with draft == target the tree drafter's first child is accepted at every depth (its
   laws read each node's path as the target's do)."""
   target, draft = pair
@@ -274,6 +312,7 @@ def test_greedy_sps_with_trees_and_a_repetition_penalty_is_greedy_ars(pair):
                         (packed(target), packed(draft), drafters.ModelDrafter(alternatives=2)),
                         (target, draft, TreeDrafter((2, 2, 1))),
                         (packed(target), packed(draft), TreeDrafter((2, 1, 1))),
+                        (packed(target), packed(draft), DynamicTreeDrafter(5, 2)),
                         (target, target, TreeDrafter((2, 2, 1)))):
     sps = speculative_sample(t, d, prompts, lengths, jax.random.key(1), k=3, max_new_tokens=12,
                              sampling=penalised, drafter=drafter)
@@ -299,42 +338,53 @@ def test_alternatives_refuse_what_they_do_not_run_with(tiny_pair):
 
 # --- A draft model drafting a full tree -------------------------------------------------------
 
-@pytest.mark.parametrize('sampling', [SamplingConfig(),
-                                      SamplingConfig(temperature=0.8, repetition_penalty=1.8)],
-                         ids=['temperature_1', 'repetition_penalty'])
-def test_sps_with_a_tree_drafter_samples_the_target_law(tiny_pair, sampling):
+@pytest.mark.parametrize('sampling,dynamic', [
+    (SamplingConfig(), False), (SamplingConfig(temperature=0.8, repetition_penalty=1.8), False),
+    (SamplingConfig(), True), (SamplingConfig(temperature=0.8, repetition_penalty=1.8), True)],
+                         ids=['temperature_1', 'repetition_penalty', 'dynamic_temperature_1',
+                              'dynamic_repetition_penalty'])
+def test_sps_with_a_tree_drafter_samples_the_target_law(tiny_pair, sampling, dynamic):
   """100,000 rows, 3 tokens each, a draft drafting a tree of branching (2, 2) at temperature 1
   (or 0.8 after a repetition penalty of 1.8, which every node's law, the draft's and the
   target's, reads along its path), against the enumerated law (power as test_speculative's, TV
-  0.018); it accepts more drafts a loop than the chain of 2."""
+  0.018); it accepts more drafts a loop than the chain of 2. `dynamic`: each row's own tree of 4
+  nodes (`DynamicTreeDrafter`, width 2), its drafts point masses, the target's penalty along
+  each row's paths."""
   target, draft = tiny_pair
   prompts = np.tile(np.array(PROMPT, np.int32), (ROWS, 1))
   lengths = np.full((ROWS,), len(PROMPT), np.int32)
   run = lambda drafter, rows=ROWS: speculative_sample(
       target, draft, prompts[:rows], lengths[:rows], jax.random.key(3), k=2, max_new_tokens=NEW,
       drafter=drafter, sampling=sampling)
-  out = run(TreeDrafter((2, 2)))
+  out = run(DynamicTreeDrafter(4, 2) if dynamic else TreeDrafter((2, 2)))
   pvalue = g_test_pvalue(sequence_counts(np.asarray(out.tokens), V_SMALL),
                          exact_sequence_law(target, PROMPT, NEW, sampling))
   assert pvalue > P_MIN, f'G-test p-value {pvalue:.2e}'
-  chain = run(drafters.ModelDrafter(), ROWS // 10)
-  per_loop = lambda o: float(np.sum(o.num_accepted)) / float(np.sum(o.num_loops))
-  assert per_loop(out) > 1.3 * per_loop(chain)
+  if not dynamic:
+    chain = run(drafters.ModelDrafter(), ROWS // 10)
+    per_loop = lambda o: float(np.sum(o.num_accepted)) / float(np.sum(o.num_loops))
+    assert per_loop(out) > 1.3 * per_loop(chain)
 
 
 @pytest.mark.parametrize('drafter,packed', [(TreeDrafter((2, 2, 1)), False),
                                             (TreeDrafter((2, 2, 1)), True),
-                                            (drafters.ModelDrafter(alternatives=2), False)],
+                                            (drafters.ModelDrafter(alternatives=2), False),
+                                            (DynamicTreeDrafter(5, 2), False),
+                                            (DynamicTreeDrafter(6, 2), True)],
                          ids=str)
 def test_tree_caches_equal_fresh_prefill_after_every_loop(pair, drafter, packed):
   """Stepping the loop: after every loop the target cache holds exactly the committed tokens but
   the last and the draft cache at least all but the last two, slot for slot as a fresh prefill
   (the accepted path moved to its positions' slots), with every outcome of the tree seen; also
-  with both models packed for the native CPU kernels."""
+  with both models packed for the native CPU kernels. A dynamic tree (point masses) drafts with
+  the target itself at temperature 0.5, so that its deep nodes are accepted too."""
   target, draft = (models.pack(m) for m in pair) if packed else pair
+  sampling = SamplingConfig(temperature=1.5)
+  if isinstance(drafter, DynamicTreeDrafter):  # Point masses: the target as draft, sharper.
+    draft, sampling = target, SamplingConfig(temperature=0.5)
   prompts, lengths = _ragged(5, batch=6)
-  loop = speculative.Loop(k=3, max_new_tokens=14, sampling=SamplingConfig(temperature=1.5),
-                          draft_sampling=SamplingConfig(temperature=1.5), drafter=drafter)
+  loop = speculative.Loop(k=3, max_new_tokens=14, sampling=sampling, draft_sampling=sampling,
+                          drafter=drafter)
   accepted = _run_checking_caches(target, draft, loop, prompts, lengths, jax.random.key(4))
   assert set(np.concatenate(accepted).tolist()) - {-1} == {0, 1, 2, 3}
 
@@ -351,9 +401,22 @@ def test_the_tree_drafter_refuses_what_it_does_not_run_with(tiny_pair):
     call(d=windowed)
   with pytest.raises(ValueError, match='more children'):
     call(drafter=TreeDrafter((V_SMALL + 1, 1)))
+  with pytest.raises(ValueError, match='sliding-window'):
+    call(d=windowed, drafter=DynamicTreeDrafter(4, 2))
+  with pytest.raises(ValueError, match='more children'):
+    call(drafter=DynamicTreeDrafter(4, V_SMALL + 1))
+  with pytest.raises(ValueError, match='values 6 candidates: nodes=7'):
+    call(drafter=DynamicTreeDrafter(7, 2))
+  with pytest.raises(ValueError, match='lenience'):
+    speculative_sample(target, draft, np.zeros((1, 2), np.int32), np.array([2], np.int32),
+                       jax.random.key(0), k=2, max_new_tokens=4, lenience=0.5,
+                       drafter=DynamicTreeDrafter(4, 2))
+  assert drafter_config.build('tree', tree_nodes=5, tree_width=2) == DynamicTreeDrafter(5, 2)
   assert drafter_config.build('tree', branching='3+2') == TreeDrafter((3, 2))
   assert drafter_config.build('tree') == TreeDrafter()
   for kw in [dict(kind='model', branching='2'),
-             dict(kind='tree', branching='2+x'), dict(kind='lookup', alternatives=1)]:
+             dict(kind='tree', branching='2+x'), dict(kind='lookup', alternatives=1),
+             dict(kind='model', tree_nodes=4), dict(kind='tree', tree_nodes=4, branching='2'),
+             dict(kind='tree', tree_nodes=4, tree_width=0)]:
     with pytest.raises(ValueError):
       drafter_config.build(**kw)

@@ -6,13 +6,14 @@ from spsjax.models.api import (Model, extend, extend_with_features, features, in
 from spsjax.models import feature_head
 from spsjax.models.config import RopeScaling, TransformerConfig
 from spsjax.models.kv_cache import KVCache, init_cache
-from spsjax.models.token_tree import TokenTree
+from spsjax.models.token_tree import RowTrees, TokenTree
 from spsjax.models.transformer import output_logits
 from spsjax.models.packing import (WEIGHT_DTYPES, for_decoding, fuse, is_fused, is_packed, pack,
                                    packable, packed_dtype, unfuse, unpack)
 
 __all__ = [
-    'KVCache', 'Model', 'RopeScaling', 'TokenTree', 'TransformerConfig', 'WEIGHT_DTYPES', 'extend',
+    'KVCache', 'Model', 'RopeScaling', 'RowTrees', 'TokenTree', 'TransformerConfig',
+    'WEIGHT_DTYPES', 'extend',
     'extend_with_features',
     'feature_head', 'features', 'for_decoding', 'fuse', 'is_fused',
     'init_cache', 'init_params', 'is_packed', 'logits', 'num_params', 'output_logits', 'pack',

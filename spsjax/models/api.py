@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from spsjax import native, sharding
 from spsjax.models import kv_cache
 from spsjax.models.config import TransformerConfig
-from spsjax.models.token_tree import TokenTree
+from spsjax.models.token_tree import RowTrees, TokenTree
 from spsjax.models.transformer import Transformer
 
 
@@ -123,7 +123,8 @@ def features(config: TransformerConfig, params, tokens_BxT: jax.Array) -> jax.Ar
 
 def extend_with_features(config: TransformerConfig, params, cache: kv_cache.KVCache,
                          tokens_BxT: jax.Array, logits_at_BxL: jax.Array | None = None,
-                         counts_B: jax.Array | None = None, tree: TokenTree | None = None
+                         counts_B: jax.Array | None = None,
+                         tree: TokenTree | RowTrees | None = None
                          ) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
   """`extend`, also returning the positions' hidden states from the same forward: (float32[B, T,
   V] logits, [B, T, D] features: the last layer's output before the final norm, cache). With
@@ -136,7 +137,7 @@ def extend_with_features(config: TransformerConfig, params, cache: kv_cache.KVCa
 
 def extend(config: TransformerConfig, params, cache: kv_cache.KVCache, tokens_BxT: jax.Array,
            logits_at_BxL: jax.Array | None = None, counts_B: jax.Array | None = None,
-           tree: TokenTree | None = None, first_node: int = 0
+           tree: TokenTree | RowTrees | None = None, first_node: int = 0
            ) -> tuple[jax.Array, kv_cache.KVCache]:
   """Appends T tokens to each row at its own offset: (float32[B, T, V], cache with lengths + T).
 
@@ -146,7 +147,8 @@ def extend(config: TransformerConfig, params, cache: kv_cache.KVCache, tokens_Bx
   decodes no more): the others' logits and cache slots are unspecified, and a model packed for
   CPU decoding skips their work.
   `tree`: the T tokens are a token tree's nodes `first_node` .. first_node + T - 1 (all of them,
-  the root first, by default), its root at the cache's length: node m is written at slot
+  the root first, by default; a `TokenTree` shared by the rows, or `RowTrees`, each row's own),
+  its root at the cache's length: node m is written at slot
   lengths + m, at position lengths + its depth, and attends to the cache before the root and to
   its ancestors (`token_tree`; in a packed model by the attention kernel, but in its windowed
   layers; a call on part of a tree reads the nodes earlier calls wrote, and needs full caches, no
@@ -159,7 +161,7 @@ def extend(config: TransformerConfig, params, cache: kv_cache.KVCache, tokens_Bx
   return out, cache
 
 
-def call_positions(cache: kv_cache.KVCache, T: int, tree: TokenTree | None = None,
+def call_positions(cache: kv_cache.KVCache, T: int, tree: TokenTree | RowTrees | None = None,
                    first_node: int = 0):
   """(cache with lengths at the call's first slot, positions [B, T], the `TreeMask` or None) of a
   cached call on T tokens: positions lengths + t; on a tree's nodes first_node .. + T - 1 (its
@@ -169,8 +171,9 @@ def call_positions(cache: kv_cache.KVCache, T: int, tree: TokenTree | None = Non
   if tree is None:
     return cache, cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], None
   mask = tree.mask(first_node, T)
-  offsets_T = mask.depths_M[first_node:first_node + T]
-  positions_BxT = cache.lengths[:, None] + offsets_T[None, :]
+  offsets_BxT = jnp.broadcast_to(mask.depths_xM[..., first_node:first_node + T],
+                                 (cache.lengths.shape[0], T))  # Shared, or each row's.
+  positions_BxT = cache.lengths[:, None] + offsets_BxT
   return cache.with_lengths(cache.lengths + first_node), positions_BxT, mask
 
 
@@ -192,7 +195,7 @@ def tree_logits(config: TransformerConfig, params, tokens_BxT: jax.Array,
   float32[B, N + 1, V]; node t's logits are `logits` of its root-to-node path at its last
   position (the reference for `extend`'s `tree`)."""
   mask = tree.mask(0, tokens_BxT.shape[1])
-  positions_BxT = jnp.broadcast_to(mask.depths_M, tokens_BxT.shape)
+  positions_BxT = jnp.broadcast_to(mask.depths_xM, tokens_BxT.shape)
   out, _ = Transformer(config).apply({'params': params}, tokens_BxT, positions_BxT, tree=mask)
   return out
 

@@ -182,8 +182,8 @@ def extend_head(head: Model, target: Model, cache: kv_cache.KVCache, features_Bx
   """An EAGLE head on T pairs (features, token) per row at the row's offset `cache.lengths`:
   (float32 logits [B, T, V] (or [B, L, V] at `logits_at`), predicted features [B, T, D], cache
   with lengths + T). As `models.extend`: row b's pairs past counts[b] are padding, their
-  outputs unspecified; with a `tree` (`models.TokenTree`) the pairs are its nodes first_node ..,
-  its root's pair at slot `cache.lengths`, each seeing its ancestors' pairs."""
+  outputs unspecified; with a `tree` (`models.TokenTree` or `RowTrees`) the pairs are its nodes
+  first_node .., its root's pair at slot `cache.lengths`, each seeing its ancestors' pairs."""
   T = tokens_BxT.shape[1]
   cache, positions_BxT, mask = call_positions(cache, T, tree, first_node)
   embedded_BxTxD = embed(target.config, target.params['embedding'], tokens_BxT)

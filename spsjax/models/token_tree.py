@@ -11,21 +11,27 @@ draw, the later ones its alternatives.
 
 Invariant: parents come before children, so the depth of node i is at most i: a root-to-node
 path moved to slots `length + depth` (`kv_cache.keep_path`) never reads a slot it has written.
+
+`RowTrees` are trees of the same size whose structure is traced and each row's own (a dynamic
+drafter's, `sampling.dynamic_trees`): the same views, per row ([B, ...]); a model call takes
+either, and a `TreeMask`'s arrays carry a leading batch axis for them.
 """
 
 import dataclasses
 import functools
 from typing import NamedTuple
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
 class TreeMask(NamedTuple):
-  """What a model call on the nodes first .. first + T - 1 of a tree of M = N + 1 nodes needs."""
-  ancestors_TxM: jax.Array  # bool: [t, m] iff node m is node first + t or one of its ancestors.
-  depths_M: jax.Array  # int32: every node's depth.
+  """What a model call on the nodes first .. first + T - 1 of a tree of M = N + 1 nodes needs;
+  the arrays lead with a batch axis for `RowTrees` (each row its own tree)."""
+  ancestors_xTxM: jax.Array  # bool: [.., t, m] iff node m is node first + t or an ancestor.
+  depths_xM: jax.Array  # int32: every node's depth.
   first: int
 
 
@@ -118,9 +124,74 @@ class TokenTree:
 
   def mask(self, first: int = 0, count: int | None = None) -> TreeMask:
     """The `TreeMask` of a call on nodes first .. first + count - 1 (default: to the last)."""
-    count = self.num_nodes + 1 - first if count is None else count
-    if not (0 <= first and count >= 1 and first + count <= self.num_nodes + 1):
-      raise ValueError(f'Nodes {first} .. {first + count - 1} are not in a tree of '
-                       f'{self.num_nodes + 1} nodes (the root included).')
+    count = _check_range(first, count, self.num_nodes + 1)
     return TreeMask(jnp.asarray(self.ancestors[first:first + count]), jnp.asarray(self.depths),
                     first)
+
+  def for_rows(self, B: int, width: int | None = None) -> 'RowTrees':
+    """This tree in every one of B rows, as `RowTrees` (children bound `width`, default the most
+    any node has)."""
+    width = self.children.shape[1] if width is None else width
+    return RowTrees.of(jnp.broadcast_to(jnp.asarray(self.parents, jnp.int32),
+                                        (B, self.num_nodes)), self.depth, width)
+
+
+def _check_range(first: int, count: int | None, M: int) -> int:
+  count = M - first if count is None else count
+  if not (0 <= first and count >= 1 and first + count <= M):
+    raise ValueError(f'Nodes {first} .. {first + count - 1} are not in a tree of {M} nodes (the '
+                     'root included).')
+  return count
+
+
+@flax.struct.dataclass
+class RowTrees:
+  """Each row's own tree of N draft nodes (a pytree: the structure is traced, its sizes static).
+
+  `parents_BxN[b, i - 1]`: node i's parent in row b, an earlier node (0 is the root). `depth`
+  bounds every row's depth and `width` the children of any node: whoever builds the trees keeps
+  both (nothing traced can be checked; `TokenTree.for_rows` and `sampling.dynamic_trees` do).
+  The views are `TokenTree`'s with a leading batch axis; `of` computes them once.
+  """
+  parents_BxN: jax.Array
+  ancestors: jax.Array  # bool[B, N + 1, N + 1]: [b, i, j] iff node j is node i or an ancestor.
+  depths: jax.Array  # int32[B, N + 1].
+  depth: int = flax.struct.field(pytree_node=False)
+  width: int = flax.struct.field(pytree_node=False)
+
+  @classmethod
+  def of(cls, parents_BxN: jax.Array, depth: int, width: int) -> 'RowTrees':
+    """The trees of these parents (depth and width bounds as the class docstring), their
+    ancestors by repeated squaring of the parent relation (ceil(log2(depth)) + 1 products)."""
+    parents_BxN = jnp.asarray(parents_BxN, jnp.int32)
+    B, N = parents_BxN.shape
+    parent_BxMxM = jax.nn.one_hot(jnp.pad(parents_BxN, ((0, 0), (1, 0)), constant_values=-1),
+                                  N + 1, dtype=jnp.float32)  # [b, i, j]: j is i's parent.
+    within_BxMxM = jnp.eye(N + 1, dtype=jnp.float32)[None] + parent_BxMxM  # Paths of <= 1 step.
+    for _ in range(max(depth - 1, 0).bit_length()):  # Paths of <= 2, 4, ... >= depth steps.
+      within_BxMxM = jnp.minimum(jnp.einsum('bij,bjk->bik', within_BxMxM, within_BxMxM), 1.0)
+    ancestors_BxMxM = within_BxMxM > 0
+    depths_BxM = jnp.sum(ancestors_BxMxM, axis=2, dtype=jnp.int32) - 1
+    return cls(parents_BxN, ancestors_BxMxM, depths_BxM, depth, width)
+
+  @property
+  def num_nodes(self) -> int:
+    return self.parents_BxN.shape[1]
+
+  @property
+  def children(self) -> jax.Array:
+    """int32[B, N + 1, width]: each node's children in node order, padded with -1."""
+    B, N = self.parents_BxN.shape
+    child_BxMxN = self.parents_BxN[:, None, :] == jnp.arange(N + 1)[None, :, None]  # [b, m, i-1]
+    rank_BxMxN = jnp.cumsum(child_BxMxN, axis=2) - 1
+    slot_BxMxNxC = child_BxMxN[..., None] & (
+        rank_BxMxN[..., None] == jnp.arange(self.width)[None, None, None])
+    ids_N = jnp.arange(1, N + 1, dtype=jnp.int32)
+    found_BxMxC = jnp.any(slot_BxMxNxC, axis=2)
+    return jnp.where(found_BxMxC, jnp.einsum('bmnc,n->bmc', slot_BxMxNxC.astype(jnp.int32),
+                                             ids_N), -1)
+
+  def mask(self, first: int = 0, count: int | None = None) -> TreeMask:
+    """The per-row `TreeMask` of a call on nodes first .. first + count - 1."""
+    count = _check_range(first, count, self.num_nodes + 1)
+    return TreeMask(self.ancestors[:, first:first + count], self.depths, first)

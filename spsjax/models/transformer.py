@@ -160,15 +160,16 @@ def _tree_operands(tree: TreeMask, T: int) -> dict:
   """`native.cached_attention`'s tree operands for a call on T of a tree's nodes: its nodes up to
   the call's last (`native.tree_slots`)."""
   W = tree.first + T
-  return dict(tree_depths=tree.depths_M[:W], tree_allowed=tree.ancestors_TxM[:, :W])
+  return dict(tree_depths=tree.depths_xM[..., :W], tree_allowed=tree.ancestors_xTxM[..., :W])
 
 
-def _whole_tree(tree: TreeMask, T: int, where: str) -> jax.Array:
-  """The mask of a call on a whole tree (first node 0, all M nodes), which `where` needs."""
-  if tree.first != 0 or tree.ancestors_TxM.shape[1] != T:
+def _whole_tree(tree: TreeMask, B: int, T: int, where: str) -> jax.Array:
+  """The mask [B, T, T] of a call on a whole tree (first node 0, all M nodes), which `where`
+  needs."""
+  if tree.first != 0 or tree.ancestors_xTxM.shape[-1] != T:
     raise ValueError(f'{where} takes a token tree in one call, root first (got nodes from '
-                     f'{tree.first}, {T} of {tree.ancestors_TxM.shape[1]}).')
-  return tree.ancestors_TxM
+                     f'{tree.first}, {T} of {tree.ancestors_xTxM.shape[-1]}).')
+  return jnp.broadcast_to(tree.ancestors_xTxM, (B, T, T))
 
 
 class Attention(nn.Module):
@@ -273,7 +274,7 @@ class Attention(nn.Module):
       if layer_cache is None:  # Full causal pass: keys are the new positions themselves.
         keys_BxSxKxH, values_BxSxKxH, key_pos_BxS = k_BxTxKxH, v_BxTxKxH, positions_BxT
         if tree is not None:
-          allowed_BxTxS = jnp.broadcast_to(_whole_tree(tree, T, 'An uncached forward'), (B, T, T))
+          allowed_BxTxS = _whole_tree(tree, B, T, 'An uncached forward')
       elif options['window'] is not None:  # A ring (kv_cache): as it was, then the new keys.
         cache_k, cache_v, starts_B = layer_cache
         keys_BxSxKxH = jnp.concatenate([cache_k, k_BxTxKxH.astype(cache_k.dtype)], axis=1)
@@ -281,10 +282,9 @@ class Attention(nn.Module):
         key_pos_BxS = jnp.concatenate(
             [kv_cache.ring_positions(starts_B, cache_k.shape[1]), positions_BxT], axis=1)
         if tree is not None:  # Its ring holds no node a call wrote before.
-          allowed_BxTxS = jnp.broadcast_to(jnp.concatenate(
-              [jnp.ones((T, cache_k.shape[1]), bool),
-               _whole_tree(tree, T, 'A sliding-window layer')], axis=1),
-              (B, T, cache_k.shape[1] + T))
+          allowed_BxTxS = jnp.concatenate(
+              [jnp.ones((B, T, cache_k.shape[1]), bool),
+               _whole_tree(tree, B, T, 'A sliding-window layer')], axis=2)
         written = (kv_cache.ring_write(cache_k, k_BxTxKxH, starts_B, counts_B),
                    kv_cache.ring_write(cache_v, v_BxTxKxH, starts_B, counts_B))
       else:  # Write this call's positions first, then attend over the whole cache.
@@ -295,7 +295,7 @@ class Attention(nn.Module):
                                        keys_BxSxKxH.shape[:2])
         if tree is not None:  # The call's first node is written at starts.
           key_pos_BxS, allowed_BxTxS = native.tree_slots(
-              tree.depths_M, tree.ancestors_TxM, starts_B - tree.first, keys_BxSxKxH.shape[1])
+              tree.depths_xM, tree.ancestors_xTxM, starts_B - tree.first, keys_BxSxKxH.shape[1])
       out_BxTxKxGxH = native.attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT,
                                     key_pos_BxS, allowed_BxTxS=allowed_BxTxS, **options)
     # One contracting dim of N * H: wo is then only reshaped. With (N, H) contracted as two dims,

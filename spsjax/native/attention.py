@@ -13,7 +13,8 @@ ops) up to float reassociation, sin and cos rounding and an exp accurate to ~2e-
 right-padded prompts passes `counts_B` (each row's prompt length): the kernel then skips the
 padding positions, whose outputs and cache slots nothing reads. A call on a token tree's nodes
 (`tree_depths`, `tree_allowed`: `tree_slots`) rotates each node at its depth's position and lets
-it see, of the tree's slots, its ancestors' only.
+it see, of the tree's slots, its ancestors' only; the tree is shared by the rows or each row's own
+(the operands lead with the batch axis).
 
 `rope`, `write_rows` and `attend` are the model's own ops (`spsjax.models.transformer` uses them
 on every path but this kernel's).
@@ -106,31 +107,42 @@ def attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT, key_positio
   return out_BxKxTxGxH.transpose(0, 2, 1, 3, 4)
 
 
-def tree_slots(depths_W, allowed_TxW, roots_B, num_slots: int):
+def tree_rows(B: int, depths_xW, allowed_xTxW):
+  """A tree's operands per row ([B, W], [B, T, W]), from shared ones ([W], [T, W]) or per-row."""
+  depths_xW, allowed_xTxW = jnp.asarray(depths_xW), jnp.asarray(allowed_xTxW)
+  return (jnp.broadcast_to(depths_xW, (B,) + depths_xW.shape[-1:]),
+          jnp.broadcast_to(allowed_xTxW, (B,) + allowed_xTxW.shape[-2:]))
+
+
+def tree_slots(depths_xW, allowed_xTxW, roots_B, num_slots: int):
   """(key positions [B, S], allowed [B, T, S]) of a full cache for a call on the last T of a token
   tree's first W nodes, its root at slot roots[b]: slot roots + w holds node w at position roots +
   depths[w] (the call's T nodes at its last T such slots); node W - T + t sees the slots before the
   root and the tree's slots w where allowed[t, w] (itself and its ancestors). Slots past the W
-  nodes keep their own index as position, after every node's: causally masked."""
-  W = depths_W.shape[0]
-  slot_BxS = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (roots_B.shape[0],
-                                                                         num_slots))
+  nodes keep their own index as position, after every node's: causally masked. The tree's
+  operands are shared ([W], [T, W]) or each row's ([B, W], [B, T, W])."""
+  B = roots_B.shape[0]
+  depths_BxW, allowed_BxTxW = tree_rows(B, depths_xW, allowed_xTxW)
+  W = depths_BxW.shape[1]
+  slot_BxS = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (B, num_slots))
   node_BxS = slot_BxS - roots_B[:, None]
   in_tree_BxS = (node_BxS >= 0) & (node_BxS < W)
   node_BxS = jnp.clip(node_BxS, 0, W - 1)
-  key_pos_BxS = jnp.where(in_tree_BxS, roots_B[:, None] + depths_W[node_BxS], slot_BxS)
-  allowed_BxTxS = ~in_tree_BxS[:, None, :] | jnp.take(allowed_TxW, node_BxS,
-                                                      axis=1).transpose(1, 0, 2)
+  key_pos_BxS = jnp.where(in_tree_BxS, roots_B[:, None] + jnp.take_along_axis(
+      depths_BxW, node_BxS, axis=1), slot_BxS)
+  allowed_BxTxS = ~in_tree_BxS[:, None, :] | jnp.take_along_axis(
+      allowed_BxTxW, node_BxS[:, None, :], axis=2)
   return key_pos_BxS, allowed_BxTxS
 
 
-def _tree_positions(starts_B, T, tree_depths_W):
+def _tree_positions(starts_B, T, tree_depths_xW):
   """Positions [B, T] of a call's T positions from starts: starts + t, or on a tree (the call's
   nodes the last T of W) root + depth."""
-  if tree_depths_W is None:
+  if tree_depths_xW is None:
     return starts_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-  W = tree_depths_W.shape[0]
-  return starts_B[:, None] - (W - T) + tree_depths_W[None, W - T:]
+  W = tree_depths_xW.shape[-1]
+  depths_BxT = jnp.broadcast_to(jnp.asarray(tree_depths_xW)[..., W - T:], (starts_B.shape[0], T))
+  return starts_B[:, None] - (W - T) + depths_BxT
 
 
 def _split(qkv_BxTxMxH, K):
@@ -155,7 +167,7 @@ def reference(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, freqs_H2, rop
   allowed_BxTxS = None
   if tree_depths is not None:
     slots_BxS, allowed_BxTxS = tree_slots(tree_depths, tree_allowed,
-                                          starts_B - (tree_depths.shape[0] - T),
+                                          starts_B - (tree_depths.shape[-1] - T),
                                           keys_BxSxKxH.shape[1])
   out = attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT, slots_BxS,
                allowed_BxTxS=allowed_BxTxS, **options)
@@ -170,7 +182,9 @@ def _kernel(qkv_BxTxMxH, keys_BxSxKxH, values_BxSxKxH, starts_B, counts_B, freqs
   out = jax.ShapeDtypeStruct((B, T, K, (M - 2 * K) // K, H), jnp.float32)
   cache = jax.ShapeDtypeStruct(keys_BxSxKxH.shape, jnp.float32)
   if tree_depths is None:  # Empty operands: no tree.
-    tree_depths, tree_allowed = jnp.zeros((0,), jnp.int32), jnp.zeros((0, 0), jnp.uint8)
+    tree_depths, tree_allowed = jnp.zeros((0, 0), jnp.int32), jnp.zeros((0, 0, 0), jnp.uint8)
+  else:  # The kernel takes each row's.
+    tree_depths, tree_allowed = tree_rows(B, tree_depths, tree_allowed)
   return jax.ffi.ffi_call('spsjax_cached_attention', (out, cache, cache),
                           vmap_method='sequential', input_output_aliases={1: 1, 2: 2})(
       qkv_BxTxMxH.astype(jnp.float32), keys_BxSxKxH, values_BxSxKxH, starts_B.astype(jnp.int32),
@@ -211,8 +225,8 @@ def cached_attention(qkv_BxTxMxH: jax.Array, keys_BxSxKxH: jax.Array, values_BxS
   `tree_depths` (int32[W]) and `tree_allowed` (bool[T, W], W >= T): the T positions are the last T
   of a token tree's first W nodes, the tree's root at slot starts - (W - T); node w sits at slot
   root + w and rotates at position root + depths[w]; the call's node t sees the slots before the
-  root and the tree's slots w where allowed[t, w] (itself and its ancestors: `tree_slots`). No
-  window with a tree."""
+  root and the tree's slots w where allowed[t, w] (itself and its ancestors: `tree_slots`). Each
+  row's own tree: [B, W] and [B, T, W]. No window with a tree."""
   K = keys_BxSxKxH.shape[2]
   M = qkv_BxTxMxH.shape[2]
   if M <= 2 * K or (M - 2 * K) % K:
@@ -233,10 +247,13 @@ def cached_attention(qkv_BxTxMxH: jax.Array, keys_BxSxKxH: jax.Array, values_BxS
   if (tree_depths is None) != (tree_allowed is None):
     raise ValueError('A tree needs both tree_depths and tree_allowed.')
   if tree_depths is not None:
-    W = tree_depths.shape[0]
-    if tree_depths.ndim != 1 or tree_allowed.shape != (T, W) or W < T:
-      raise ValueError(f'A tree wants depths [W] and allowed [T, W] with W >= T = {T}, got '
-                       f'{tree_depths.shape} and {tree_allowed.shape}.')
+    W = tree_depths.shape[-1]
+    rows = tree_depths.shape[:-1]
+    if (tree_depths.ndim not in (1, 2) or rows not in ((), (B,))
+        or tree_allowed.shape != rows + (T, W) or W < T):
+      raise ValueError(f'A tree wants depths [W] and allowed [T, W] (or [B, W] and [B, T, W], '
+                       f'B = {B}) with W >= T = {T}, got {tree_depths.shape} and '
+                       f'{tree_allowed.shape}.')
     if window is not None:
       raise ValueError('A tree takes no window (a windowed layer attends over a tree by its '
                        'ring, `spsjax.models.transformer`).')

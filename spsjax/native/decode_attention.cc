@@ -10,11 +10,12 @@
 // prompts) row b takes its first counts[b] positions only: the padding is neither written nor
 // attended from, and its outputs are zeros. With window > 0 a query sees only the last `window`
 // slots up to its own (a sliding window: the slots before are not read); with softcap > 0 its
-// scores x become softcap tanh(x / softcap) before the softmax. With a token tree (depths [W] and
-// allowed [T, W], W >= T; window 0) the T positions are nodes W - T .. W - 1 of a tree whose root
-// sits at slot root = starts[b] - (W - T): node w at slot root + w and position root + depths[w]
-// (its rotation's angle); query t sees the slots before the root, its own, and the tree's slots
-// root + w (w < W - T + t) where allowed[t, w] is nonzero (its ancestors'). The caches come back as outputs
+// scores x become softcap tanh(x / softcap) before the softmax. With a token tree (each row's:
+// depths [B, W] and allowed [B, T, W], W >= T; window 0) the T positions are nodes W - T .. W - 1
+// of a tree whose root sits at slot root = starts[b] - (W - T): node w at slot root + w and
+// position root + depths[b, w] (its rotation's angle); query t sees the slots before the root, its
+// own, and the tree's slots root + w (w < W - T + t) where allowed[b, t, w] is nonzero (its
+// ancestors'). The caches come back as outputs
 // aliased to the inputs (the call writes T slots in place; if XLA gave distinct buffers the cache
 // is copied first). Unlike XLA's dots over the whole cache, it reads only the slots in use and
 // never transposes the cache; unlike separate XLA ops for the rotation and the writes, it costs
@@ -124,14 +125,16 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
   if (2 * half > H) {
     return ffi::Error::InvalidArgument("cached_attention: freqs must be [R / 2], R <= H.");
   }
-  // A tree: W nodes up to this call's last, the first W - T written before (tree_first).
+  // A tree, each row's: W nodes up to this call's last, the first W - T written before
+  // (tree_first); depths [B, W], allowed [B, T, W].
   const bool tree = tree_allowed.element_count() != 0;
   const auto a_dims = tree_allowed.dimensions();
-  const int64_t W = tree && a_dims.size() == 2 ? a_dims[1] : 0, tree_first = tree ? W - T : 0;
-  if (tree && (a_dims.size() != 2 || a_dims[0] != T || W < T ||
-               static_cast<int64_t>(tree_depths.element_count()) != W)) {
+  const auto d_dims = tree_depths.dimensions();
+  const int64_t W = tree && a_dims.size() == 3 ? a_dims[2] : 0, tree_first = tree ? W - T : 0;
+  if (tree && (a_dims.size() != 3 || a_dims[0] != B || a_dims[1] != T || W < T ||
+               d_dims.size() != 2 || d_dims[0] != B || d_dims[1] != W)) {
     return ffi::Error::InvalidArgument(
-        "cached_attention: a tree wants depths [W] and allowed [T, W], W >= T.");
+        "cached_attention: a tree wants depths [B, W] and allowed [B, T, W], W >= T.");
   }
   if (tree && window > 0) {
     return ffi::Error::InvalidArgument("cached_attention: a tree takes no window.");
@@ -190,7 +193,7 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
       }
       for (int64_t t = 0; t < used && angles_row != b; ++t) {
         const float position = static_cast<float>(
-            tree ? start - tree_first + depths_data[tree_first + t] : start + t);
+            tree ? start - tree_first + depths_data[b * W + tree_first + t] : start + t);
         for (int64_t i = 0; i < half; ++i) {
           const float angle = position * freq[i];
           cos_t[t * half + i] = std::cos(angle);
@@ -215,7 +218,7 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv,
       }
       const int64_t offset = (b * S * K + k0) * H;  // Slot 0 of row b, head k0.
       if (used > 0) {
-        const TreeRows rows{allowed_data, W, start - tree_first};
+        const TreeRows rows{tree ? allowed_data + b * T * W : nullptr, W, start - tree_first};
         kernel(q_rows.data(), k_data + offset, v_data + offset, K * H, queries, G, H, S, start,
                window, softcap, rows, scores.data(), out_rows.data());
       }
@@ -249,8 +252,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpsjaxCachedAttention, CachedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // starts [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // counts [B], or empty
                                   .Arg<ffi::Buffer<ffi::F32>>()  // freqs [R / 2]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // tree depths [W], or empty
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // tree allowed [T, W], or empty
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tree depths [B, W], or empty
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // tree allowed [B, T, W], or empty
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

@@ -1,9 +1,9 @@
 """The drafter a config names (`drafter=` in the binaries' configs): `build`."""
 
 from spsjax.sampling.drafters import Drafter, Hybrid, ModelDrafter, PromptLookup
-from spsjax.sampling.feature_drafters import (FeatureDrafter, FeatureTreeDrafter, HeadsDrafter,
-                                              HeadsTreeDrafter)
-from spsjax.sampling.tree_drafters import TreeDrafter
+from spsjax.sampling.feature_drafters import (FeatureDrafter, FeatureDynamicDrafter,
+                                              FeatureTreeDrafter, HeadsDrafter, HeadsTreeDrafter)
+from spsjax.sampling.tree_drafters import DynamicTreeDrafter, TreeDrafter
 
 KINDS = ('model', 'lookup', 'hybrid', 'feature', 'heads', 'tree')
 # The kinds whose draft is a head over the target's features (`models.feature_head`), not a
@@ -12,16 +12,29 @@ HEAD_KINDS = ('feature', 'heads')
 
 
 def build(kind: str = 'model', *, max_ngram: int = 3, min_ngram: int = 1,
-          stop_below: float = 0.0, alternatives: int = 0, branching: str = '') -> Drafter:
+          stop_below: float = 0.0, alternatives: int = 0, branching: str = '',
+          tree_nodes: int = 0, tree_width: int = 4) -> Drafter:
   """`model` (with `stop_below` > 0: dynamic k), `lookup` (n-grams from `max_ngram` down to
   `min_ngram`), `hybrid` (both), `feature` (an EAGLE head), `heads` (parallel heads); with
   `alternatives` > 0 all but `lookup` propose a tree, that many other tokens beside each draft;
-  `feature` or `heads` with `branching` drafts a full tree (EAGLE-2's static tree, Medusa's);
+  `feature` or `heads` with `branching` drafts a full tree (EAGLE's static tree, Medusa's);
   or `tree` (the draft
   model drafts a full tree, `branching` children per node at each depth, e.g. '3+2+1' (default
-  `TreeDrafter`'s 2+2+1+1): k must be its depth)."""
+  `TreeDrafter`'s 2+2+1+1): k must be its depth). `tree` or `feature` with `tree_nodes` N > 0
+  grows each row's own tree of N nodes, depth k at most (EAGLE-2's dynamic tree,
+  `sampling.dynamic_trees`; `tree_width` candidates per expanded node)."""
   if kind not in KINDS:
     raise ValueError(f'Unknown drafter {kind!r}; known: {list(KINDS)}.')
+  if tree_nodes and kind not in ('tree', 'feature'):
+    raise ValueError(f'tree_nodes={tree_nodes}: dynamic trees are grown by the draft model '
+                     f'(drafter tree) or an EAGLE head (drafter feature), not the {kind} '
+                     'drafter.')
+  if tree_nodes and (branching or alternatives):
+    raise ValueError(f'tree_nodes={tree_nodes} grows a dynamic tree: it takes no branching '
+                     f'({branching!r}) or alternatives ({alternatives}).')
+  if tree_nodes:
+    return (DynamicTreeDrafter if kind == 'tree' else FeatureDynamicDrafter)(
+        nodes=tree_nodes, width=tree_width)
   if alternatives and kind not in ('model', 'hybrid') + HEAD_KINDS:
     raise ValueError(f'alternatives={alternatives}: alternatives are drawn from a draft law '
                      f'(drafter model, hybrid, feature or heads), not by the {kind} drafter.')

@@ -29,7 +29,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from spsjax.models import KVCache, Model, TokenTree, extend, kv_cache, prefill
+from spsjax.models import KVCache, Model, RowTrees, TokenTree, extend, kv_cache, prefill
 from spsjax.sampling import common, ngrams, siblings
 from spsjax.sampling.processors import (SamplingConfig, mark_present, probabilities_and_sample_with,
                                         uniforms)
@@ -40,12 +40,19 @@ class Proposal:
   """A drafter's proposal for one loop (module docstring): per row a chain, slot i following slot
   i - 1 and slot 0 the last committed token; or, with `tree`, the tree's N nodes (slot i is node
   i + 1, after its parent: `models.TokenTree`), `valid_BxK` saying which were proposed and
-  q_BxKxV each node's law given its earlier siblings (`rejection.accept_tree`)."""
+  q_BxKxV each node's law given its earlier siblings (`rejection.accept_tree`); with `row_trees`
+  instead, each row's own tree (`models.RowTrees`, a dynamic drafter's)."""
   tokens_BxK: jax.Array  # int32; slots >= num_B hold valid ids, never accepted.
   q_BxKxV: jax.Array  # float32: the law each token was drawn from (a point mass if deterministic).
   num_B: jax.Array  # int32 in [0, k]: tokens proposed for each row (a tree's: along its chain).
   valid_BxK: jax.Array | None = None  # bool, with a tree: the nodes proposed.
   tree: TokenTree | None = flax.struct.field(pytree_node=False, default=None)
+  row_trees: RowTrees | None = None
+
+  @property
+  def drafted_tree(self) -> TokenTree | RowTrees | None:
+    """The tree the drafts form, shared by the rows or each row's; None for a chain."""
+    return self.tree if self.row_trees is None else self.row_trees
 
 
 @flax.struct.dataclass

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from spsjax.models import KVCache, Model, TokenTree, feature_head, init_cache, kv_cache
-from spsjax.sampling import ngrams, siblings, tree_drafters
+from spsjax.sampling import dynamic_trees, ngrams, siblings, tree_drafters
 from spsjax.sampling.drafters import (Committed, Drafter, Proposal, Verdict, alternatives_tree,
                                       chain_with_alternatives, check_alternatives,
                                       check_alternatives_fit, draw_draft)
@@ -279,6 +279,63 @@ class FeatureTreeDrafter(_Branched, FeatureDrafter):
 
     proposal = tree_drafters.draft_tree(loop, self.branching, committed, keys_BxK, logits_Bx1xV,
                                         read)
+    cache = kv_cache.constrain(carry['cache'].with_lengths(committed.lengths_B - 1), loop.mesh,
+                               loop.rules)
+    return proposal, state.replace(cache=cache)
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureDynamicDrafter(FeatureDrafter):
+  """EAGLE-2: an EAGLE head growing each row's own tree (`dynamic_trees`: `nodes` N scored, k
+  its depth bound, `width` w candidates per expanded node and expanded nodes per level). After
+  the first call (`FeatureDrafter`'s), each level's w expanded nodes are read in one head call on
+  the drafter's own tree (`dynamic_trees.expansion_tree`), node n's pair (its parent's predicted
+  features, its token) at slot c - 2 + n and position c - 2 + depth(n), seeing its ancestors'
+  pairs; the head's capacity has (k - 1) w more slots for them. Drafts are proposed as point
+  masses (exact under any target sampling). The head's cache invariant is `FeatureDrafter`'s."""
+  nodes: int = 8
+  width: int = 4
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.alternatives:
+      raise ValueError('A dynamic tree takes nodes and width, not alternatives.')
+    dynamic_trees.check_sizes(self.nodes, self.width)
+
+  def tree(self, k: int) -> TokenTree:
+    dynamic_trees.check_sizes(self.nodes, self.width, k)
+    return dynamic_trees.envelope(self.nodes, k)
+
+  def check(self, target: Model, draft) -> None:
+    super().check(target, draft)
+    tree_drafters.check_children_fit((self.width,), target)
+
+  def draft_calls(self, k: int) -> tuple[int, ...]:
+    return (1,) + (self.width,) * (k - 1)
+
+  def init(self, loop, draft: HeadAndTarget, prompts_BxP, prompt_lengths_B, capacity,
+           features_BxPxD=None) -> _HeadState:
+    return super().init(loop, draft, prompts_BxP, prompt_lengths_B,
+                        capacity + (loop.k - 1) * self.width, features_BxPxD)
+
+  def propose(self, loop, draft: HeadAndTarget, state: _HeadState, committed: Committed,
+              keys_BxK):
+    del keys_BxK  # No randomness: the draft's top tokens.
+    logits_Bx1xV, features_BxD, cache = _read_pending(draft, state, committed)
+    root_B = committed.lengths_B - 2  # The root's pair: the last committed token's.
+    w = self.width
+    carry = {'cache': cache, 'features_BxLxD': jnp.repeat(features_BxD[:, None], w, axis=1)}
+
+    def read(d, tokens_BxW, parents_BxW, tree):  # Each node after its parent's features.
+      parent_features_BxWxD = jnp.take_along_axis(carry['features_BxLxD'],
+                                                  parents_BxW[:, :, None], axis=1)
+      logits_BxWxV, carry['features_BxLxD'], carry['cache'] = feature_head.extend_head(
+          draft.head, draft.target, carry['cache'].with_lengths(root_B), parent_features_BxWxD,
+          tokens_BxW, counts_B=committed.counts(w), tree=tree, first_node=1 + (d - 1) * w)
+      return logits_BxWxV
+
+    grown = dynamic_trees.grow(self.nodes, w, loop.k, logits_Bx1xV[:, 0], read)
+    proposal = dynamic_trees.proposal(grown, committed.vocab_size, loop.k)
     cache = kv_cache.constrain(carry['cache'].with_lengths(committed.lengths_B - 1), loop.mesh,
                                loop.rules)
     return proposal, state.replace(cache=cache)

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spsjax.models import TokenTree
+from spsjax.models import RowTrees, TokenTree
 from spsjax.sampling.processors import SamplingConfig
 
 
@@ -224,16 +224,28 @@ class History:
     ends_BxR = self.lengths_B[:, None] + jnp.arange(slots, dtype=self.lengths_B.dtype)[None]
     return self._offsets(self._with(drafts_BxK)[:, None], ends_BxR)
 
-  def along_tree(self, tokens_BxN: jax.Array, tree: TokenTree) -> jax.Array:
+  def along_tree(self, tokens_BxN: jax.Array, tree: TokenTree | RowTrees) -> jax.Array:
     """float32[B, N + 1, V]: the offsets after each node of a tree (the root: after the
     committed tokens; node i: after them and its path, its ancestors' tokens and its own, root
-    excluded, in depth order). tokens_BxN are nodes 1 .. N's."""
-    depths = tree.depths
-    paths_RxD = np.zeros((len(depths), max(tree.depth, 1)), np.int32)  # Node ids by depth.
-    for node, row in enumerate(tree.ancestors):
-      on_path = [a for a in np.flatnonzero(row) if a > 0]
-      paths_RxD[node, depths[on_path] - 1] = on_path
-    path_tokens_BxRxD = jnp.take(tokens_BxN, jnp.asarray(np.maximum(paths_RxD - 1, 0)), axis=1)
+    excluded, in depth order). tokens_BxN are nodes 1 .. N's; `tree` shared or each row's."""
+    B, N = tokens_BxN.shape
+    D = max(tree.depth, 1)
+    if isinstance(tree, RowTrees):
+      depths_BxM, ancestors_BxMxM = tree.depths, tree.ancestors
+      at_depth_BxMxD = depths_BxM[:, :, None] == jnp.arange(1, D + 1)[None, None]
+      node_M = jnp.arange(N + 1, dtype=jnp.int32)
+      paths_BxRxD = jnp.einsum('brm,bmd,m->brd', ancestors_BxMxM.astype(jnp.int32),
+                               at_depth_BxMxD.astype(jnp.int32), node_M)  # 0: no node there.
+      path_tokens_BxRxD = jnp.take_along_axis(
+          tokens_BxN[:, None, :], jnp.maximum(paths_BxRxD - 1, 0), axis=2)
+      ends_BxR = self.lengths_B[:, None] + depths_BxM.astype(self.lengths_B.dtype)
+    else:
+      depths = tree.depths
+      paths_RxD = np.zeros((len(depths), D), np.int32)  # Node ids by depth.
+      for node, row in enumerate(tree.ancestors):
+        on_path = [a for a in np.flatnonzero(row) if a > 0]
+        paths_RxD[node, depths[on_path] - 1] = on_path
+      path_tokens_BxRxD = jnp.take(tokens_BxN, jnp.asarray(np.maximum(paths_RxD - 1, 0)), axis=1)
+      ends_BxR = self.lengths_B[:, None] + jnp.asarray(depths)[None]
     extended_BxRxS = jax.vmap(self._with, in_axes=1, out_axes=1)(path_tokens_BxRxD)
-    ends_BxR = self.lengths_B[:, None] + jnp.asarray(depths)[None]
     return self._offsets(extended_BxRxS, ends_BxR)

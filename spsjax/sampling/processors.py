@@ -178,12 +178,15 @@ def present_through(tokens_BxT: jax.Array, vocab_size: int) -> jax.Array:
   return jax.lax.cummax(one_hot_BxTxV, axis=1) > 0
 
 
-def present_along(present_BxV: jax.Array, tokens_BxN: jax.Array, on_path_RxN) -> jax.Array:
+def present_along(present_BxV: jax.Array, tokens_BxN: jax.Array, on_path_xRxN) -> jax.Array:
   """bool[B, R, V]: for each of R paths through N tokens (on_path[r, m]: token m is on path r, a
-  static bool array, e.g. a token tree's ancestors), `present_BxV` with that path's tokens."""
-  on_path_RxN = jnp.asarray(on_path_RxN, jnp.float32)
+  bool array shared by the rows or each row's [B, R, N], e.g. a token tree's ancestors),
+  `present_BxV` with that path's tokens."""
+  B = tokens_BxN.shape[0]
+  on_path_BxRxN = jnp.asarray(on_path_xRxN, jnp.float32)
+  on_path_BxRxN = jnp.broadcast_to(on_path_BxRxN, (B,) + on_path_BxRxN.shape[-2:])
   drafted_BxNxV = jax.nn.one_hot(tokens_BxN, present_BxV.shape[1], dtype=jnp.float32)
-  return present_BxV[:, None] | (jnp.einsum('rn,bnv->brv', on_path_RxN, drafted_BxNxV) > 0)
+  return present_BxV[:, None] | (jnp.einsum('brn,bnv->brv', on_path_BxRxN, drafted_BxNxV) > 0)
 
 
 def mark_present(present_BxV: jax.Array, tokens_BxN: jax.Array, counts_B: jax.Array | None = None

@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 
 from spsjax import native
-from spsjax.models.token_tree import TokenTree
 from spsjax.native import library
 from spsjax.sampling.processors import draw_with, uniforms
 
@@ -94,9 +93,11 @@ def _residual(r_V: jax.Array, q_V: jax.Array) -> jax.Array:
 
 
 def accept_tree(key: jax.Array, p_Np1xV: jax.Array, q_NxV: jax.Array, tokens_N: jax.Array,
-                valid_N: jax.Array, tree: TokenTree) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """One row of a token tree (`models.TokenTree`): (path int32[depth + 1]: the node accepted at
-  each depth, the root first and -1 past the last; n, the drafts accepted; the token after them).
+                valid_N: jax.Array, children_Np1xC, depth: int
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """One row of a token tree (`models.TokenTree`, or a row of `models.RowTrees`: its `children`,
+  static or traced, and its depth bound): (path int32[depth + 1]: the node accepted at each
+  depth, the root first and -1 past the last; n, the drafts accepted; the token after them).
 
   Recursive rejection sampling (SpecInfer's, Miao et al. 2024): at the node reached, its children
   are tried in order against r, starting from p at that node; child c (token t_c, drawn from q_c
@@ -110,15 +111,16 @@ def accept_tree(key: jax.Array, p_Np1xV: jax.Array, q_NxV: jax.Array, tokens_N: 
   """
   N = tokens_N.shape[0]
   u_N, token_key = _split(key, N)
-  return accept_tree_with(u_N, uniforms(token_key), p_Np1xV, q_NxV, tokens_N, valid_N, tree)
+  return accept_tree_with(u_N, uniforms(token_key), p_Np1xV, q_NxV, tokens_N, valid_N,
+                          children_Np1xC, depth)
 
 
-def accept_tree_with(u_N, u_token, p_Np1xV, q_NxV, tokens_N, valid_N, tree: TokenTree):
+def accept_tree_with(u_N, u_token, p_Np1xV, q_NxV, tokens_N, valid_N, children_Np1xC,
+                     depth: int):
   """`accept_tree` with its uniform numbers given: node i's test u_N[i - 1], the token's draw
   `u_token`."""
-  children_Np1xM = jnp.asarray(tree.children)
+  children_Np1xM = jnp.asarray(children_Np1xC)
   p_Np1xV, q_NxV = p_Np1xV.astype(jnp.float32), q_NxV.astype(jnp.float32)
-  depth = tree.depth
 
   def level(d, carry):
     node, path_D, law_V, done = carry  # law: r where the walk stopped, else unused.

@@ -6,7 +6,8 @@ through the same steps, whatever the drafter:
 - draft: the drafter proposes up to k tokens per row with the laws q they were drawn from
   (`drafters.Drafter.propose`; its steps unrolled on accelerators: `Loop.drafts_unrolled`);
 - score: the target on the last committed token and the drafts, k + 1 positions in one call
-  (`Loop._score`; a drafter's tree of N nodes: N + 1 positions, `models.TokenTree`);
+  (`Loop._score`; a drafter's tree of N nodes: N + 1 positions, `models.TokenTree`, or each
+  row's own, `models.RowTrees`);
 - accept: modified rejection sampling per row (`Loop._accept`, `spsjax.sampling.rejection`; for
   a tree, recursive rejection down the tree, `Loop._accept_tree`);
 - commit and roll back: each row appends what it accepted and the token after it, and its caches
@@ -46,8 +47,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from spsjax import sharding
-from spsjax.models import (KVCache, Model, TokenTree, extend, extend_with_features, kv_cache,
-                           prefill)
+from spsjax.models import (KVCache, Model, RowTrees, TokenTree, extend, extend_with_features,
+                           kv_cache, prefill)
 from spsjax.sampling import common, drafters, ngrams
 from spsjax.sampling.processors import (SamplingConfig, mark_present, native_probabilities,
                                         present_along, present_through, probabilities,
@@ -80,7 +81,7 @@ def headroom(k: int) -> int:
 
 
 def _target_logits(target: Model, cache: KVCache, tokens_BxKp1, active_B, num_B, longest,
-                   features: bool = False, tree: TokenTree | None = None):
+                   features: bool = False, tree: TokenTree | RowTrees | None = None):
   """The target's logits on the last committed token and the drafts: (float32[B, k + 1, V],
   cache, and with `features` their hidden states [B, k + 1, D] from the same forward, else None).
 
@@ -225,7 +226,7 @@ class Loop(common.LoopSettings):
       logits_BxKp1xV, target_cache, features_BxKp1xD = self._score(
           target, state.target_cache, committed, proposal)
     with jax.named_scope('accept'):  # The profile's accept phase: everything after the scoring.
-      if proposal.tree is None:
+      if proposal.drafted_tree is None:
         path_BxD = None
         n_B, token_B = self._accept(accept_keys_B, logits_BxKp1xV, proposal, state.present_BxV,
                                     committed)
@@ -246,7 +247,7 @@ class Loop(common.LoopSettings):
     longest = (jnp.max(jnp.where(active_B, proposal.num_B, 0))
                if self.trim_score and self.drafter.ragged else None)
     return _target_logits(target, cache, tokens_BxKp1, active_B, proposal.num_B, longest,
-                          features=self.drafter.reads_features, tree=proposal.tree)
+                          features=self.drafter.reads_features, tree=proposal.drafted_tree)
 
   def _accept(self, keys_B, logits_BxKp1xV, proposal: drafters.Proposal, present_BxV=None,
               committed: drafters.Committed | None = None):
@@ -280,17 +281,21 @@ class Loop(common.LoopSettings):
     history = committed.history(self.sampling) if committed else None
     if history is not None:
       logits_BxNp1xV = ngrams.shift(logits_BxNp1xV, history.along_tree(
-          proposal.tokens_BxK, proposal.tree))
+          proposal.tokens_BxK, proposal.drafted_tree))
     present_BxNp1xV = None
     if present_BxV is not None:  # Node n's path: its ancestors and itself, the root's committed.
       present_BxNp1xV = present_along(present_BxV, proposal.tokens_BxK,
-                                      proposal.tree.ancestors[:, 1:])
+                                      proposal.drafted_tree.ancestors[..., 1:])
     sampling = self.sampling.without_context()  # Shifted above.
     p_BxNp1xV = (native_probabilities(logits_BxNp1xV, sampling, present_BxNp1xV)
                  if self.native_kernel
                  else probabilities(logits_BxNp1xV, sampling, present_xV=present_BxNp1xV))
-    return jax.vmap(functools.partial(accept_tree, tree=proposal.tree))(
-        keys_B, p_BxNp1xV, proposal.q_BxKxV, proposal.tokens_BxK, proposal.valid_BxK)
+    tree = proposal.drafted_tree
+    children_xNp1xC = jnp.asarray(tree.children)  # Shared, or each row's ([B, N + 1, C]).
+    row = functools.partial(accept_tree, depth=tree.depth)
+    return jax.vmap(row, in_axes=(0, 0, 0, 0, 0, 0 if children_xNp1xC.ndim == 3 else None))(
+        keys_B, p_BxNp1xV, proposal.q_BxKxV, proposal.tokens_BxK, proposal.valid_BxK,
+        children_xNp1xC)
 
   def _commit_and_roll_back(self, state: _State, committed: drafters.Committed,
                             proposal: drafters.Proposal, n_B, token_B, target_cache: KVCache,

@@ -1,5 +1,6 @@
 """A draft model drafting a whole static tree: every node at depth d - 1 gets branching[d - 1]
-children (`models.TokenTree.full`), level by level.
+children (`models.TokenTree.full`), level by level; or growing each row's own tree
+(`DynamicTreeDrafter`, EAGLE-2's rule: `dynamic_trees`).
 
 Per loop: the draft's first call feeds the last two committed tokens (as `drafters.ModelDrafter`),
 giving the root's law; each level's children are drawn from their parent's law (the first by
@@ -26,11 +27,12 @@ before).
 
 import dataclasses
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
 from spsjax.models import KVCache, Model, TokenTree, extend, kv_cache, prefill
-from spsjax.sampling import ngrams, siblings
+from spsjax.sampling import dynamic_trees, ngrams, siblings
 from spsjax.sampling.drafters import Committed, Drafter, Proposal, Verdict, draw_draft
 from spsjax.sampling.processors import present_along, typed_keys, uniforms
 
@@ -108,6 +110,20 @@ def check_children_fit(branching: tuple[int, ...], target: Model) -> None:
                      f'{target.config.vocab_size} tokens of the vocabulary.')
 
 
+def check_full_caches(draft: Model) -> None:
+  """ValueError for a draft with sliding-window layers: a level-by-level drafter's calls read
+  the levels written before, which a ring does not hold."""
+  if any(draft.config.window(i) is not None for i in range(draft.config.num_layers)):
+    raise ValueError('The tree drafter needs a draft without sliding-window layers (their '
+                     'rings do not hold the levels written before).')
+
+
+def _prefill(loop, draft: Model, prompts_BxP, prompt_lengths_B, capacity) -> KVCache:
+  _, cache = prefill(draft.config, draft.params, prompts_BxP, prompt_lengths_B, capacity,
+                     last_only=True)
+  return kv_cache.constrain(cache, loop.mesh, loop.rules)
+
+
 @dataclasses.dataclass(frozen=True)
 class TreeDrafter(Drafter):
   """`branching[d]`: children per node at depth d; its length is the loop's k (the tree's
@@ -125,9 +141,7 @@ class TreeDrafter(Drafter):
     return tree_of(self.branching, k)
 
   def check(self, target: Model, draft) -> None:
-    if any(draft.config.window(i) is not None for i in range(draft.config.num_layers)):
-      raise ValueError('The tree drafter needs a draft without sliding-window layers (their '
-                       'rings do not hold the levels written before).')
+    check_full_caches(draft)
     check_children_fit(self.branching, target)
 
   def draft_steps(self, k: int, proposed_per_loop: float) -> float:
@@ -140,9 +154,7 @@ class TreeDrafter(Drafter):
   def init(self, loop, draft: Model, prompts_BxP, prompt_lengths_B, capacity,
            features_BxPxD=None) -> KVCache:
     del features_BxPxD
-    _, cache = prefill(draft.config, draft.params, prompts_BxP, prompt_lengths_B, capacity,
-                       last_only=True)
-    return kv_cache.constrain(cache, loop.mesh, loop.rules)
+    return _prefill(loop, draft, prompts_BxP, prompt_lengths_B, capacity)
 
   def propose(self, loop, draft: Model, cache: KVCache, committed: Committed, keys_BxK):
     tree = self.tree(loop.k)
@@ -170,5 +182,92 @@ class TreeDrafter(Drafter):
     cache = kv_cache.keep_path(cache, verdict.base_B, verdict.path_BxD)
     accepted_B = jnp.sum(verdict.path_BxD[:, 1:] >= 0, axis=1)
     read_B = verdict.base_B + 1 + jnp.minimum(accepted_B, loop.k - 1)
-    lengths_B = jnp.minimum(verdict.target_lengths_B, read_B)
+    # An idle row's c_b - 2: its two-token call may have written nothing (a packed draft skips it).
+    lengths_B = jnp.where(verdict.target_lengths_B > verdict.base_B,
+                          jnp.minimum(verdict.target_lengths_B, read_B), verdict.base_B - 1)
     return kv_cache.constrain(cache.with_lengths(lengths_B), loop.mesh, loop.rules)
+
+
+@flax.struct.dataclass
+class _DynamicState:
+  cache: KVCache
+  # Each scored node's node in the draft's own tree (`dynamic_trees.Grown.expanded_BxNp1`).
+  expanded_BxNp1: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTreeDrafter(Drafter):
+  """The draft model growing each row's own tree (`dynamic_trees`: `nodes` N scored, k its depth
+  bound, `width` w candidates per expanded node and expanded nodes per level), drafts proposed as
+  point masses. Per loop: the two-token call gives the root's law (as `TreeDrafter`), then each
+  level's w expanded nodes are read in one call on the draft's own tree
+  (`dynamic_trees.expansion_tree`), its node n at slot base + n (base = c_b - 1). Its capacity
+  has (k - 1) w more slots for them. After the accept step the accepted path's nodes the draft
+  read (all but the last, which may not have been) move to the slots of their positions: the
+  cache holds the first c_b - 2 tokens, `TreeDrafter`'s invariant."""
+  nodes: int = 8
+  width: int = 4
+
+  needs_model = True
+  ragged = False
+
+  def __post_init__(self):
+    dynamic_trees.check_sizes(self.nodes, self.width)
+
+  def tree(self, k: int) -> TokenTree:
+    dynamic_trees.check_sizes(self.nodes, self.width, k)
+    return dynamic_trees.envelope(self.nodes, k)
+
+  def check(self, target: Model, draft) -> None:
+    check_full_caches(draft)
+    check_children_fit((self.width,), target)
+
+  def draft_steps(self, k: int, proposed_per_loop: float) -> float:
+    del proposed_per_loop
+    return float(k)
+
+  def draft_calls(self, k: int) -> tuple[int, ...]:
+    return (1,) + (self.width,) * (k - 1)
+
+  def init(self, loop, draft: Model, prompts_BxP, prompt_lengths_B, capacity,
+           features_BxPxD=None) -> _DynamicState:
+    del features_BxPxD
+    cache = _prefill(loop, draft, prompts_BxP, prompt_lengths_B,
+                     capacity + (loop.k - 1) * self.width)
+    B = prompts_BxP.shape[0]
+    return _DynamicState(cache, jnp.zeros((B, self.nodes + 1), jnp.int32))
+
+  def propose(self, loop, draft: Model, state: _DynamicState, committed: Committed, keys_BxK):
+    del keys_BxK  # No randomness: the draft's top tokens.
+    B, w = committed.lengths_B.shape[0], self.width
+    base_B = committed.lengths_B - 1
+    last2_Bx2 = jnp.stack([committed.last(2), committed.last(1)], axis=1)
+    logits_Bx1xV, cache = extend(draft.config, draft.params,
+                                 state.cache.with_lengths(committed.lengths_B - 2), last2_Bx2,
+                                 logits_at_BxL=jnp.ones((B, 1), jnp.int32),
+                                 counts_B=committed.counts(2))
+    carry = {'cache': cache}
+
+    def read(d, tokens_BxW, parents_BxW, tree):
+      del parents_BxW  # The tree holds them.
+      logits_BxWxV, carry['cache'] = extend(
+          draft.config, draft.params, carry['cache'].with_lengths(base_B), tokens_BxW,
+          counts_B=committed.counts(w), tree=tree, first_node=1 + (d - 1) * w)
+      return logits_BxWxV
+
+    grown = dynamic_trees.grow(self.nodes, w, loop.k, logits_Bx1xV[:, 0], read)
+    cache = kv_cache.constrain(carry['cache'].with_lengths(base_B), loop.mesh, loop.rules)
+    return (dynamic_trees.proposal(grown, committed.vocab_size, loop.k),
+            _DynamicState(cache, grown.expanded_BxNp1))
+
+  def rollback(self, loop, state: _DynamicState, verdict: Verdict) -> _DynamicState:
+    # The accepted path but its last node, in the draft's own tree's node ids.
+    path_BxD = verdict.path_BxD
+    accepted_B = jnp.sum(path_BxD[:, 1:] >= 0, axis=1)
+    depth_D = jnp.arange(path_BxD.shape[1], dtype=jnp.int32)
+    read_BxD = jnp.take_along_axis(state.expanded_BxNp1, jnp.maximum(path_BxD, 0), axis=1)
+    keep_BxD = jnp.where(depth_D[None] < accepted_B[:, None], read_BxD, depth_D[None])
+    cache = kv_cache.keep_path(state.cache, verdict.base_B, keep_BxD)
+    lengths_B = verdict.target_lengths_B - 1  # c_b' - 2 (an idle row: c_b - 2).
+    return state.replace(cache=kv_cache.constrain(cache.with_lengths(lengths_B), loop.mesh,
+                                                  loop.rules))

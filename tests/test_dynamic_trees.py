@@ -1,0 +1,100 @@
+"""Dynamic trees (`sampling.dynamic_trees`): the grown tree against a numpy enumeration of
+EAGLE-2's rule, the drafter's own tree it reads on, and the sizes it refuses."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spsjax.sampling import dynamic_trees
+
+V, R = 11, 97  # Vocabulary; rows of the draft's table of laws.
+
+
+def _table(seed):
+  return np.asarray(jax.nn.log_softmax(jax.random.normal(jax.random.key(seed), (R, V)) * 2.0))
+
+
+def _key(path) -> int:
+  """A path's (its tokens after the root's, in depth order) row of the table."""
+  return sum((t + 1) * (V + 1) ** i for i, t in enumerate(path)) % R
+
+
+def _reference(root_logp, table, nodes, width, k):
+  """numpy, EAGLE-2's rule: the set of chosen paths (token tuples) of one row."""
+  top = lambda logp: np.argsort(-logp, kind='stable')[:width]
+  level = [((int(t),), float(root_logp[t])) for t in top(root_logp)]
+  everything = list(level)
+  for _ in range(1, k):
+    expanded = sorted(level, key=lambda c: -c[1])[:width]
+    level = [(path + (int(t),), value + float(table[_key(path)][t]))
+             for path, value in expanded for t in top(table[_key(path)])]
+    everything += level
+  return {path for path, _ in sorted(everything, key=lambda c: -c[1])[:nodes]}
+
+
+@pytest.mark.parametrize('nodes,width,k', [(7, 3, 3), (4, 2, 4), (1, 2, 2), (3, 3, 1)])
+def test_the_tree_holds_the_best_paths_and_reads_its_own_tree(nodes, width, k):
+  """Each row's chosen tree against the numpy enumeration (the draft's law a function of the
+  path, looked up from the drafter's own tree as `read` is given it): the same paths, parents
+  before children, every node's parent chosen; each node the drafter read maps to its node in
+  the drafter's tree (every node with children among them)."""
+  B = 4
+  table = _table(0)
+  root_logp_BxV = np.asarray(jax.nn.log_softmax(jax.random.normal(jax.random.key(1), (B, V))))
+  read_tokens = []  # The expanded nodes' tokens, level by level.
+
+  def read(d, tokens_BxW, parents_BxW, tree):
+    del parents_BxW
+    read_tokens.append(tokens_BxW)
+    tokens_BxE = jnp.concatenate([jnp.zeros((B, 1), jnp.int32)] + read_tokens, axis=1)
+    first = 1 + (d - 1) * width
+    on_path_BxWxE = tree.ancestors[:, first:first + width, :tokens_BxE.shape[1]]
+    depths_BxE = tree.depths[:, :tokens_BxE.shape[1]]
+    # Node n's key: sum over its path's nodes m > 0 of (token + 1) (V + 1)^(depth(m) - 1).
+    weights_BxE = jnp.where(jnp.arange(tokens_BxE.shape[1])[None] > 0,
+                            (tokens_BxE + 1) * (V + 1) ** jnp.maximum(depths_BxE - 1, 0), 0)
+    keys_BxW = jnp.einsum('bwe,be->bw', on_path_BxWxE.astype(jnp.int32), weights_BxE) % R
+    return jnp.asarray(table)[keys_BxW]
+
+  tokens_BxN, valid_BxN, trees, expanded_BxNp1 = dynamic_trees.grow(
+      nodes, width, k, jnp.asarray(root_logp_BxV), read)
+  parents_BxN = np.asarray(trees.parents_BxN)
+  assert np.all(np.asarray(valid_BxN)) and trees.depth == k and trees.width == width
+  for b in range(B):
+    paths = {0: ()}
+    for i, parent in enumerate(parents_BxN[b], start=1):
+      assert 0 <= parent < i
+      paths[i] = paths[int(parent)] + (int(tokens_BxN[b, i - 1]),)
+    assert set(list(paths.values())[1:]) == _reference(root_logp_BxV[b], table, nodes, width, k)
+    assert len(set(paths.values())) == nodes + 1  # No path twice.
+    for i, e in enumerate(np.asarray(expanded_BxNp1[b])):  # Read nodes: the drafter's node.
+      if i and e:
+        level, j = (e - 1) // width + 1, (e - 1) % width
+        assert len(paths[i]) == level and int(read_tokens[level - 1][b, j]) == paths[i][-1]
+      if i and i in parents_BxN[b]:
+        assert e > 0, (b, i)
+  children = np.asarray(trees.children)
+  assert children.shape == (B, nodes + 1, width)
+
+
+def test_the_expansion_tree_and_the_envelope():
+  parents = [jnp.zeros((1, 2), jnp.int32), jnp.asarray([[1, 1]]), jnp.asarray([[0, 1]])]
+  tree = dynamic_trees.expansion_tree(parents, 5, 2)
+  np.testing.assert_array_equal(tree.parents_BxN, [[0, 0, 2, 2, 3, 4, 0, 0]])
+  envelope = dynamic_trees.envelope(6, 3)
+  assert envelope.num_nodes == 6 and envelope.depth == 3
+  assert dynamic_trees.envelope(2, 3).parents == (0, 1)
+  assert dynamic_trees.num_candidates(3, 2) == 10
+
+
+def test_sizes_are_checked():
+  for nodes, width in itertools.product((0, 2), (0, 2)):
+    if nodes and width:
+      continue
+    with pytest.raises(ValueError, match='nodes >= 1 and width >= 1'):
+      dynamic_trees.check_sizes(nodes, width)
+  with pytest.raises(ValueError, match='values 6 candidates'):
+    dynamic_trees.check_sizes(7, 2, 2)
