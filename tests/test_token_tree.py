@@ -14,7 +14,7 @@ from spsjax.sharding import mesh_from_axes
 from spsjax.models import TokenTree, kv_cache
 from spsjax.sampling import (SamplingConfig, autoregressive_sample, drafter_config, drafters,
                              speculative, speculative_sample)
-from spsjax.sampling.rejection import accept_tree
+from spsjax.sampling.rejection import accept_tree, accept_tree_with
 from spsjax.sampling.tree_drafters import DynamicTreeDrafter, TreeDrafter
 from tests.forwards import full_logits
 from tests.stats import exact_sequence_law, g_test_pvalue, sequence_counts
@@ -167,6 +167,53 @@ def test_a_tree_call_and_its_kept_path_decode_the_reference(layout, window, per_
 
 
 # --- The accept step against its exact law ---------------------------------------------------
+
+def _walk(u, u_token, p, q, tokens, valid, tree: TokenTree):
+  """numpy: the recursive rejection walk, trying the children of each node it reaches in order;
+  (path, n, token) as `accept_tree`."""
+  node, path, r = 0, [0], p[0]
+  while True:
+    r, chosen = p[node].astype(np.float64), None
+    for child in tree.children[node]:
+      if child <= 0 or not valid[child - 1]:
+        continue
+      t = tokens[child - 1]
+      if u[child - 1] * q[child - 1, t] < r[t]:
+        chosen = child
+        break
+      rest = np.maximum(r - q[child - 1], 0.0)
+      r = rest / rest.sum() if rest.sum() > 0 else r
+    if chosen is None:
+      break
+    node = chosen
+    path.append(node)
+  cdf = np.cumsum(r)
+  token = int(np.argmax((cdf > u_token * cdf[-1]) & (r > 0)))
+  return path + [-1] * (tree.depth + 1 - len(path)), len(path) - 1, token
+
+
+def test_tree_accept_tries_every_nodes_children_as_the_walk_does():
+  """`accept_tree_with` (every node's children tried at once, then the walk looks them up)
+  against the walk trying the children of the nodes it reaches: random trees, laws (some
+  children point masses, some not proposed) and uniforms give the same path, count and token."""
+  rng = np.random.default_rng(0)
+  V = 6
+  for trial in range(60):
+    N = int(rng.integers(1, 9))
+    tree = TokenTree(tuple(int(rng.integers(0, i)) for i in range(1, N + 1)))
+    p = rng.dirichlet(np.full(V, 0.5), size=N + 1).astype(np.float32)
+    tokens = rng.integers(0, V, size=N)
+    q = rng.dirichlet(np.full(V, 0.5), size=N).astype(np.float32)
+    points = rng.random(N) < 0.4
+    q[points] = np.eye(V, dtype=np.float32)[tokens[points]]
+    valid = rng.random(N) < 0.85
+    u, u_token = rng.random(N).astype(np.float32), np.float32(rng.random())
+    got = accept_tree_with(jnp.asarray(u), u_token, jnp.asarray(p), jnp.asarray(q),
+                           jnp.asarray(tokens), jnp.asarray(valid), tree.children, tree.depth)
+    want = _walk(u, u_token, p, q, tokens, valid, tree)
+    assert [np.asarray(got[0]).tolist(), int(got[1])] == [want[0], want[1]], (trial, tree)
+    assert int(got[2]) == want[2], (trial, tree)
+
 
 def _bigram_tree_draws(P, Q, tree: TokenTree, n: int, point_alternatives: bool, seed: int):
   """n rows of a tree drafted from bigram laws Q (row V: after the root), children of a node

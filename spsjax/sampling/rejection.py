@@ -118,34 +118,38 @@ def accept_tree(key: jax.Array, p_Np1xV: jax.Array, q_NxV: jax.Array, tokens_N: 
 def accept_tree_with(u_N, u_token, p_Np1xV, q_NxV, tokens_N, valid_N, children_Np1xC,
                      depth: int):
   """`accept_tree` with its uniform numbers given: node i's test u_N[i - 1], the token's draw
-  `u_token`."""
-  children_Np1xM = jnp.asarray(children_Np1xC)
+  `u_token`.
+
+  Every node's children are tried at once, all nodes together (C steps over [N + 1, V], C the
+  most children a node has): for each node, the child accepted (or none) and r after the
+  children tried. The walk down from the root then only looks these up, and the token comes
+  from r where it stopped (p at a leaf). The same tests with the same numbers as a walk trying
+  the children of the nodes it reaches, in a few wide ops rather than depth * C narrow ones."""
+  children_Np1xC = jnp.asarray(children_Np1xC)
   p_Np1xV, q_NxV = p_Np1xV.astype(jnp.float32), q_NxV.astype(jnp.float32)
-
-  def level(d, carry):
-    node, path_D, law_V, done = carry  # law: r where the walk stopped, else unused.
-    r_V = p_Np1xV[node]
-    chosen = jnp.int32(-1)
-    for j in range(children_Np1xM.shape[1]):
-      child = children_Np1xM[node, j]
-      i = jnp.maximum(child, 1) - 1
-      tried = (child > 0) & valid_N[i] & (chosen < 0)
-      ok = u_N[i] * q_NxV[i, tokens_N[i]] < r_V[tokens_N[i]]
-      chosen = jnp.where(tried & ok, child, chosen)
-      r_V = jnp.where(tried & ~ok, _residual(r_V, q_NxV[i]), r_V)
-    step = ~done & (chosen > 0)
-    stops = ~done & ~step
-    return (jnp.where(step, chosen, node), path_D.at[d + 1].set(jnp.where(step, chosen, -1)),
-            jnp.where(stops, r_V, law_V), done | stops)
-
-  path_D = jnp.full((depth + 1,), -1, jnp.int32).at[0].set(0)
-  # Unrolled: a loop inside the SpS loop's body would split its CUDA graphs on a GPU.
-  node, path_D, law_V, done = jax.lax.fori_loop(
-      0, depth, level, (jnp.int32(0), path_D, jnp.zeros_like(p_Np1xV[0]), jnp.bool_(False)),
-      unroll=True)
-  law_V = jnp.where(done, law_V, p_Np1xV[node])  # Every level accepted: the bonus token.
+  M = p_Np1xV.shape[0]
+  r_MxV = p_Np1xV
+  chosen_M = jnp.full((M,), -1, jnp.int32)
+  for j in range(children_Np1xC.shape[1]):  # The j-th child of every node.
+    child_M = children_Np1xC[:, j]
+    i_M = jnp.maximum(child_M, 1) - 1
+    token_M = tokens_N[i_M]
+    q_MxV = q_NxV[i_M]
+    tried_M = (child_M > 0) & valid_N[i_M] & (chosen_M < 0)
+    ok_M = (u_N[i_M] * jnp.take_along_axis(q_MxV, token_M[:, None], axis=1)[:, 0]
+            < jnp.take_along_axis(r_MxV, token_M[:, None], axis=1)[:, 0])
+    chosen_M = jnp.where(tried_M & ok_M, child_M, chosen_M)
+    r_MxV = jnp.where((tried_M & ~ok_M)[:, None], jax.vmap(_residual)(r_MxV, q_MxV), r_MxV)
+  node, path = jnp.int32(0), [jnp.int32(0)]
+  for _ in range(depth):  # Down the accepted children: -1 once one is missing.
+    step = (node >= 0) & (chosen_M[jnp.maximum(node, 0)] > 0)
+    last = jnp.maximum(node, 0)
+    node = jnp.where(step, chosen_M[last], -1)
+    path.append(node)
+  path_D = jnp.stack(path)
+  stop = jnp.max(jnp.where(path_D >= 0, path_D, 0))  # Node ids grow down a path.
   n = jnp.sum(path_D[1:] >= 0).astype(jnp.int32)
-  return path_D, n, draw_with(u_token, law_V).astype(jnp.int32)
+  return path_D, n, draw_with(u_token, r_MxV[stop]).astype(jnp.int32)
 
 
 def _split(key: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
