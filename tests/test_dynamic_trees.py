@@ -1,14 +1,17 @@
 """Dynamic trees (`sampling.dynamic_trees`): the grown tree against a numpy enumeration of
-EAGLE-2's rule, the drafter's own tree it reads on, and the sizes it refuses."""
+EAGLE-2's rule, the drafter's own tree it reads on, sampled children's laws, and the sizes it
+refuses."""
 
 import itertools
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spsjax.sampling import dynamic_trees
+from spsjax.sampling import SamplingConfig, dynamic_trees
+from spsjax.sharding import DEFAULT_RULES
 
 V, R = 11, 97  # Vocabulary; rows of the draft's table of laws.
 
@@ -59,7 +62,7 @@ def test_the_tree_holds_the_best_paths_and_reads_its_own_tree(nodes, width, k):
     keys_BxW = jnp.einsum('bwe,be->bw', on_path_BxWxE.astype(jnp.int32), weights_BxE) % R
     return jnp.asarray(table)[keys_BxW]
 
-  tokens_BxN, valid_BxN, trees, expanded_BxNp1 = dynamic_trees.grow(
+  tokens_BxN, valid_BxN, trees, expanded_BxNp1, _ = dynamic_trees.grow(
       nodes, width, k, jnp.asarray(root_logp_BxV), read)
   parents_BxN = np.asarray(trees.parents_BxN)
   assert np.all(np.asarray(valid_BxN)) and trees.depth == k and trees.width == width
@@ -98,3 +101,46 @@ def test_sizes_are_checked():
       dynamic_trees.check_sizes(nodes, width)
   with pytest.raises(ValueError, match='values 6 candidates'):
     dynamic_trees.check_sizes(7, 2, 2)
+
+
+def test_sampled_children_keep_a_prefix_of_each_nodes_draws_with_their_laws():
+  """A sampled draft (`sampled_children`, temperature 1): each chosen node's law is its parent's
+  draft law (looked up by the parent's path, so every chosen node's parent is chosen) without
+  the tokens of its chosen earlier siblings, renormalised: each node's chosen children are the
+  first of its draws, in order, and distinct."""
+  B, width, k, nodes = 4, 3, 3, 7
+  table = _table(2)
+  loop = types.SimpleNamespace(draft_sampling=SamplingConfig(), mesh=None, rules=DEFAULT_RULES,
+                               native_kernel=False)
+  keys_BxK = jax.random.split(jax.random.key(5), (B, k))
+  root_logits_BxV = jnp.asarray(table[:B])  # Row b's root law: table row b.
+  read_tokens = []
+
+  def read(d, tokens_BxW, parents_BxW, tree):
+    del parents_BxW
+    read_tokens.append(tokens_BxW)
+    tokens_BxE = jnp.concatenate([jnp.zeros((B, 1), jnp.int32)] + read_tokens, axis=1)
+    first = 1 + (d - 1) * width
+    on_path_BxWxE = tree.ancestors[:, first:first + width, :tokens_BxE.shape[1]]
+    depths_BxE = tree.depths[:, :tokens_BxE.shape[1]]
+    weights_BxE = jnp.where(jnp.arange(tokens_BxE.shape[1])[None] > 0,
+                            (tokens_BxE + 1) * (V + 1) ** jnp.maximum(depths_BxE - 1, 0), 0)
+    keys_BxW = jnp.einsum('bwe,be->bw', on_path_BxWxE.astype(jnp.int32), weights_BxE) % R
+    return jnp.asarray(table)[keys_BxW]
+
+  grown = dynamic_trees.grow(nodes, width, k, root_logits_BxV, read,
+                             dynamic_trees.sampled_children(loop, keys_BxK, width))
+  parents_BxN, tokens_BxN = np.asarray(grown.trees.parents_BxN), np.asarray(grown.tokens_BxN)
+  q_BxNxV = np.asarray(grown.q_BxNxV)
+  assert np.all(np.asarray(grown.valid_BxN))
+  for b in range(B):
+    paths, earlier = {0: ()}, {}
+    for i, parent in enumerate(parents_BxN[b], start=1):
+      parent = int(parent)
+      paths[i] = paths[parent] + (int(tokens_BxN[b, i - 1]),)
+      law = np.exp(table[_key(paths[parent])] if parent else table[b])
+      law[earlier.setdefault(parent, [])] = 0.0
+      np.testing.assert_allclose(q_BxNxV[b, i - 1], law / law.sum(), rtol=1e-5, atol=1e-7,
+                                 err_msg=f'row {b}, node {i}')
+      assert paths[i][-1] not in earlier[parent]
+      earlier[parent].append(paths[i][-1])

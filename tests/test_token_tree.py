@@ -386,23 +386,26 @@ def test_alternatives_refuse_what_they_do_not_run_with(tiny_pair):
 # --- A draft model drafting a full tree -------------------------------------------------------
 
 @pytest.mark.parametrize('sampling,dynamic', [
-    (SamplingConfig(), False), (SamplingConfig(temperature=0.8, repetition_penalty=1.8), False),
-    (SamplingConfig(), True), (SamplingConfig(temperature=0.8, repetition_penalty=1.8), True)],
+    (SamplingConfig(), ''), (SamplingConfig(temperature=0.8, repetition_penalty=1.8), ''),
+    (SamplingConfig(), 'sampled'),
+    (SamplingConfig(temperature=0.8, repetition_penalty=1.8), 'sampled'),
+    (SamplingConfig(), 'points')],
                          ids=['temperature_1', 'repetition_penalty', 'dynamic_temperature_1',
-                              'dynamic_repetition_penalty'])
+                              'dynamic_repetition_penalty', 'dynamic_greedy_draft'])
 def test_sps_with_a_tree_drafter_samples_the_target_law(tiny_pair, sampling, dynamic):
   """100,000 rows, 3 tokens each, a draft drafting a tree of branching (2, 2) at temperature 1
   (or 0.8 after a repetition penalty of 1.8, which every node's law, the draft's and the
   target's, reads along its path), against the enumerated law (power as test_speculative's, TV
   0.018); it accepts more drafts a loop than the chain of 2. `dynamic`: each row's own tree of 4
-  nodes (`DynamicTreeDrafter`, width 2), its drafts point masses, the target's penalty along
-  each row's paths."""
+  nodes (`DynamicTreeDrafter`, width 2), its children drawn ('sampled'; the target's penalty
+  along each row's paths) or, under a greedy draft, its top tokens as point masses ('points')."""
   target, draft = tiny_pair
   prompts = np.tile(np.array(PROMPT, np.int32), (ROWS, 1))
   lengths = np.full((ROWS,), len(PROMPT), np.int32)
+  draft_sampling = GREEDY if dynamic == 'points' else None
   run = lambda drafter, rows=ROWS: speculative_sample(
       target, draft, prompts[:rows], lengths[:rows], jax.random.key(3), k=2, max_new_tokens=NEW,
-      drafter=drafter, sampling=sampling)
+      drafter=drafter, sampling=sampling, draft_sampling=draft_sampling)
   out = run(DynamicTreeDrafter(4, 2) if dynamic else TreeDrafter((2, 2)))
   pvalue = g_test_pvalue(sequence_counts(np.asarray(out.tokens), V_SMALL),
                          exact_sequence_law(target, PROMPT, NEW, sampling))
@@ -423,15 +426,15 @@ def test_tree_caches_equal_fresh_prefill_after_every_loop(pair, drafter, packed)
   """Stepping the loop: after every loop the target cache holds exactly the committed tokens but
   the last and the draft cache at least all but the last two, slot for slot as a fresh prefill
   (the accepted path moved to its positions' slots), with every outcome of the tree seen; also
-  with both models packed for the native CPU kernels. A dynamic tree (point masses) drafts with
-  the target itself at temperature 0.5, so that its deep nodes are accepted too."""
+  with both models packed for the native CPU kernels."""
   target, draft = (models.pack(m) for m in pair) if packed else pair
-  sampling = SamplingConfig(temperature=1.5)
-  if isinstance(drafter, DynamicTreeDrafter):  # Point masses: the target as draft, sharper.
-    draft, sampling = target, SamplingConfig(temperature=0.5)
+  sampling = draft_sampling = SamplingConfig(temperature=1.5)
+  if isinstance(drafter, DynamicTreeDrafter):  # Deep only where the draft is sure: the target
+    draft, sampling = target, SamplingConfig(temperature=0.6)  # drafting sharper than it samples.
+    draft_sampling = SamplingConfig(temperature=0.3)
   prompts, lengths = _ragged(5, batch=6)
-  loop = speculative.Loop(k=3, max_new_tokens=14, sampling=sampling, draft_sampling=sampling,
-                          drafter=drafter)
+  loop = speculative.Loop(k=3, max_new_tokens=14, sampling=sampling,
+                          draft_sampling=draft_sampling, drafter=drafter)
   accepted = _run_checking_caches(target, draft, loop, prompts, lengths, jax.random.key(4))
   assert set(np.concatenate(accepted).tolist()) - {-1} == {0, 1, 2, 3}
 

@@ -1,21 +1,28 @@
 """Dynamic trees of drafts (EAGLE-2, Li et al. 2024): each row's tree grown where its draft is
 confident, a fixed number of nodes scored.
 
-Per loop and row, with `width` w and depth k: the root's draft law gives w candidates, its top
-tokens; a candidate's value is the sum of the draft's log-probabilities along its path (the
-product of its confidences). At each depth d < k the w candidates of depth d of highest value
-are expanded: the drafter reads them in one call (`read`, each node seeing its ancestors), and
-each gets w candidates of its own, its top tokens. The `nodes` N candidates of highest value,
-over all depths, are the tree the target scores (`models.RowTrees`), in creation order (parents
-first). A child's value is at most its parent's and ties keep the earlier candidate, so the
-chosen set holds every chosen node's parent.
+Per loop and row, with `width` w and depth k: the root's draft law gives w candidate children;
+a candidate's value is the sum of the draft's log-probabilities along its path (the product of
+its confidences). At each depth d < k the w candidates of depth d of highest value are
+expanded: the drafter reads them in one call (`read`, each node seeing its ancestors), and each
+gets w candidate children of its own. The `nodes` N candidates of highest priority, over all
+depths, are the tree the target scores (`models.RowTrees`), in creation order (parents first);
+a child's priority is at most its parent's and ties keep the earlier candidate, so the chosen
+set holds every chosen node's parent.
 
-Exactness: every draft is a function of the committed tokens (the draft's top tokens, no
-randomness), so each is proposed as a point mass: a child is accepted with probability r(t),
-and on rejection r loses t (`rejection.accept_tree`). The tree's shape being such a function
-too, the output law is the target's whatever the tree. The values are the draft's softmax at
-temperature 1 (its sampling settings, context rules included, are not applied): they choose
-which tokens are tried, never the law.
+The children, and exactness (`children_for` picks by the loop's draft sampling):
+- a greedy draft (`top_children`, EAGLE-2's): each node's w top tokens under the draft's softmax
+  at temperature 1, proposed as point masses; priority = value. Every draft is a function of the
+  committed tokens, so the tree's shape may depend on anything: a child is accepted with
+  probability r(t), and on rejection r loses t (`rejection.accept_tree`).
+- a sampled draft (`sampled_children`): each node's children drawn from the draft's law without
+  replacement (`siblings.draw`), each with its law given its earlier siblings; a child's
+  priority is its parent's value plus the log of the mass its earlier siblings left. That bounds
+  the priority of every later sibling and every descendant, so whether a child is scored never
+  depends on its own token nor on theirs: the recursive rejection at each node sees candidates
+  drawn from the laws it is told, and the output law is the target's.
+The drafts ignore the draft sampling's repetition penalty and context rules (the target's
+accept step applies them along each row's paths).
 
 Sizes: w candidates at depth 1 and w^2 at each deeper one, C = w + (k - 1) w^2 in all, N <= C;
 the drafter's own tree of expanded nodes (`expansion_tree`) has 1 + (k - 1) w nodes, level d's
@@ -28,7 +35,9 @@ import jax
 import jax.numpy as jnp
 
 from spsjax.models import RowTrees, TokenTree
-from spsjax.sampling.drafters import Proposal
+from spsjax.sampling import siblings
+from spsjax.sampling.drafters import Proposal, draw_draft
+from spsjax.sampling.processors import typed_keys, uniforms
 
 
 class Grown(NamedTuple):
@@ -37,6 +46,7 @@ class Grown(NamedTuple):
   valid_BxN: jax.Array  # bool: a value above -inf (a token the draft gives mass).
   trees: RowTrees
   expanded_BxNp1: jax.Array  # int32: each node's node in the drafter's own tree; 0 if not read.
+  q_BxNxV: jax.Array | None = None  # Each node's law given its earlier siblings; None: points.
 
 
 def num_candidates(k: int, width: int) -> int:
@@ -75,61 +85,136 @@ def expansion_tree(parents_BxL: list[jax.Array], k: int, width: int) -> RowTrees
   return RowTrees.of(jnp.concatenate(levels, axis=1), max(k - 1, 1), width)
 
 
-def grow(nodes: int, width: int, k: int, root_logits_BxV, read):
+class Children(NamedTuple):
+  """w children of each of L nodes (`top_children`, `sampled_children`)."""
+  tokens_BxLxW: jax.Array
+  q_BxLxWxV: jax.Array | None  # Each child's law given its earlier siblings; None: point masses.
+  log_q_BxLxW: jax.Array  # log q(t) of each child under its parent's law: its value's step.
+  log_rest_BxLxW: jax.Array  # Its priority's step (`grow`).
+  valid_BxLxW: jax.Array
+
+
+def top_children(width: int):
+  """(d, logits [B, L, V]) -> `Children`: each node's w top tokens under the draft's softmax at
+  temperature 1, point masses; a child's priority its value (EAGLE-2's rule)."""
+
+  def children(d: int, logits_BxLxV) -> Children:
+    del d
+    log_q_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
+    log_q_BxLxW, tokens_BxLxW = jax.lax.top_k(log_q_BxLxV, width)
+    return Children(tokens_BxLxW, None, log_q_BxLxW, log_q_BxLxW, jnp.isfinite(log_q_BxLxW))
+
+  return children
+
+
+def sampled_children(loop, keys_BxK, width: int):
+  """(d, logits [B, L, V]) -> `Children`: each node's first child drawn from the draft's law q
+  (the loop's draft sampling, depth d's key of the row, one stream per node), then w - 1 more
+  without replacement (`siblings.draw`), each with its law. A child's value step is log q(t); its
+  priority step log(1 - q(earlier siblings)), the parent's mass left before it: a child's
+  priority is then at least any later sibling's and any descendant's, so whether it is scored
+  depends on neither its own token nor theirs, which keeps the tree exact."""
+
+  def children(d: int, logits_BxLxV) -> Children:
+    B, L, V = logits_BxLxV.shape
+    node_keys_BxL = jax.vmap(lambda key: jax.vmap(lambda j: jax.random.fold_in(key, j))(
+        jnp.arange(L)))(typed_keys(keys_BxK[:, d - 1]))
+    rows = lambda x: x.reshape((B * L,) + x.shape[2:])
+    logits_RxV = rows(logits_BxLxV)
+    q_RxV, first_R = draw_draft(loop, rows(uniforms(node_keys_BxL)), logits_RxV)
+    tokens_RxW, q_RxWxV, valid_RxW = first_R[:, None], q_RxV[:, None], jnp.ones((B * L, 1), bool)
+    if width > 1:
+      more = siblings.draw(rows(siblings.keys_apart(node_keys_BxL)), logits_RxV, q_RxV, first_R,
+                           width - 1, greedy=loop.draft_sampling.greedy)
+      tokens_RxW = jnp.concatenate([tokens_RxW, more.tokens_RxA], axis=1)
+      q_RxWxV = jnp.concatenate([q_RxWxV, more.q_RxAxV], axis=1)
+      valid_RxW = jnp.concatenate([valid_RxW, more.valid_RxA], axis=1)
+    mass_RxW = jnp.take_along_axis(q_RxV, tokens_RxW, axis=1)  # q(t) under the parent's law.
+    before_RxW = jnp.cumsum(mass_RxW, axis=1) - mass_RxW
+    log = lambda x: jnp.log(jnp.maximum(x, 0.0))
+    back = lambda x: x.reshape((B, L) + x.shape[1:])
+    return Children(back(tokens_RxW), back(q_RxWxV), back(log(mass_RxW)),
+                    back(log(1.0 - before_RxW)), back(valid_RxW))
+
+  return children
+
+
+def children_for(loop, keys_BxK, width: int):
+  """The children for the loop's draft sampling: `top_children` for a greedy draft, else
+  `sampled_children` (the module docstring)."""
+  if loop.draft_sampling.greedy:
+    return top_children(width)
+  return sampled_children(loop, keys_BxK, width)
+
+
+def grow(nodes: int, width: int, k: int, root_logits_BxV, read, children=None) -> Grown:
   """The dynamic tree from the root's draft logits [B, V] (module docstring). `read(d,
   tokens [B, w], parents [B, w], tree)`: the drafter reads level d's expanded nodes (d = 1 ..
   k - 1; `parents` index the level before, `tree` the `expansion_tree` so far) and returns their
-  draft logits [B, w, V]."""
+  draft logits [B, w, V]. `children(d, logits [B, L, V])`: the w children of each of L nodes of
+  depth d - 1 (default `top_children`: point masses).
+
+  A candidate's value is its parent's plus log q(t); its priority, which chooses the N scored,
+  its parent's value plus `log_rest`: with point masses its value, with sampled children the log
+  of the parent's mass its earlier siblings left (`sampled_children`)."""
   check_sizes(nodes, width, k)
+  children = children or top_children(width)
   B = root_logits_BxV.shape[0]
-  log_q = lambda logits: jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  # Candidates of each depth, in creation order: tokens, values and parents' candidate ids (-1:
-  # the root).
-  top_values_Bx1xW, top_tokens_Bx1xW = jax.lax.top_k(log_q(root_logits_BxV)[:, None], width)
-  tokens, values = [top_tokens_Bx1xW[:, 0]], [top_values_Bx1xW[:, 0]]
+  # Candidates of each depth, in creation order: tokens, laws, values, priorities, validity and
+  # parents' candidate ids (-1: the root).
+  first_level = children(1, root_logits_BxV[:, None])
+  flat = lambda x: x.reshape((B, -1) + x.shape[3:])
+  tokens, values = [flat(first_level.tokens_BxLxW)], [flat(first_level.log_q_BxLxW)]
+  priorities, valid = [flat(first_level.log_rest_BxLxW)], [flat(first_level.valid_BxLxW)]
+  laws = [None if first_level.q_BxLxWxV is None else flat(first_level.q_BxLxWxV)]
   parents = [jnp.full((B, width), -1, jnp.int32)]
   first = 0  # The candidate id of the newest depth's first.
   expanded_parents, expanded_ids = [], []
   for d in range(1, k):
-    # Level d: the newest depth's w best candidates.
+    # Level d: the newest depth's w best candidates by value.
     best_values_BxW, best_BxW = jax.lax.top_k(values[-1], width)
     best_tokens_BxW = jnp.take_along_axis(tokens[-1], best_BxW, axis=1)
+    best_priorities_BxW = jnp.take_along_axis(priorities[-1], best_BxW, axis=1)
     expanded_parents.append(best_BxW // width if d > 1 else jnp.zeros_like(best_BxW))
     expanded_ids.append(first + best_BxW)
     logits_BxWxV = read(d, best_tokens_BxW, expanded_parents[-1],
                         expansion_tree(expanded_parents, k, width))
-    child_values_BxWxW, child_tokens_BxWxW = jax.lax.top_k(log_q(logits_BxWxV), width)
-    tokens.append(child_tokens_BxWxW.reshape(B, width * width))
-    values.append((best_values_BxW[:, :, None] + child_values_BxWxW).reshape(B, width * width))
+    level = children(d + 1, logits_BxWxV)
+    tokens.append(flat(level.tokens_BxLxW))
+    values.append(flat(best_values_BxW[:, :, None] + level.log_q_BxLxW))
+    # Never above the parent's (float rounding aside it is not): the N chosen hold their parents.
+    priorities.append(flat(jnp.minimum(best_priorities_BxW[:, :, None],
+                                       best_values_BxW[:, :, None] + level.log_rest_BxLxW)))
+    valid.append(flat(level.valid_BxLxW))
+    laws.append(None if level.q_BxLxWxV is None else flat(level.q_BxLxWxV))
     parents.append(jnp.repeat(first + best_BxW, width, axis=1).astype(jnp.int32))
     first += tokens[-2].shape[1]
-  tokens_BxC, values_BxC = jnp.concatenate(tokens, axis=1), jnp.concatenate(values, axis=1)
-  parents_BxC = jnp.concatenate(parents, axis=1)
-  # The N best, in creation order; top_k keeps the lower index among equal values.
-  chosen_values_BxN, chosen_BxN = jax.lax.top_k(values_BxC, nodes)
-  order_BxN = jnp.argsort(chosen_BxN, axis=1)
-  chosen_BxN = jnp.take_along_axis(chosen_BxN, order_BxN, axis=1)
-  chosen_values_BxN = jnp.take_along_axis(chosen_values_BxN, order_BxN, axis=1)
+  cat = lambda xs: jnp.concatenate(xs, axis=1)
+  tokens_BxC, parents_BxC = cat(tokens), cat(parents)
+  # The N of highest priority, in creation order; top_k keeps the lower index among equals.
+  _, chosen_BxN = jax.lax.top_k(cat(priorities), nodes)
+  chosen_BxN = jnp.sort(chosen_BxN, axis=1)
+  pick = lambda x_BxC: jnp.take_along_axis(
+      x_BxC, chosen_BxN.reshape(chosen_BxN.shape + (1,) * (x_BxC.ndim - 2)), axis=1)
   C = tokens_BxC.shape[1]
   rows_BxN = jnp.broadcast_to(jnp.arange(B)[:, None], (B, nodes))
   node_of_BxC = jnp.zeros((B, C + 1), jnp.int32).at[rows_BxN, chosen_BxN + 1].set(
       jnp.arange(1, nodes + 1, dtype=jnp.int32)[None])  # Candidate id + 1 -> node; the root 0.
-  tree_parents_BxN = jnp.take_along_axis(
-      node_of_BxC, jnp.take_along_axis(parents_BxC, chosen_BxN, axis=1) + 1, axis=1)
+  tree_parents_BxN = jnp.take_along_axis(node_of_BxC, pick(parents_BxC) + 1, axis=1)
   expanded_of_BxC = jnp.zeros((B, C), jnp.int32)  # Candidate id -> node of the drafter's tree.
   rows_BxW = jnp.broadcast_to(jnp.arange(B)[:, None], (B, width))
   for d, ids_BxW in enumerate(expanded_ids, start=1):
     expanded_of_BxC = expanded_of_BxC.at[rows_BxW, ids_BxW].set(
         1 + (d - 1) * width + jnp.arange(width, dtype=jnp.int32)[None])
-  expanded_BxN = jnp.take_along_axis(expanded_of_BxC, chosen_BxN, axis=1)
-  return Grown(jnp.take_along_axis(tokens_BxC, chosen_BxN, axis=1),
-               jnp.isfinite(chosen_values_BxN), RowTrees.of(tree_parents_BxN, k, width),
-               jnp.pad(expanded_BxN, ((0, 0), (1, 0))))
+  return Grown(pick(tokens_BxC), pick(cat(valid)), RowTrees.of(tree_parents_BxN, k, width),
+               jnp.pad(pick(expanded_of_BxC), ((0, 0), (1, 0))),
+               None if laws[0] is None else pick(cat(laws)))
 
 
 def proposal(grown: Grown, vocab_size: int, k: int) -> Proposal:
-  """The loop's proposal of the grown trees: every node a point mass."""
+  """The loop's proposal of the grown trees (point masses where the children were)."""
   tokens_BxN = grown.tokens_BxN
-  return Proposal(tokens_BxN, jax.nn.one_hot(tokens_BxN, vocab_size, dtype=jnp.float32),
-                  jnp.full(tokens_BxN.shape[:1], k, jnp.int32), grown.valid_BxN,
-                  row_trees=grown.trees)
+  q_BxNxV = (jax.nn.one_hot(tokens_BxN, vocab_size, dtype=jnp.float32) if grown.q_BxNxV is None
+             else grown.q_BxNxV)
+  return Proposal(tokens_BxN, q_BxNxV, jnp.full(tokens_BxN.shape[:1], k, jnp.int32),
+                  grown.valid_BxN, row_trees=grown.trees)

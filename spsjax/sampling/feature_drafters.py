@@ -291,8 +291,9 @@ class FeatureDynamicDrafter(FeatureDrafter):
   the first call (`FeatureDrafter`'s), each level's w expanded nodes are read in one head call on
   the drafter's own tree (`dynamic_trees.expansion_tree`), node n's pair (its parent's predicted
   features, its token) at slot c - 2 + n and position c - 2 + depth(n), seeing its ancestors'
-  pairs; the head's capacity has (k - 1) w more slots for them. Drafts are proposed as point
-  masses (exact under any target sampling). The head's cache invariant is `FeatureDrafter`'s."""
+  pairs; the head's capacity has (k - 1) w more slots for them. Under a greedy draft the children
+  are the head's top tokens as point masses, else drawn from its law
+  (`dynamic_trees.children_for`). The head's cache invariant is `FeatureDrafter`'s."""
   nodes: int = 8
   width: int = 4
 
@@ -320,7 +321,6 @@ class FeatureDynamicDrafter(FeatureDrafter):
 
   def propose(self, loop, draft: HeadAndTarget, state: _HeadState, committed: Committed,
               keys_BxK):
-    del keys_BxK  # No randomness: the draft's top tokens.
     logits_Bx1xV, features_BxD, cache = _read_pending(draft, state, committed)
     root_B = committed.lengths_B - 2  # The root's pair: the last committed token's.
     w = self.width
@@ -334,7 +334,8 @@ class FeatureDynamicDrafter(FeatureDrafter):
           tokens_BxW, counts_B=committed.counts(w), tree=tree, first_node=1 + (d - 1) * w)
       return logits_BxWxV
 
-    grown = dynamic_trees.grow(self.nodes, w, loop.k, logits_Bx1xV[:, 0], read)
+    grown = dynamic_trees.grow(self.nodes, w, loop.k, logits_Bx1xV[:, 0], read,
+                               dynamic_trees.children_for(loop, keys_BxK, w))
     proposal = dynamic_trees.proposal(grown, committed.vocab_size, loop.k)
     cache = kv_cache.constrain(carry['cache'].with_lengths(committed.lengths_B - 1), loop.mesh,
                                loop.rules)

@@ -198,8 +198,8 @@ class _DynamicState:
 @dataclasses.dataclass(frozen=True)
 class DynamicTreeDrafter(Drafter):
   """The draft model growing each row's own tree (`dynamic_trees`: `nodes` N scored, k its depth
-  bound, `width` w candidates per expanded node and expanded nodes per level), drafts proposed as
-  point masses. Per loop: the two-token call gives the root's law (as `TreeDrafter`), then each
+  bound, `width` w candidates per expanded node and expanded nodes per level; under a greedy
+  draft its top tokens as point masses, else drawn: `dynamic_trees.children_for`). Per loop: the two-token call gives the root's law (as `TreeDrafter`), then each
   level's w expanded nodes are read in one call on the draft's own tree
   (`dynamic_trees.expansion_tree`), its node n at slot base + n (base = c_b - 1). Its capacity
   has (k - 1) w more slots for them. After the accept step the accepted path's nodes the draft
@@ -238,7 +238,6 @@ class DynamicTreeDrafter(Drafter):
     return _DynamicState(cache, jnp.zeros((B, self.nodes + 1), jnp.int32))
 
   def propose(self, loop, draft: Model, state: _DynamicState, committed: Committed, keys_BxK):
-    del keys_BxK  # No randomness: the draft's top tokens.
     B, w = committed.lengths_B.shape[0], self.width
     base_B = committed.lengths_B - 1
     last2_Bx2 = jnp.stack([committed.last(2), committed.last(1)], axis=1)
@@ -255,7 +254,8 @@ class DynamicTreeDrafter(Drafter):
           counts_B=committed.counts(w), tree=tree, first_node=1 + (d - 1) * w)
       return logits_BxWxV
 
-    grown = dynamic_trees.grow(self.nodes, w, loop.k, logits_Bx1xV[:, 0], read)
+    grown = dynamic_trees.grow(self.nodes, w, loop.k, logits_Bx1xV[:, 0], read,
+                               dynamic_trees.children_for(loop, keys_BxK, w))
     cache = kv_cache.constrain(carry['cache'].with_lengths(base_B), loop.mesh, loop.rules)
     return (dynamic_trees.proposal(grown, committed.vocab_size, loop.k),
             _DynamicState(cache, grown.expanded_BxNp1))
