@@ -590,3 +590,24 @@ def test_theory_of_a_tree_drafter_measures_its_tree_and_level_calls(family):
                                 drafter=tree_drafter).prediction
   assert (chain.draft_steps, chain.scored) == (3.0, None)
   assert chain.operations == pytest.approx((7 * 0.5 + 4) / chain.tokens_per_loop)
+
+
+def test_a_dynamic_tree_row_runs_measures_and_profiles(family, tmp_path):
+  """A dynamic tree (`DynamicTreeDrafter`): greedy SpS gives ArS's completions; its costs are the
+  target's call on its N + 1 nodes and its level calls of w positions; the row's loop profile
+  finds the loop's iterations (XLA:CPU runs its sorts as several events an iteration)."""
+  target, draft, tok = family
+  task = speedup.Task('docstrings', ('def add(a, b):\n    """', 'x = 1\n'), ('Add.', 'Set x.'),
+                      max_new_tokens=6)
+  drafter = tree_drafters.DynamicTreeDrafter(nodes=4, width=2)
+  assert drafter.draft_calls(3) == (1, 2, 2) and drafter.tree(3).num_nodes == 4
+  greedy = sampling.SamplingConfig(temperature=0.0)
+  ars, sps = speedup.run_rows(target, draft, tok, task, 'greedy', greedy, batch=1, k=3, seed=0,
+                              drafter=drafter)
+  assert ars.completions == sps.completions
+  costs = decode.measure_costs(target, draft, 3, batch=1, capacity=64, repeats=2,
+                               tree=drafter.tree(3), draft_calls=drafter.draft_calls(3))
+  assert costs.scored == 5 and costs.draft_loop > 0
+  loop_profile = speedup.profile_row(target, draft, tok, task, greedy, 1, 3, 0, str(tmp_path),
+                                     drafter=drafter)
+  assert loop_profile.loops >= 1 and 0 < loop_profile.draft + loop_profile.score < loop_profile.loop

@@ -507,3 +507,21 @@ def test_launches_count_a_nested_loop_by_its_trip_count():
       'other': 6}  # A trip count XLA does not know counts once.
   assert hlo_lib.loop_launches_by_phase(known, trips=True) == {'other': 10}
   assert hlo_lib.loop_launches(known) == 6
+
+
+def test_an_op_run_in_parts_still_marks_the_iterations(h200_step):
+  """XLA:CPU runs some ops (a sort) as several events an iteration: counts that are multiples
+  of the fewest still give the loop's iterations; a count that is not gives none."""
+  events, hlo = h200_step
+  owners = hlo.kernel_owners()
+  body = set(hlo.computations[hlo.main_loop().body])
+  name = next(e.kernel for e in events
+              if e.kernel in owners and all(n in body for n in owners[e.kernel]))
+  split = lambda e: [dataclasses.replace(e, end_ns=(e.start_ns + e.end_ns) // 2),
+                     dataclasses.replace(e, start_ns=(e.start_ns + e.end_ns) // 2)]
+  parts = [p for e in events for p in (split(e) if e.kernel == name else [e])]
+  assert len(parts) == len(events) + 4
+  assert len(profile.attribute(parts, hlo, num_loops=4).iterations) == 4
+  first = next(i for i, e in enumerate(events) if e.kernel == name)
+  once = events[:first] + split(events[first]) + events[first + 1:]
+  assert profile.attribute(once, hlo, num_loops=4).iterations is None
