@@ -38,16 +38,11 @@ def _reference(root_logp, table, nodes, width, k):
   return {path for path, _ in sorted(everything, key=lambda c: -c[1])[:nodes]}
 
 
-@pytest.mark.parametrize('nodes,width,k', [(7, 3, 3), (4, 2, 4), (1, 2, 2), (3, 3, 1)])
-def test_the_tree_holds_the_best_paths_and_reads_its_own_tree(nodes, width, k):
-  """Each row's chosen tree against the numpy enumeration (the draft's law a function of the
-  path, looked up from the drafter's own tree as `read` is given it): the same paths, parents
-  before children, every node's parent chosen; each node the drafter read maps to its node in
-  the drafter's tree (every node with children among them)."""
-  B = 4
-  table = _table(0)
-  root_logp_BxV = np.asarray(jax.nn.log_softmax(jax.random.normal(jax.random.key(1), (B, V))))
-  read_tokens = []  # The expanded nodes' tokens, level by level.
+def _path_reader(table, B: int, width: int):
+  """(read, read_tokens) for `dynamic_trees.grow`: each expanded node's draft logits are the
+  table's row of its path, its path looked up from the drafter's own tree `read` is given;
+  read_tokens collects the expanded nodes' tokens, level by level."""
+  read_tokens = []
 
   def read(d, tokens_BxW, parents_BxW, tree):
     del parents_BxW
@@ -61,6 +56,20 @@ def test_the_tree_holds_the_best_paths_and_reads_its_own_tree(nodes, width, k):
                             (tokens_BxE + 1) * (V + 1) ** jnp.maximum(depths_BxE - 1, 0), 0)
     keys_BxW = jnp.einsum('bwe,be->bw', on_path_BxWxE.astype(jnp.int32), weights_BxE) % R
     return jnp.asarray(table)[keys_BxW]
+
+  return read, read_tokens
+
+
+@pytest.mark.parametrize('nodes,width,k', [(7, 3, 3), (4, 2, 4), (1, 2, 2), (3, 3, 1)])
+def test_the_tree_holds_the_best_paths_and_reads_its_own_tree(nodes, width, k):
+  """Each row's chosen tree against the numpy enumeration (the draft's law a function of the
+  path, looked up from the drafter's own tree as `read` is given it): the same paths, parents
+  before children, every node's parent chosen; each node the drafter read maps to its node in
+  the drafter's tree (every node with children among them)."""
+  B = 4
+  table = _table(0)
+  root_logp_BxV = np.asarray(jax.nn.log_softmax(jax.random.normal(jax.random.key(1), (B, V))))
+  read, read_tokens = _path_reader(table, B, width)
 
   tokens_BxN, valid_BxN, trees, expanded_BxNp1, _ = dynamic_trees.grow(
       nodes, width, k, jnp.asarray(root_logp_BxV), read)
@@ -114,19 +123,7 @@ def test_sampled_children_keep_a_prefix_of_each_nodes_draws_with_their_laws():
                                native_kernel=False)
   keys_BxK = jax.random.split(jax.random.key(5), (B, k))
   root_logits_BxV = jnp.asarray(table[:B])  # Row b's root law: table row b.
-  read_tokens = []
-
-  def read(d, tokens_BxW, parents_BxW, tree):
-    del parents_BxW
-    read_tokens.append(tokens_BxW)
-    tokens_BxE = jnp.concatenate([jnp.zeros((B, 1), jnp.int32)] + read_tokens, axis=1)
-    first = 1 + (d - 1) * width
-    on_path_BxWxE = tree.ancestors[:, first:first + width, :tokens_BxE.shape[1]]
-    depths_BxE = tree.depths[:, :tokens_BxE.shape[1]]
-    weights_BxE = jnp.where(jnp.arange(tokens_BxE.shape[1])[None] > 0,
-                            (tokens_BxE + 1) * (V + 1) ** jnp.maximum(depths_BxE - 1, 0), 0)
-    keys_BxW = jnp.einsum('bwe,be->bw', on_path_BxWxE.astype(jnp.int32), weights_BxE) % R
-    return jnp.asarray(table)[keys_BxW]
+  read, _ = _path_reader(table, B, width)
 
   grown = dynamic_trees.grow(nodes, width, k, root_logits_BxV, read,
                              dynamic_trees.sampled_children(loop, keys_BxK, width))

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from spsjax.models import KVCache, Model, RowTrees, TokenTree, extend, kv_cache, prefill
 from spsjax.sampling import common, ngrams, siblings
 from spsjax.sampling.processors import (SamplingConfig, mark_present, probabilities_and_sample_with,
-                                        uniforms)
+                                        typed_keys, uniforms)
 
 
 @flax.struct.dataclass
@@ -298,6 +298,29 @@ def draw_draft(loop, uniforms_B: jax.Array, logits_BxV: jax.Array,
                                              native_kernel=loop.native_kernel,
                                              present_BxV=present_BxV)
   return whole(q_BxV), d_B
+
+
+def draw_children(loop, keys_B: jax.Array, logits_BxLxV: jax.Array, count: int,
+                  present_RxV: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`count` C children of each of L tree nodes per row, (tokens [B, L, C], each one's law
+  given the earlier ones [B, L, C, V], whether each was proposed [B, L, C]): the first drawn from
+  the node's draft law (`draw_draft`; `present_RxV`, [B L, V], as there), the others without
+  replacement (`siblings.draw`), each with its law given the earlier ones. Node l draws with its
+  own stream of the row's key `keys_B`."""
+  B, L = logits_BxLxV.shape[:2]
+  keys_BxL = jax.vmap(lambda key: jax.vmap(lambda j: jax.random.fold_in(key, j))(
+      jnp.arange(L)))(typed_keys(keys_B))
+  rows = lambda x: x.reshape((B * L,) + x.shape[2:])
+  logits_RxV = rows(logits_BxLxV)
+  q_RxV, first_R = draw_draft(loop, rows(uniforms(keys_BxL)), logits_RxV, present_RxV)
+  drawn = siblings.Siblings(first_R[:, None], q_RxV[:, None], jnp.ones((B * L, 1), bool))
+  if count > 1:
+    more = siblings.draw(rows(siblings.keys_apart(keys_BxL)), logits_RxV, q_RxV, first_R,
+                         count - 1, greedy=loop.draft_sampling.greedy)
+    drawn = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=1), drawn, more)
+  back = lambda x: x.reshape((B, L) + x.shape[1:])
+  return back(drawn.tokens_RxA), back(drawn.q_RxAxV), back(drawn.valid_RxA)
 
 
 def check_alternatives(alternatives: int, ragged: bool = False) -> None:

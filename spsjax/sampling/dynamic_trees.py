@@ -16,7 +16,7 @@ The children, and exactness (`children_for` picks by the loop's draft sampling):
   committed tokens, so the tree's shape may depend on anything: a child is accepted with
   probability r(t), and on rejection r loses t (`rejection.accept_tree`).
 - a sampled draft (`sampled_children`): each node's children drawn from the draft's law without
-  replacement (`siblings.draw`), each with its law given its earlier siblings; a child's
+  replacement (`drafters.draw_children`), each with its law given its earlier siblings; a child's
   priority is its parent's value plus the log of the mass its earlier siblings left. That bounds
   the priority of every later sibling and every descendant, so whether a child is scored never
   depends on its own token nor on theirs: the recursive rejection at each node sees candidates
@@ -35,9 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from spsjax.models import RowTrees, TokenTree
-from spsjax.sampling import siblings
-from spsjax.sampling.drafters import Proposal, draw_draft
-from spsjax.sampling.processors import typed_keys, uniforms
+from spsjax.sampling.drafters import Proposal, draw_children
 
 
 class Grown(NamedTuple):
@@ -110,31 +108,20 @@ def top_children(width: int):
 def sampled_children(loop, keys_BxK, width: int):
   """(d, logits [B, L, V]) -> `Children`: each node's first child drawn from the draft's law q
   (the loop's draft sampling, depth d's key of the row, one stream per node), then w - 1 more
-  without replacement (`siblings.draw`), each with its law. A child's value step is log q(t); its
+  without replacement (`drafters.draw_children`), each with its law. A child's value step is log q(t); its
   priority step log(1 - q(earlier siblings)), the parent's mass left before it: a child's
   priority is then at least any later sibling's and any descendant's, so whether it is scored
   depends on neither its own token nor theirs, which keeps the tree exact."""
 
   def children(d: int, logits_BxLxV) -> Children:
-    B, L, V = logits_BxLxV.shape
-    node_keys_BxL = jax.vmap(lambda key: jax.vmap(lambda j: jax.random.fold_in(key, j))(
-        jnp.arange(L)))(typed_keys(keys_BxK[:, d - 1]))
-    rows = lambda x: x.reshape((B * L,) + x.shape[2:])
-    logits_RxV = rows(logits_BxLxV)
-    q_RxV, first_R = draw_draft(loop, rows(uniforms(node_keys_BxL)), logits_RxV)
-    tokens_RxW, q_RxWxV, valid_RxW = first_R[:, None], q_RxV[:, None], jnp.ones((B * L, 1), bool)
-    if width > 1:
-      more = siblings.draw(rows(siblings.keys_apart(node_keys_BxL)), logits_RxV, q_RxV, first_R,
-                           width - 1, greedy=loop.draft_sampling.greedy)
-      tokens_RxW = jnp.concatenate([tokens_RxW, more.tokens_RxA], axis=1)
-      q_RxWxV = jnp.concatenate([q_RxWxV, more.q_RxAxV], axis=1)
-      valid_RxW = jnp.concatenate([valid_RxW, more.valid_RxA], axis=1)
-    mass_RxW = jnp.take_along_axis(q_RxV, tokens_RxW, axis=1)  # q(t) under the parent's law.
-    before_RxW = jnp.cumsum(mass_RxW, axis=1) - mass_RxW
+    tokens_BxLxW, q_BxLxWxV, valid_BxLxW = draw_children(loop, keys_BxK[:, d - 1],
+                                                         logits_BxLxV, width)
+    q_BxLxV = q_BxLxWxV[:, :, 0]  # The first child's law: the parent's.
+    mass_BxLxW = jnp.take_along_axis(q_BxLxV, tokens_BxLxW, axis=2)  # q(t) of each child.
+    before_BxLxW = jnp.cumsum(mass_BxLxW, axis=2) - mass_BxLxW
     log = lambda x: jnp.log(jnp.maximum(x, 0.0))
-    back = lambda x: x.reshape((B, L) + x.shape[1:])
-    return Children(back(tokens_RxW), back(q_RxWxV), back(log(mass_RxW)),
-                    back(log(1.0 - before_RxW)), back(valid_RxW))
+    return Children(tokens_BxLxW, q_BxLxWxV, log(mass_BxLxW), log(1.0 - before_BxLxW),
+                    valid_BxLxW)
 
   return children
 

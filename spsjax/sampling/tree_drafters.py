@@ -4,8 +4,8 @@ children (`models.TokenTree.full`), level by level; or growing each row's own tr
 
 Per loop: the draft's first call feeds the last two committed tokens (as `drafters.ModelDrafter`),
 giving the root's law; each level's children are drawn from their parent's law (the first by
-the loop's draft key, the others without replacement, `siblings.draw`), and the draft model then
-reads the new level in one call on the tree (`models.extend`'s `tree` and `first_node`: each node
+the loop's draft key, the others without replacement, `drafters.draw_children`), and the draft
+model then reads the new level in one call on the tree (`models.extend`'s `tree` and `first_node`: each node
 sees the committed tokens and its ancestors), giving the next level's laws. The deepest level is
 scored by the target but never read by the draft: a loop runs one draft call per level but the
 last, k calls for a tree of depth k, on 1 + sum of the levels' sizes positions.
@@ -32,16 +32,16 @@ import jax
 import jax.numpy as jnp
 
 from spsjax.models import KVCache, Model, TokenTree, extend, kv_cache, prefill
-from spsjax.sampling import dynamic_trees, ngrams, siblings
-from spsjax.sampling.drafters import Committed, Drafter, Proposal, Verdict, draw_draft
-from spsjax.sampling.processors import present_along, typed_keys, uniforms
+from spsjax.sampling import dynamic_trees, ngrams
+from spsjax.sampling.drafters import Committed, Drafter, Proposal, Verdict, draw_children
+from spsjax.sampling.processors import present_along
 
 
 def draft_tree(loop, branching: tuple[int, ...], committed: Committed, keys_BxK,
                root_logits_Bx1xV, read) -> Proposal:
   """A full tree (`TokenTree.full(branching)`) drafted level by level from the root's draft
   logits: each level's children drawn from their parent's law (the first with the loop's draft
-  key of that depth, the others without replacement: `siblings.draw`; a repetition penalty
+  key of that depth, the others without replacement: `drafters.draw_children`; a repetition penalty
   reading the parent's path), then `read(first_child, tokens [B, C])` (every level but the
   deepest) gives the new level's C nodes' logits [B, C, V] (the drafter's model reading them on
   the tree)."""
@@ -57,8 +57,6 @@ def draft_tree(loop, branching: tuple[int, ...], committed: Committed, keys_BxK,
   for d, b in enumerate(branching):
     parents, L = levels[d]
     children = levels[d + 1][0]  # Node parents + j's children: children + j * b .. + b.
-    node_keys_BxL = jax.vmap(lambda key: jax.vmap(lambda j: jax.random.fold_in(key, j))(
-        jnp.arange(L)))(typed_keys(keys_BxK[:, d]))
     rows = lambda x: x.reshape((B * L,) + x.shape[2:])
     present_RxV = None
     if committed.present_BxV is not None:  # The committed tokens and each parent's path's.
@@ -67,22 +65,12 @@ def draft_tree(loop, branching: tuple[int, ...], committed: Committed, keys_BxK,
     if history is not None:  # The n-gram ban and biases after each parent's path.
       logits_BxLxV = ngrams.shift(logits_BxLxV, history.along_tree(
           tokens_BxM[:, 1:], tree)[:, parents:parents + L])
-    q_RxV, first_R = draw_draft(loop, rows(uniforms(node_keys_BxL)), rows(logits_BxLxV),
-                                present_RxV)
-    new_tokens, new_q, new_valid = [first_R[:, None]], [q_RxV[:, None]], [
-        jnp.ones((B * L, 1), bool)]
-    if b > 1:
-      more = siblings.draw(rows(siblings.keys_apart(node_keys_BxL)), rows(logits_BxLxV),
-                           q_RxV, first_R, b - 1, greedy=loop.draft_sampling.greedy)
-      new_tokens.append(more.tokens_RxA)
-      new_q.append(more.q_RxAxV)
-      new_valid.append(more.valid_RxA)
+    tokens_BxLxC, q_BxLxCxV, valid_BxLxC = draw_children(loop, keys_BxK[:, d], logits_BxLxV,
+                                                         b, present_RxV)
     level = slice(children, children + L * b)
-    tokens_BxM = tokens_BxM.at[:, level].set(
-        jnp.concatenate(new_tokens, axis=1).reshape(B, L * b))
-    q_BxMxV = q_BxMxV.at[:, level].set(jnp.concatenate(new_q, axis=1).reshape(B, L * b, V))
-    valid_BxM = valid_BxM.at[:, level].set(
-        jnp.concatenate(new_valid, axis=1).reshape(B, L * b))
+    tokens_BxM = tokens_BxM.at[:, level].set(tokens_BxLxC.reshape(B, L * b))
+    q_BxMxV = q_BxMxV.at[:, level].set(q_BxLxCxV.reshape(B, L * b, V))
+    valid_BxM = valid_BxM.at[:, level].set(valid_BxLxC.reshape(B, L * b))
     if d + 1 < len(branching):
       logits_BxLxV = read(children, tokens_BxM[:, level])
   return Proposal(tokens_BxM[:, 1:], q_BxMxV[:, 1:], jnp.full((B,), len(branching), jnp.int32),
@@ -116,6 +104,16 @@ def check_full_caches(draft: Model) -> None:
   if any(draft.config.window(i) is not None for i in range(draft.config.num_layers)):
     raise ValueError('The tree drafter needs a draft without sliding-window layers (their '
                      'rings do not hold the levels written before).')
+
+
+def _root_logits(draft: Model, cache: KVCache, committed: Committed):
+  """A loop's first draft call: the last two committed tokens at positions c - 2 and c - 1 (the
+  first may be in the cache already), (the root's logits [B, 1, V], the cache)."""
+  B = committed.lengths_B.shape[0]
+  last2_Bx2 = jnp.stack([committed.last(2), committed.last(1)], axis=1)
+  return extend(draft.config, draft.params, cache.with_lengths(committed.lengths_B - 2),
+                last2_Bx2, logits_at_BxL=jnp.ones((B, 1), jnp.int32),
+                counts_B=committed.counts(2))
 
 
 def _prefill(loop, draft: Model, prompts_BxP, prompt_lengths_B, capacity) -> KVCache:
@@ -159,13 +157,8 @@ class TreeDrafter(Drafter):
   def propose(self, loop, draft: Model, cache: KVCache, committed: Committed, keys_BxK):
     tree = self.tree(loop.k)
     levels = tree.levels
-    B = keys_BxK.shape[0]
     base_B = committed.lengths_B - 1
-    cache = cache.with_lengths(committed.lengths_B - 2)
-    last2_Bx2 = jnp.stack([committed.last(2), committed.last(1)], axis=1)
-    logits_BxLxV, cache = extend(draft.config, draft.params, cache, last2_Bx2,
-                                 logits_at_BxL=jnp.ones((B, 1), jnp.int32),
-                                 counts_B=committed.counts(2))
+    logits_BxLxV, cache = _root_logits(draft, cache, committed)
     state = {'cache': cache}
 
     def read(first_child, tokens_BxC):  # The draft reads the new level on the tree.
@@ -238,13 +231,9 @@ class DynamicTreeDrafter(Drafter):
     return _DynamicState(cache, jnp.zeros((B, self.nodes + 1), jnp.int32))
 
   def propose(self, loop, draft: Model, state: _DynamicState, committed: Committed, keys_BxK):
-    B, w = committed.lengths_B.shape[0], self.width
+    w = self.width
     base_B = committed.lengths_B - 1
-    last2_Bx2 = jnp.stack([committed.last(2), committed.last(1)], axis=1)
-    logits_Bx1xV, cache = extend(draft.config, draft.params,
-                                 state.cache.with_lengths(committed.lengths_B - 2), last2_Bx2,
-                                 logits_at_BxL=jnp.ones((B, 1), jnp.int32),
-                                 counts_B=committed.counts(2))
+    logits_Bx1xV, cache = _root_logits(draft, state.cache, committed)
     carry = {'cache': cache}
 
     def read(d, tokens_BxW, parents_BxW, tree):
