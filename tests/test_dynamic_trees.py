@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spsjax.sampling import SamplingConfig, dynamic_trees
+from spsjax.sampling import SamplingConfig, dynamic_trees, ngrams
+from spsjax.sampling.processors import mark_present
 from spsjax.sharding import DEFAULT_RULES
 
 V, R = 11, 97  # Vocabulary; rows of the draft's table of laws.
@@ -112,32 +113,56 @@ def test_sizes_are_checked():
     dynamic_trees.check_sizes(7, 2, 2)
 
 
-def test_sampled_children_keep_a_prefix_of_each_nodes_draws_with_their_laws():
+@pytest.mark.parametrize('in_context', [False, True])
+def test_sampled_children_keep_a_prefix_of_each_nodes_draws_with_their_laws(in_context):
   """A sampled draft (`sampled_children`, temperature 1): each chosen node's law is its parent's
   draft law (looked up by the parent's path, so every chosen node's parent is chosen) without
   the tokens of its chosen earlier siblings, renormalised: each node's chosen children are the
-  first of its draws, in order, and distinct."""
+  first of its draws, in order, and distinct. `in_context`: the parent's law read after the
+  committed tokens and its path (`Context`): every token biased after its predecessor, a token
+  banned, then a repetition penalty on the tokens present."""
   B, width, k, nodes = 4, 3, 3, 7
   table = _table(2)
-  loop = types.SimpleNamespace(draft_sampling=SamplingConfig(), mesh=None, rules=DEFAULT_RULES,
+  sampling = SamplingConfig()
+  committed_BxS = np.asarray([[1, 2, 3], [4, 4, 0], [7, 8, 9], [10, 2, 6]], np.int32)
+  context = None
+  if in_context:
+    sampling = SamplingConfig(repetition_penalty=1.7, sequence_bias=tuple(
+        ((a, (a + 1) % V), 2.0) for a in range(V)) + (((5,), float('-inf')),))
+    lengths_B = jnp.full((B,), committed_BxS.shape[1], jnp.int32)
+    history = ngrams.History.of(sampling, jnp.asarray(committed_BxS), lengths_B, lengths_B, V)
+    present_BxV = mark_present(jnp.zeros((B, V), bool), jnp.asarray(committed_BxS))
+    context = dynamic_trees.Context(sampling, history, present_BxV)
+  loop = types.SimpleNamespace(draft_sampling=sampling, mesh=None, rules=DEFAULT_RULES,
                                native_kernel=False)
   keys_BxK = jax.random.split(jax.random.key(5), (B, k))
   root_logits_BxV = jnp.asarray(table[:B])  # Row b's root law: table row b.
   read, _ = _path_reader(table, B, width)
 
   grown = dynamic_trees.grow(nodes, width, k, root_logits_BxV, read,
-                             dynamic_trees.sampled_children(loop, keys_BxK, width))
+                             dynamic_trees.sampled_children(loop, keys_BxK, width, context))
   parents_BxN, tokens_BxN = np.asarray(grown.trees.parents_BxN), np.asarray(grown.tokens_BxN)
   q_BxNxV = np.asarray(grown.q_BxNxV)
   assert np.all(np.asarray(grown.valid_BxN))
+
+  def law(b, path):  # The draft's law after row b's committed tokens and `path`.
+    logits = np.array(table[_key(path)] if path else table[b], np.float64)
+    if in_context:
+      sequence = list(committed_BxS[b]) + list(path)
+      logits[(sequence[-1] + 1) % V] += 2.0
+      logits[5] = -np.inf
+      for t in set(sequence):
+        logits[t] = logits[t] * 1.7 if logits[t] < 0 else logits[t] / 1.7
+    return np.exp(logits - logits.max())
+
   for b in range(B):
     paths, earlier = {0: ()}, {}
     for i, parent in enumerate(parents_BxN[b], start=1):
       parent = int(parent)
       paths[i] = paths[parent] + (int(tokens_BxN[b, i - 1]),)
-      law = np.exp(table[_key(paths[parent])] if parent else table[b])
-      law[earlier.setdefault(parent, [])] = 0.0
-      np.testing.assert_allclose(q_BxNxV[b, i - 1], law / law.sum(), rtol=1e-5, atol=1e-7,
+      q = law(b, paths[parent])
+      q[earlier.setdefault(parent, [])] = 0.0
+      np.testing.assert_allclose(q_BxNxV[b, i - 1], q / q.sum(), rtol=1e-5, atol=1e-7,
                                  err_msg=f'row {b}, node {i}')
       assert paths[i][-1] not in earlier[parent]
       earlier[parent].append(paths[i][-1])

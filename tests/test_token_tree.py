@@ -368,6 +368,34 @@ def test_greedy_sps_with_trees_and_a_repetition_penalty_is_greedy_ars(pair):
       np.testing.assert_array_equal(sps.num_accepted, 3 * np.asarray(sps.num_loops))
 
 
+@pytest.mark.parametrize('context', ['penalty', 'ngrams_and_bias'])
+def test_dynamic_trees_read_each_nodes_context_as_the_target(pair, context):
+  """A dynamic tree drafted by the target itself under a greedy draft, after a repetition penalty
+  of 3, or under no repeated 2-grams and a sequence bias (each changes ArS's tokens, so the check
+  can fail): each node's law reads the committed tokens and its path as the target's does, so
+  a chain (width 1) proposes the target's choices and every loop accepts k drafts; SpS gives
+  ArS's tokens, also with every candidate of width 2 scored (which need not hold the greedy
+  path: its second level's best two may both lie under the root's second child)."""
+  target, _ = pair
+  prompts, lengths = _ragged(3)
+  if context == 'penalty':
+    sampling, ars = penalised_greedy_ars(target, prompts, lengths, 12)
+  else:
+    sampling = SamplingConfig(temperature=0.0, no_repeat_ngram_size=2,
+                              sequence_bias=(((7,), 2.5), ((3, 9), -4.0)))
+    run = lambda s: autoregressive_sample(target, prompts, lengths, jax.random.key(0),
+                                          max_new_tokens=12, sampling=s)
+    ars = run(sampling)
+    assert not np.array_equal(ars.tokens, run(GREEDY).tokens)
+  k = 3
+  for drafter in (DynamicTreeDrafter(k, 1), DynamicTreeDrafter(2 + (k - 1) * 4, 2)):
+    sps = speculative_sample(target, target, prompts, lengths, jax.random.key(1), k=k,
+                             max_new_tokens=12, sampling=sampling, drafter=drafter)
+    np.testing.assert_array_equal(sps.tokens, ars.tokens, err_msg=f'{drafter}')
+    if drafter.width == 1:
+      np.testing.assert_array_equal(sps.num_accepted, k * np.asarray(sps.num_loops))
+
+
 def test_alternatives_refuse_what_they_do_not_run_with(tiny_pair):
   target, draft = tiny_pair
   call = lambda t=target, **kw: speculative_sample(

@@ -21,8 +21,10 @@ The children, and exactness (`children_for` picks by the loop's draft sampling):
   the priority of every later sibling and every descendant, so whether a child is scored never
   depends on its own token nor on theirs: the recursive rejection at each node sees candidates
   drawn from the laws it is told, and the output law is the target's.
-The drafts ignore the draft sampling's repetition penalty and context rules (the target's
-accept step applies them along each row's paths).
+Each node's children are drawn (or ranked) from its draft law as the loop's draft sampling reads it
+after the committed tokens and the node's path (`Context`): the n-gram ban, sequence biases and
+bans by position shift its logits, a repetition penalty reads the tokens on the path, as the
+target's accept step does along each row's paths.
 
 Sizes: w candidates at depth 1 and w^2 at each deeper one, C = w + (k - 1) w^2 in all, N <= C;
 the drafter's own tree of expanded nodes (`expansion_tree`) has 1 + (k - 1) w nodes, level d's
@@ -35,7 +37,9 @@ import jax
 import jax.numpy as jnp
 
 from spsjax.models import RowTrees, TokenTree
-from spsjax.sampling.drafters import Proposal, draw_children
+from spsjax.sampling import ngrams
+from spsjax.sampling.drafters import Committed, Proposal, draw_children
+from spsjax.sampling.processors import SamplingConfig, penalise, present_along
 
 
 class Grown(NamedTuple):
@@ -83,6 +87,47 @@ def expansion_tree(parents_BxL: list[jax.Array], k: int, width: int) -> RowTrees
   return RowTrees.of(jnp.concatenate(levels, axis=1), max(k - 1, 1), width)
 
 
+class Parents(NamedTuple):
+  """The L nodes whose children a call of `children` draws, in the drafter's own tree: the root
+  (`tree` None), or the w expanded nodes of a level from node `first` on (node n's token at
+  tokens_BxE[:, n - 1]; `tree` the `expansion_tree` that holds them)."""
+  tokens_BxE: jax.Array | None = None
+  tree: RowTrees | None = None
+  first: int = 0
+
+
+class Context(NamedTuple):
+  """What the loop's draft sampling reads beside a node's logits: the committed tokens' history
+  (n-gram ban, sequence biases, bans by position: `ngrams.History`) and the tokens present
+  (a repetition penalty), each along the node's path (`read`)."""
+  sampling: SamplingConfig  # The loop's draft sampling.
+  history: ngrams.History | None
+  present_BxV: jax.Array | None
+
+  @classmethod
+  def of(cls, loop, committed: Committed) -> 'Context | None':
+    """The context of a loop's committed tokens; None where the draft sampling reads none."""
+    history = committed.history(loop.draft_sampling)
+    if history is None and committed.present_BxV is None:
+      return None
+    return cls(loop.draft_sampling, history, committed.present_BxV)
+
+  def read(self, logits_BxLxV, parents: Parents) -> tuple[jax.Array, jax.Array | None]:
+    """(the parents' logits shifted by the history after each one's path, the tokens present
+    after it [B, L, V] or None without a penalty)."""
+    L = logits_BxLxV.shape[1]
+    if parents.tree is None:  # The root: after the committed tokens.
+      offsets_BxLxV = None if self.history is None else self.history.after()[:, None]
+      present_BxLxV = None if self.present_BxV is None else self.present_BxV[:, None]
+    else:
+      nodes = slice(parents.first, parents.first + L)
+      offsets_BxLxV = None if self.history is None else self.history.along_tree(
+          parents.tokens_BxE, parents.tree)[:, nodes]
+      present_BxLxV = None if self.present_BxV is None else present_along(
+          self.present_BxV, parents.tokens_BxE, parents.tree.ancestors[:, nodes, 1:])
+    return ngrams.shift(logits_BxLxV, offsets_BxLxV), present_BxLxV
+
+
 class Children(NamedTuple):
   """w children of each of L nodes (`top_children`, `sampled_children`)."""
   tokens_BxLxW: jax.Array
@@ -92,12 +137,17 @@ class Children(NamedTuple):
   valid_BxLxW: jax.Array
 
 
-def top_children(width: int):
-  """(d, logits [B, L, V]) -> `Children`: each node's w top tokens under the draft's softmax at
-  temperature 1, point masses; a child's priority its value (EAGLE-2's rule)."""
+def top_children(width: int, context: Context | None = None):
+  """(d, logits [B, L, V], `Parents`) -> `Children`: each node's w top tokens under the draft's
+  softmax at temperature 1 (its logits read in `context`, a repetition penalty included),
+  point masses; a child's priority its value (EAGLE-2's rule)."""
 
-  def children(d: int, logits_BxLxV) -> Children:
+  def children(d: int, logits_BxLxV, parents: Parents = Parents()) -> Children:
     del d
+    if context is not None:
+      logits_BxLxV, present_BxLxV = context.read(logits_BxLxV, parents)
+      if present_BxLxV is not None:
+        logits_BxLxV = penalise(logits_BxLxV, context.sampling.without_context(), present_BxLxV)
     log_q_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
     log_q_BxLxW, tokens_BxLxW = jax.lax.top_k(log_q_BxLxV, width)
     return Children(tokens_BxLxW, None, log_q_BxLxW, log_q_BxLxW, jnp.isfinite(log_q_BxLxW))
@@ -105,17 +155,23 @@ def top_children(width: int):
   return children
 
 
-def sampled_children(loop, keys_BxK, width: int):
-  """(d, logits [B, L, V]) -> `Children`: each node's first child drawn from the draft's law q
-  (the loop's draft sampling, depth d's key of the row, one stream per node), then w - 1 more
-  without replacement (`drafters.draw_children`), each with its law. A child's value step is log q(t); its
-  priority step log(1 - q(earlier siblings)), the parent's mass left before it: a child's
+def sampled_children(loop, keys_BxK, width: int, context: Context | None = None):
+  """(d, logits [B, L, V], `Parents`) -> `Children`: each node's first child drawn from the
+  draft's law q (the loop's draft sampling, its logits read in `context`; depth d's key of the
+  row, one stream per node), then w - 1 more without replacement (`drafters.draw_children`),
+  each with its law. A child's value step is log q(t); its priority step
+  log(1 - q(earlier siblings)), the parent's mass left before it: a child's
   priority is then at least any later sibling's and any descendant's, so whether it is scored
   depends on neither its own token nor theirs, which keeps the tree exact."""
 
-  def children(d: int, logits_BxLxV) -> Children:
+  def children(d: int, logits_BxLxV, parents: Parents = Parents()) -> Children:
+    present_RxV = None
+    if context is not None:
+      logits_BxLxV, present_BxLxV = context.read(logits_BxLxV, parents)
+      if present_BxLxV is not None:
+        present_RxV = present_BxLxV.reshape((-1,) + present_BxLxV.shape[2:])
     tokens_BxLxW, q_BxLxWxV, valid_BxLxW = draw_children(loop, keys_BxK[:, d - 1],
-                                                         logits_BxLxV, width)
+                                                         logits_BxLxV, width, present_RxV)
     q_BxLxV = q_BxLxWxV[:, :, 0]  # The first child's law: the parent's.
     mass_BxLxW = jnp.take_along_axis(q_BxLxV, tokens_BxLxW, axis=2)  # q(t) of each child.
     before_BxLxW = jnp.cumsum(mass_BxLxW, axis=2) - mass_BxLxW
@@ -126,20 +182,21 @@ def sampled_children(loop, keys_BxK, width: int):
   return children
 
 
-def children_for(loop, keys_BxK, width: int):
-  """The children for the loop's draft sampling: `top_children` for a greedy draft, else
-  `sampled_children` (the module docstring)."""
+def children_for(loop, keys_BxK, width: int, committed: Committed):
+  """The children for the loop's draft sampling after the `committed` tokens: `top_children` for
+  a greedy draft, else `sampled_children` (the module docstring), in their `Context`."""
+  context = Context.of(loop, committed)
   if loop.draft_sampling.greedy:
-    return top_children(width)
-  return sampled_children(loop, keys_BxK, width)
+    return top_children(width, context)
+  return sampled_children(loop, keys_BxK, width, context)
 
 
 def grow(nodes: int, width: int, k: int, root_logits_BxV, read, children=None) -> Grown:
   """The dynamic tree from the root's draft logits [B, V] (module docstring). `read(d,
   tokens [B, w], parents [B, w], tree)`: the drafter reads level d's expanded nodes (d = 1 ..
   k - 1; `parents` index the level before, `tree` the `expansion_tree` so far) and returns their
-  draft logits [B, w, V]. `children(d, logits [B, L, V])`: the w children of each of L nodes of
-  depth d - 1 (default `top_children`: point masses).
+  draft logits [B, w, V]. `children(d, logits [B, L, V], Parents)`: the w children of each of L
+  nodes of depth d - 1 (default `top_children`: point masses).
 
   A candidate's value is its parent's plus log q(t); its priority, which chooses the N scored,
   its parent's value plus `log_rest`: with point masses its value, with sampled children the log
@@ -149,14 +206,14 @@ def grow(nodes: int, width: int, k: int, root_logits_BxV, read, children=None) -
   B = root_logits_BxV.shape[0]
   # Candidates of each depth, in creation order: tokens, laws, values, priorities, validity and
   # parents' candidate ids (-1: the root).
-  first_level = children(1, root_logits_BxV[:, None])
+  first_level = children(1, root_logits_BxV[:, None], Parents())
   flat = lambda x: x.reshape((B, -1) + x.shape[3:])
   tokens, values = [flat(first_level.tokens_BxLxW)], [flat(first_level.log_q_BxLxW)]
   priorities, valid = [flat(first_level.log_rest_BxLxW)], [flat(first_level.valid_BxLxW)]
   laws = [None if first_level.q_BxLxWxV is None else flat(first_level.q_BxLxWxV)]
   parents = [jnp.full((B, width), -1, jnp.int32)]
   first = 0  # The candidate id of the newest depth's first.
-  expanded_parents, expanded_ids = [], []
+  expanded_parents, expanded_ids, expanded_tokens = [], [], []
   for d in range(1, k):
     # Level d: the newest depth's w best candidates by value.
     best_values_BxW, best_BxW = jax.lax.top_k(values[-1], width)
@@ -164,9 +221,12 @@ def grow(nodes: int, width: int, k: int, root_logits_BxV, read, children=None) -
     best_priorities_BxW = jnp.take_along_axis(priorities[-1], best_BxW, axis=1)
     expanded_parents.append(best_BxW // width if d > 1 else jnp.zeros_like(best_BxW))
     expanded_ids.append(first + best_BxW)
-    logits_BxWxV = read(d, best_tokens_BxW, expanded_parents[-1],
-                        expansion_tree(expanded_parents, k, width))
-    level = children(d + 1, logits_BxWxV)
+    expanded_tokens.append(best_tokens_BxW)
+    tree = expansion_tree(expanded_parents, k, width)
+    logits_BxWxV = read(d, best_tokens_BxW, expanded_parents[-1], tree)
+    tokens_BxE = jnp.pad(jnp.concatenate(expanded_tokens, axis=1),
+                         ((0, 0), (0, (k - 1 - d) * width)))  # Levels not read yet: 0.
+    level = children(d + 1, logits_BxWxV, Parents(tokens_BxE, tree, 1 + (d - 1) * width))
     tokens.append(flat(level.tokens_BxLxW))
     values.append(flat(best_values_BxW[:, :, None] + level.log_q_BxLxW))
     # Never above the parent's (float rounding aside it is not): the N chosen hold their parents.

@@ -335,7 +335,7 @@ class FeatureDynamicDrafter(FeatureDrafter):
       return logits_BxWxV
 
     grown = dynamic_trees.grow(self.nodes, w, loop.k, logits_Bx1xV[:, 0], read,
-                               dynamic_trees.children_for(loop, keys_BxK, w))
+                               dynamic_trees.children_for(loop, keys_BxK, w, committed))
     proposal = dynamic_trees.proposal(grown, committed.vocab_size, loop.k)
     cache = kv_cache.constrain(carry['cache'].with_lengths(committed.lengths_B - 1), loop.mesh,
                                loop.rules)

@@ -192,8 +192,9 @@ class _DynamicState:
 class DynamicTreeDrafter(Drafter):
   """The draft model growing each row's own tree (`dynamic_trees`: `nodes` N scored, k its depth
   bound, `width` w candidates per expanded node and expanded nodes per level; under a greedy
-  draft its top tokens as point masses, else drawn: `dynamic_trees.children_for`). Per loop: the two-token call gives the root's law (as `TreeDrafter`), then each
-  level's w expanded nodes are read in one call on the draft's own tree
+  draft its top tokens as point masses, else drawn: `dynamic_trees.children_for`, each node's
+  law read after its path). Per loop: the two-token call gives the root's law (as
+  `TreeDrafter`), then each level's w expanded nodes are read in one call on the draft's own tree
   (`dynamic_trees.expansion_tree`), its node n at slot base + n (base = c_b - 1). Its capacity
   has (k - 1) w more slots for them. After the accept step the accepted path's nodes the draft
   read (all but the last, which may not have been) move to the slots of their positions: the
@@ -244,7 +245,7 @@ class DynamicTreeDrafter(Drafter):
       return logits_BxWxV
 
     grown = dynamic_trees.grow(self.nodes, w, loop.k, logits_Bx1xV[:, 0], read,
-                               dynamic_trees.children_for(loop, keys_BxK, w))
+                               dynamic_trees.children_for(loop, keys_BxK, w, committed))
     cache = kv_cache.constrain(carry['cache'].with_lengths(base_B), loop.mesh, loop.rules)
     return (dynamic_trees.proposal(grown, committed.vocab_size, loop.k),
             _DynamicState(cache, grown.expanded_BxNp1))
