@@ -17,6 +17,10 @@ Arguments:
     share its embedding and output layer; they train on the KL to the target's next-token law
     plus `feature_weight` (default 0.1) times a regression to its features (`train.head_losses`);
     `hass=N` adds N runs on the head's own predicted features (HASS-style; feature only).
+    `taps=1+3+6` (feature only): the head reads the target's residual stream at those depths
+    (i < layers: layer i's input; the number of layers: its last output), projected together
+    (EAGLE-3's multi-layer features; `TransformerConfig.feature_taps`); train it with `hass=1`
+    or more, as it reads its own predictions when drafting (EAGLE-3's training-time test).
   distill: 0 trains on the language-model loss; a value in (0, 1] is the weight of distillation
     from the family's trained target (DistillSpec), the rest the LM loss.
   divergence: forward_kl (KL(p_target || q_draft), the default) | reverse_kl | tv (total
@@ -70,11 +74,28 @@ _SIZES = {
 }
 
 
+def _taps(text: str, model: str, target_layers: int) -> tuple[int, ...]:
+  """`taps=1+3+6` as increasing residual-stream indices of the target (ValueError otherwise)."""
+  if not text:
+    return ()
+  if model != 'feature':
+    raise ValueError(f'taps are what an EAGLE head (model=feature) reads; got model={model}.')
+  try:
+    taps = tuple(int(t) for t in text.split('+'))
+  except ValueError:
+    taps = ()
+  if not taps or list(taps) != sorted(set(taps)) or not 0 <= taps[0] <= taps[-1] <= target_layers:
+    raise ValueError(f'taps={text}: want increasing indices in 0 .. {target_layers} (the '
+                     f'target\'s layers; {target_layers} its last output) joined by +, e.g. '
+                     f'1+{target_layers // 2}+{target_layers}.')
+  return taps
+
+
 def get_config(arg=None):
   a = parse_arg(arg, size='tiny', model='target', distill=0.0, root='', steps=0, seed=0,
                 data=1, model_axis=1, runlocal=False, divergence='forward_kl',
                 distill_data='corpus', prompt_len=32, distill_rows=0, name='', head_layers=0,
-                hass=0, feature_weight=0.1)
+                hass=0, feature_weight=0.1, taps='')
   if a.size not in _SIZES:
     raise ValueError(f'size must be one of {sorted(_SIZES)}, got {a.size!r}.')
   if a.model not in _PRESET and a.model not in _HEADS:
@@ -85,15 +106,17 @@ def get_config(arg=None):
                      f'transformer drafts.')
   size = _SIZES[a.size]
   c = ml_collections.ConfigDict()
+  taps = _taps(a.taps, a.model, presets.get(f'{a.size}_target')['num_layers'])
   if head:  # The target's shape, its number of layers the head's blocks (or heads).
-    c.model = dict(presets.get(f'{a.size}_target'), num_layers=a.head_layers or _HEADS[a.model])
+    c.model = dict(presets.get(f'{a.size}_target'), num_layers=a.head_layers or _HEADS[a.model],
+                   feature_taps=taps)
   else:
     c.model = presets.get(f'{a.size}_{_PRESET[a.model]}')
   c.root = a.root or f'checkpoints/{a.size}' + ('_runlocal' if a.runlocal else '')
   c.name = a.model
-  if head:  # e.g. feature_hass1, heads_4.
+  if head:  # e.g. feature_hass1, heads_4, feature_taps1-3-6_hass1.
     c.name += (f'_{c.model["num_layers"]}' if a.head_layers else '') + (
-        f'_hass{a.hass}' if a.hass else '')
+        f'_taps{"-".join(map(str, taps))}' if taps else '') + (f'_hass{a.hass}' if a.hass else '')
   if a.distill > 0:
     c.name += '_distill' + ''.join(
         f'_{v}' for v, default in ((a.divergence, 'forward_kl'), (a.distill_data, 'corpus'))

@@ -28,9 +28,16 @@ def _padded_forward(fn, model: models.Model, seq) -> np.ndarray:
   return np.asarray(_forward(fn, model.config, model.params, jnp.asarray(tokens)))[0, :len(seq)]
 
 
-def features(model: models.Model, seq) -> np.ndarray:
-  """[len(seq), D]: `models.features` of the tokens `seq`."""
-  return _padded_forward(models.features, model, seq)
+def features(model: models.Model, seq, taps=True) -> np.ndarray:
+  """[len(seq), D]: `models.features` of the tokens `seq` (at `taps`: [len(seq), n D])."""
+  return _padded_forward(models.features if taps is True else _features_at(tuple(taps)), model,
+                         seq)
+
+
+@functools.lru_cache(maxsize=None)
+def _features_at(taps):
+  """`models.features` at `taps`, one function per taps (one compiled program each)."""
+  return lambda config, params, tokens_BxT: models.features(config, params, tokens_BxT, taps)
 
 
 def logits(model: models.Model, seq) -> np.ndarray:

@@ -257,11 +257,20 @@ def test_evaluate_measures_alpha_along_the_target_s_samples(family):
   assert 'held-out' not in run.stdout
 
 
+def test_train_config_names_a_heads_taps_and_refuses_bad_ones():
+  config = _config_module('train')
+  taps = config.get_config('size=demo,model=feature,taps=1+3+6,hass=1')
+  assert taps.name == 'feature_taps1-3-6_hass1' and tuple(taps.model.feature_taps) == (1, 3, 6)
+  assert tuple(config.get_config('size=demo,model=feature').model.feature_taps) == ()
+  for arg, message in (('model=heads,taps=1+2', 'model=feature'),
+                       ('model=feature,taps=3+1', '0 .. 6'), ('model=feature,taps=1+7', '0 .. 6'),
+                       ('model=feature,taps=x', '0 .. 6')):
+    with pytest.raises(ValueError, match=message):
+      config.get_config('size=demo,' + arg)
+
+
 def test_speedup_table_title_says_what_the_demo_is():
-  spec = importlib.util.spec_from_file_location('speedup_config',
-                                                os.path.join(_REPO, 'configs', 'speedup.py'))
-  config = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(config)
+  config = _config_module('speedup')
   demo = config.get_config('root=checkpoints/demo,draft=draft_wide_distill,demo')
   title = demo.title.format(**demo)  # As experiments/speedup_table.py writes it.
   assert title.startswith('# Table 1 (Chen et al., 2023): ArS vs SpS, checkpoints/demo/target '
@@ -360,11 +369,7 @@ def test_binaries_take_hugging_face_directories():
   assert run.stdout.count('--- row ') == 2 and 'acceptance rate' in run.stdout
   # The sweep binary loads through the same `load.load_family` (run end to end above on our
   # own checkpoints): here, that its config names the directories.
-  spec = importlib.util.spec_from_file_location('sweep_config',
-                                                os.path.join(_REPO, 'configs', 'sweep.py'))
-  config = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(config)
-  c = config.get_config(f'hf_target={target},hf_draft={draft},sweep=draft')
+  c = _config_module('sweep').get_config(f'hf_target={target},hf_draft={draft},sweep=draft')
   assert c.target == target and [p['draft'] for p in c.points] == [draft]
   assert c.results == 'results/sweep_draft_llama_gqa'
 

@@ -41,10 +41,14 @@ def _drafter(kind: str, variant, k: int):
   return dataclasses.replace(DRAFTERS[kind], alternatives=variant)
 
 
+TAPS = (0, 1, 2)  # An EAGLE-3 head's taps of the 2-layer targets: embedding, middle, last output.
+
+
 def _head(target: models.Model, kind: str, layers: int, seed: int,
-          scale: float = 1.0) -> models.Model:
-  """A random head for `target`, its fused input scaled (sharper, less uniform drafts)."""
-  config = feature_head.head_config(target.config, layers)
+          scale: float = 1.0, taps: tuple[int, ...] = ()) -> models.Model:
+  """A random head for `target` (reading its residual stream at `taps`, EAGLE-3's), its fused
+  input scaled (sharper, less uniform drafts)."""
+  config = feature_head.head_config(target.config, layers, taps)
   params = feature_head.init_head(kind, config, jax.random.key(seed))
   fuse = dict(params['fuse'], fuse=params['fuse']['fuse'] * scale)
   return models.Model(config, dict(params, fuse=fuse))
@@ -64,15 +68,18 @@ def _ragged(seed, batch=5, width=7, vocab=48):
   return prompts, lengths
 
 
-@pytest.mark.parametrize('packed', [False, 'float32', 'int8'])
-def test_cached_head_equals_its_full_forward(pair48, packed):
+@pytest.mark.parametrize('packed,taps', [(False, ()), ('float32', ()), ('int8', ()),
+                                          (False, TAPS), ('float32', TAPS)])
+def test_cached_head_equals_its_full_forward(pair48, packed, taps):
   """`extend_head` in two calls at ragged offsets == `feature_head_forward` over the whole
   sequence, with the target packed for the native kernels or not (the head reads its embedding
   and output layer either way). A head packed in int8 beside its target drafts through its own
   int8 copy of the target's output layer: the reference is the XLA head with its quantized
-  weights over a target whose output layer is that copy."""
+  weights over a target whose output layer is that copy. A head of `taps` reads the target's
+  taps side by side, or its own predictions (a third call, against the full forward over its
+  stream, `feature_head.stream`, then those)."""
   target = models.for_decoding(pair48) if packed else pair48
-  head = _head(pair48, 'feature', 2, 1)
+  head = _head(pair48, 'feature', 2, 1, taps=taps)
   head_run = models.for_decoding(head, packed, target) if packed else head
   assert models.is_packed(head_run) == bool(packed)
   assert ('output' in head_run.params) == (packed == 'int8')
@@ -88,18 +95,25 @@ def test_cached_head_equals_its_full_forward(pair48, packed):
     assert not np.allclose(native.unpack(copy), pair48.params['embedding'].T, atol=1e-4)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, 48, size=(3, 9)), jnp.int32)
-  features = jnp.asarray(rng.normal(size=(3, 9, 32)), jnp.float32)
+  features = jnp.asarray(rng.normal(size=(3, 9, 32 * max(len(taps), 1))), jnp.float32)
   want_logits, want_features = _head_forward(ref_head, ref_target, features, tokens)
-  cache = models.init_cache(head.config, 3, 12)
+  cache = models.init_cache(head.config, 3, 14)
   extend_head = jax.jit(feature_head.extend_head)
   _, got_a, cache = extend_head(head_run, target, cache, features[:, :4], tokens[:, :4])
-  got_logits, got_b, _ = extend_head(
+  got_logits, got_b, cache = extend_head(
       head_run, target, cache, features[:, 4:], tokens[:, 4:],
       logits_at_BxL=jnp.array([[0, 4]] * 3, jnp.int32))
   np.testing.assert_allclose(np.concatenate([got_a, got_b], 1), want_features, rtol=2e-4,
                              atol=2e-4)
   np.testing.assert_allclose(got_logits, np.asarray(want_logits)[:, [4, 8]], rtol=2e-4,
                              atol=2e-4)
+  if taps:  # Two more pairs, of its own predictions.
+    stream = np.concatenate([feature_head.stream(ref_head, features), got_b[:, -2:]], axis=1)
+    more = tokens[:, -2:]
+    _, want_more = _head_forward(ref_head, ref_target, jnp.asarray(stream),
+                                 jnp.concatenate([tokens, more], axis=1))
+    _, got_c, _ = extend_head(head_run, target, cache, got_b[:, -2:], more)
+    np.testing.assert_allclose(got_c, want_more[:, 9:], rtol=2e-4, atol=2e-4)
 
 
 _head_forward = jax.jit(feature_head.feature_head_forward)
@@ -120,10 +134,15 @@ def _reference_laws(target, head, kind, seq, k, sampling):
   over the target's true features: the EAGLE head's first two (the second after the first draft,
   with the head's own prediction at the last position as one more pair), or all k parallel
   heads'. Returns, for the EAGLE head, a function of the drafts before a slot (one or more) giving
-  that slot's law (the head fed its own prediction and the draft at each)."""
-  features_CxD = forwards.features(target, seq)
+  that slot's law (the head fed its own prediction and the draft at each). A repetition penalty
+  reads `seq` (and, after drafts, them too)."""
+  features_CxD = forwards.features(target, seq, feature_head.reads(head))
   c = len(seq)
-  law = lambda logits_1xV: np.asarray(probabilities(logits_1xV, sampling))[0]
+
+  def law(logits_1xV, drafts=()):
+    present_1xV = np.zeros(logits_1xV.shape, bool)
+    present_1xV[0, list(seq) + list(drafts)] = True
+    return np.asarray(probabilities(logits_1xV, sampling, present_xV=jnp.asarray(present_1xV)))[0]
   if kind == 'heads':
     logits, _ = feature_head.parallel_heads(head, target, jnp.asarray(features_CxD[None, c - 2]),
                                             jnp.asarray(seq[-1:], jnp.int32), num=k)
@@ -131,21 +150,23 @@ def _reference_laws(target, head, kind, seq, k, sampling):
   logits, predicted = _head_forward(head, target, _padded(features_CxD[:c - 1]),
                                     _padded(seq[1:].astype(np.int32)))
 
-  def after(*drafts):
-    pairs, tokens, predicted_ = features_CxD[:c - 1], seq[1:], np.asarray(predicted)[0]
+  def after(*drafts):  # The head's stream (a taps head's taps projected), then its own.
+    pairs = np.asarray(feature_head.stream(head, jnp.asarray(features_CxD[None, :c - 1])))[0]
+    tokens, predicted_ = seq[1:], np.asarray(predicted)[0]
     for i, draft in enumerate(drafts):  # Pair c - 2 + i + 1: the last prediction, the draft.
       pairs = np.concatenate([pairs, predicted_[c - 2 + i:c - 1 + i]])
       tokens = np.append(tokens, draft).astype(np.int32)
       logits_, predicted_ = _head_forward(head, target, _padded(pairs), _padded(tokens))
       predicted_ = np.asarray(predicted_)[0]
-    return law(logits_[:, c - 2 + len(drafts)])
+    return law(logits_[:, c - 2 + len(drafts)], drafts)
 
   return law(logits[:, c - 2]), after
 
 
 @pytest.mark.parametrize('kind,packed,variant', [
     ('feature', False, 0), ('feature', True, 0), ('heads', True, 0), ('feature', True, 2),
-    ('heads', False, 2), ('feature', True, 'tree'), ('heads', True, 'tree')])
+    ('heads', False, 2), ('feature', True, 'tree'), ('heads', True, 'tree'),
+    ('feature', True, 'penalty'), ('feature', False, 'taps'), ('feature', True, 'taps')])
 def test_each_loops_drafts_come_from_the_head_on_the_targets_features(pair48, kind, packed,
                                                                       variant):
   """Stepping the loop (ragged prompts, 3 loops, k = 3): before each loop, the proposal's laws
@@ -155,11 +176,17 @@ def test_each_loops_drafts_come_from_the_head_on_the_targets_features(pair48, ki
   alternatives the chain's slots are the tree's first nodes, and after a loop that accepted an
   alternative the head reads the features of the accepted path's nodes; the EAGLE head drafting
   a tree (2, 2, 1): node 1 from the root's law, node 3 from node 1's (read on the tree); the
-  parallel heads drafting it: every node at depth d from head d's law."""
+  parallel heads drafting it: every node at depth d from head d's law. 'penalty': the chain
+  after a repetition penalty of 1.8, each slot's law reading the committed tokens and the
+  drafts before it as present. 'taps': the chain of an EAGLE-3 head reading the target's taps."""
   target = models.for_decoding(pair48) if packed else pair48
-  head = _head(pair48, kind, 1 if kind == 'feature' else 3, 2, scale=3.0)
+  head = _head(pair48, kind, 1 if kind == 'feature' else 3, 2, scale=3.0,
+               taps=TAPS if variant == 'taps' else ())
   head_run = models.for_decoding(head) if packed else head
   k, sampling = 3, SamplingConfig(temperature=0.8)
+  if variant == 'penalty':
+    sampling, variant = dataclasses.replace(sampling, repetition_penalty=1.8), 0
+  variant = 0 if variant == 'taps' else variant
   drafter = _drafter(kind, variant, k)
   # Slot 1's law after draft 0; in the tree (2, 2, 1), node 3 (slot 2) after node 1 and nodes
   # 7 .. 10 (slots 6 .. 9) after their grandparent (1, 1, 2, 2) and parent (3, 4, 5, 6).
@@ -173,7 +200,7 @@ def test_each_loops_drafts_come_from_the_head_on_the_targets_features(pair48, ki
       loop, drafter.bind(target, head), state, committed, keys))
   for _ in range(3):
     committed = drafters.Committed(args[2], args[3], state.tokens_BxW, state.num_generated_B,
-                                   48, ~state.done_B)
+                                   48, ~state.done_B, state.present_BxV)
     keys = jax.random.split(jax.random.key(5), (len(lengths), k))
     proposal, _ = propose(target, head_run, state.draft_state, committed, keys)
     q = np.asarray(proposal.q_BxKxV)
@@ -256,17 +283,20 @@ def tiny_target():
     ('feature', 'temperature_1', 2, True, 2), ('heads', 'top_p_0.8', 2, True, 1),
     ('feature', 'top_p_0.8', 2, True, 'tree'), ('heads', 'temperature_1', 2, True, 'tree'),
     ('feature', 'temperature_1', 2, True, 'dynamic'), ('feature', 'top_p_0.8', 3, False,
-                                                       'dynamic')])
+                                                       'dynamic'),
+    ('feature', 'top_p_0.8', 2, True, 'taps')])
 def test_output_law_is_target_law(tiny_target, kind, setting, k, packed, variant):
   """5 tokens per row after two prompts of different lengths interleaved in one batch (rows accept
   different numbers of drafts in the same loops; the law covers the bonus token and a second
   loop), against each prompt's enumerated joint law of the target; with alternatives, or the heads
   drafting a tree (2, 2), a tree of drafts; the EAGLE head growing each row's own tree (point
-  masses). Power: 50,000 rows per prompt detect at 80% any law
-  within total variation 0.035 (temperature 1) or 0.028 (top-p 0.8) of the target's
-  (`stats.detectable_tv`)."""
+  masses); an EAGLE-3 head (reading the target's taps) drafting a chain. Power: 50,000 rows per
+  prompt detect at 80% any law within total variation 0.035 (temperature 1) or 0.028 (top-p
+  0.8) of the target's (`stats.detectable_tv`)."""
   sampling = {'temperature_1': SamplingConfig(), 'top_p_0.8': SamplingConfig(top_p=0.8)}[setting]
-  head = _head(tiny_target, kind, 1 if kind == 'feature' else 3, 4, scale=2.0)
+  head = _head(tiny_target, kind, 1 if kind == 'feature' else 3, 4, scale=2.0,
+               taps=TAPS if variant == 'taps' else ())
+  variant = 0 if variant == 'taps' else variant
   target, head = tiny_target, head
   if packed:  # The head in w8a8 (the drafts' default), through its own copy of the output layer.
     target = models.for_decoding(tiny_target)
@@ -287,7 +317,7 @@ def test_greedy_sps_equals_greedy_ars(tiny_target, kind, k):
   drafts accepted (the small vocabulary makes a random head's argmax often right); with 2
   alternatives beside each draft (the head's next best) too, and drafting a tree (the heads': the
   Cartesian tree of their top tokens), in fewer loops than the chain; and the EAGLE head growing
-  each row's own tree."""
+  each row's own tree; an EAGLE-3 head (the target's taps) too, its chain and its tree."""
   head = _head(tiny_target, kind, 1 if kind == 'feature' else 4, 6, scale=2.0)
   prompts, lengths = _ragged(k, batch=8, width=4, vocab=V_SMALL)
   ars = autoregressive_sample(tiny_target, prompts, lengths, jax.random.key(0),
@@ -303,6 +333,19 @@ def test_greedy_sps_equals_greedy_ars(tiny_target, kind, k):
     assert int(np.sum(sps.num_accepted)) > 0
     loops[variant] = int(np.sum(sps.num_loops))
   assert all(loops[v] < loops[0] for v in loops if v not in (0, 'dynamic')), loops
+  if kind == 'feature':
+    # Its taps' product on the last output alone: the EAGLE head's drafts, which are accepted.
+    head3 = _head(tiny_target, kind, 1, 6, scale=2.0, taps=TAPS)
+    D = tiny_target.config.d_model
+    last_only = jnp.zeros((len(TAPS), D, D)).at[-1].set(jnp.eye(D))
+    head3 = models.Model(head3.config, dict(head3.params, taps=dict(head3.params['taps'],
+                                                                     taps=last_only)))
+    for variant in (0, 'tree') if k > 1 else (0,):
+      sps = speculative_sample(
+          tiny_target, head3, prompts, lengths, jax.random.key(1), k=k, max_new_tokens=8,
+          sampling=GREEDY, eos_id=6, drafter=_drafter(kind, variant, k))
+      np.testing.assert_array_equal(sps.tokens, ars.tokens, err_msg=f'taps {variant}')
+      assert int(np.sum(sps.num_accepted)) > 0
 
 
 @pytest.mark.parametrize('kind', ['feature', 'heads'])

@@ -276,7 +276,7 @@ def test_greedy_sps_equals_greedy_ars_with_a_repetition_penalty(pair):
   """Greedy with a penalty of 3: the argmax reads each row's prompt and generated tokens (and in
   SpS the drafts before each slot); the penalty changes the tokens (so the check can fail). A
   model drafter applies the penalty as the target does: with draft == target every draft is
-  accepted; a head drafts without it."""
+  accepted (a head's laws under it: `test_feature_drafters`)."""
   target, draft = pair
   prompts, lengths = _ragged(3)
   penalised, ars = penalised_greedy_ars(target, prompts, lengths, 20)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from spsjax import models
+from spsjax.models import transformer
 from spsjax.sampling import SamplingConfig, drafters, speculative
 from tests import forwards
 
@@ -45,6 +46,35 @@ def test_extend_with_features_is_extend_plus_the_full_forwards_hidden_states(pai
   np.testing.assert_array_equal(np.asarray(logits), np.asarray(plain_logits))
   np.testing.assert_array_equal(np.asarray(cache_f.k), np.asarray(plain_cache.k))
   np.testing.assert_allclose(np.asarray(features), want[:, 4:], rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize('packed', [False, True])
+def test_taps_are_the_residual_stream_at_those_depths(pair, packed):
+  """Taps (0, 1, 2) of a 2-layer target, side by side: its embedding, the first layer's output
+  (a 1-layer copy's last output) and its last output, from an uncached forward and from a
+  cached call after a prefill (packed or not); a tap past the last layer is refused."""
+  target, config = pair[0], pair[0].config
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 48, size=(3, 9)), jnp.int32)
+  one = dataclasses.replace(config, num_layers=1)
+  want = np.concatenate([
+      np.asarray(transformer.embed(config, target.params['embedding'], tokens)),
+      np.asarray(models.features(one, models.truncated_params(config, target.params, one),
+                                 tokens)),
+      np.asarray(models.features(config, target.params, tokens))], axis=-1)
+  np.testing.assert_allclose(models.features(config, target.params, tokens, (0, 1, 2)), want,
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(models.features(config, target.params, tokens, (1,)),
+                             want[..., 32:64], rtol=1e-5, atol=1e-5)
+  run = models.for_decoding(target) if packed else target
+  _, features_BxPxF, cache = models.prefill(run.config, run.params, tokens[:, :4],
+                                            jnp.full((3,), 4, jnp.int32), 16,
+                                            with_features=(0, 1, 2))
+  _, features_BxTxF, _ = models.extend_with_features(run.config, run.params, cache,
+                                                     tokens[:, 4:], taps=(0, 1, 2))
+  np.testing.assert_allclose(np.concatenate([features_BxPxF, features_BxTxF], axis=1), want,
+                             rtol=2e-4, atol=2e-4)
+  with pytest.raises(ValueError, match='Feature taps'):
+    models.features(config, target.params, tokens, (1, 3))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -375,25 +375,29 @@ def test_a_draft_can_start_from_the_teachers_first_layers(finished, tmp_path):
     run(wider, workdir=str(tmp_path / 'wider'), teacher=teacher)
 
 
-@pytest.mark.parametrize('head,own_steps', [('feature', 1), ('heads', 0)])
+@pytest.mark.parametrize('head,own_steps,taps', [('feature', 1, False), ('heads', 0, False),
+                                                 ('feature', 1, True)])
 def test_a_head_learns_the_targets_law_and_loads_for_drafting(finished, tmp_path, head,
-                                                              own_steps):
+                                                              own_steps, taps):
   """A head over the finished run's features (`head_losses`; the EAGLE head with one HASS-style
-  run on its own predictions): 10 steps lower its KL to the target's law on held-out text; its
-  checkpoint says it is a head and loads as one, and drafts for the target in SpS."""
+  run on its own predictions; `taps`: reading the target's embedding and last output side by
+  side, EAGLE-3's features): 10 steps lower its KL to the target's law on held-out text; its
+  checkpoint says it is a head (of those taps) and loads as one, and drafts for the target in
+  SpS."""
   finished_dir, _, _ = finished
   teacher, tok, _ = load.load_model(finished_dir)
   layers = 1 if head == 'feature' else 3
+  taps = (0, teacher.config.num_layers) if taps else ()
   config = dataclasses.replace(
       train_helpers.CONFIG, head=head, head_own_steps=own_steps, seed=2,
-      model=models.feature_head.head_config(teacher.config, layers),
+      model=models.feature_head.head_config(teacher.config, layers, taps),
       optimizer=dataclasses.replace(train_helpers.CONFIG.optimizer, total_steps=10))
   batch = jnp.asarray(next(train_helpers.held_out(tok)()))
   kl = lambda params: float(head_losses.head_loss(
       head, models.Model(config.model, params), teacher, batch, feature_weight=0.1)[1]['distill'])
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ('data', 'model'))
   before = kl(trainer.init_state(config, mesh).params)
-  workdir = str(tmp_path / head)
+  workdir = str(tmp_path / (head + str(taps)))
   state, metrics = trainer.train(
       config, workdir=workdir, train_batches=experiment.pipeline.PackedBatches(
           data_helpers.texts('train'), tok, train_helpers.BATCH, train_helpers.SEQ_LEN),
@@ -403,6 +407,7 @@ def test_a_head_learns_the_targets_law_and_loads_for_drafting(finished, tmp_path
   assert kl(state.params) < before - 0.1, (before, kl(state.params))
   loaded, _, meta = load.load_model(workdir)
   assert meta['head'] == head and models.feature_head.kind(loaded) == head
+  assert loaded.config.feature_taps == taps and ('taps' in loaded.params) == bool(taps)
   assert _leaves_equal(loaded.params, state.params)
   prompts = np.asarray(batch[:2, :6])
   out = sampling.speculative_sample(teacher, loaded, prompts, np.full((2,), 6, np.int32),

@@ -112,26 +112,30 @@ def logits(config: TransformerConfig, params, tokens_BxT: jax.Array) -> jax.Arra
   return out
 
 
-def features(config: TransformerConfig, params, tokens_BxT: jax.Array) -> jax.Array:
+def features(config: TransformerConfig, params, tokens_BxT: jax.Array,
+             taps: bool | tuple[int, ...] = True) -> jax.Array:
   """Full causal forward with no cache: the last layer's output before the final norm, [B, T, D]
-  in the model's dtype (the reference for `extend_with_features`)."""
+  in the model's dtype, or the residual stream at `taps` side by side, [B, T, len(taps) D]
+  (`Transformer`'s `features`; the reference for `extend_with_features`)."""
   T = tokens_BxT.shape[1]
   positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens_BxT.shape)
   return Transformer(config).apply({'params': params}, tokens_BxT, positions_BxT,
-                                   features=True)[2]
+                                   features=taps)[2]
 
 
 def extend_with_features(config: TransformerConfig, params, cache: kv_cache.KVCache,
                          tokens_BxT: jax.Array, logits_at_BxL: jax.Array | None = None,
                          counts_B: jax.Array | None = None,
-                         tree: TokenTree | RowTrees | None = None
+                         tree: TokenTree | RowTrees | None = None,
+                         taps: bool | tuple[int, ...] = True
                          ) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
   """`extend`, also returning the positions' hidden states from the same forward: (float32[B, T,
-  V] logits, [B, T, D] features: the last layer's output before the final norm, cache). With
+  V] logits, [B, T, D] features: the last layer's output before the final norm, or with `taps`
+  the residual stream there, [B, T, len(taps) D] (`features`), cache). With
   `logits_at` the logits are [B, L, V], the features still every position's; where `counts_B`
   marks padding both are unspecified. `tree`: a whole token tree, root first (`extend`'s)."""
   out, cache, features_BxTxD = _extend(config, params, cache, tokens_BxT, logits_at_BxL,
-                                       counts_B, tree, 0, features=True)
+                                       counts_B, tree, 0, features=taps)
   return out, features_BxTxD, cache
 
 
@@ -186,7 +190,7 @@ def _extend(config, params, cache, tokens_BxT, logits_at_BxL, counts_B, tree, fi
       {'params': params}, tokens_BxT, positions_BxT, cache, logits_at_BxL, counts_B, tree=mask,
       features=features)
   return (out, kv_cache.KVCache(k=k, v=v, lengths=cache.lengths + T),
-          hidden[0] if features else None)
+          hidden[0] if hidden else None)
 
 
 def tree_logits(config: TransformerConfig, params, tokens_BxT: jax.Array,
@@ -201,15 +205,15 @@ def tree_logits(config: TransformerConfig, params, tokens_BxT: jax.Array,
 
 
 def prefill(config: TransformerConfig, params, prompts_BxP: jax.Array, prompt_lengths_B: jax.Array,
-            capacity: int, *, last_only: bool = False, with_features: bool = False,
-            rollback: int | None = None):
+            capacity: int, *, last_only: bool = False,
+            with_features: bool | tuple[int, ...] = False, rollback: int | None = None):
   """Fills a fresh cache with right-padded prompts: (float32[B, P, V], cache at prompt lengths).
 
   `rollback`: the most positions a row will write past its length and then drop by rolling
   back (`kv_cache.init_cache`: sliding-window layers then hold rings); None, every position.
   `last_only`: logits of each row's last prompt token only, float32[B, 1, V].
   `with_features`: (logits, features [B, P, D] at every prompt position, cache), from the same
-  forward (`extend_with_features`).
+  forward (`extend_with_features`; taps given: the residual stream there, [B, P, len(taps) D]).
   Padding positions sit at or past each row's length, so nothing reads their cache slots; their
   logits (and features) are unspecified. A model packed for CPU decoding skips them (half of a
   batch-8 prefill's work on Table 1's tasks).
@@ -219,7 +223,7 @@ def prefill(config: TransformerConfig, params, prompts_BxP: jax.Array, prompt_le
   counts_B = prompt_lengths_B.astype(jnp.int32)
   if with_features:
     out, features_BxPxD, cache = extend_with_features(config, params, cache, prompts_BxP, at_Bx1,
-                                                      counts_B)
+                                                      counts_B, taps=with_features)
     return out, features_BxPxD, cache.with_lengths(prompt_lengths_B)
   out, cache = extend(config, params, cache, prompts_BxP, at_Bx1, counts_B)
   return out, cache.with_lengths(prompt_lengths_B)

@@ -130,6 +130,11 @@ class TransformerConfig:
   # the block's input rather than the attention's output.
   parallel_residual: bool = False
   position: str = 'rope'  # 'rope' (rotary) or 'learned' (a table of max_seq_len rows, GPT-2).
+  # A feature head's (`feature_head`) taps of its target's residual stream, increasing: i < the
+  # target's num_layers is layer i's input, num_layers the last layer's output before the final
+  # norm. () reads that last output alone (EAGLE-1); several are read side by side and projected
+  # to one stream (EAGLE-3). A list (a checkpoint's JSON) becomes a tuple.
+  feature_taps: tuple[int, ...] = ()
   # What computes the projections and the cached attention: 'xla' (XLA's ops on the parameters
   # `init_params` makes), 'xla_fused' (XLA's ops on weights fused for decoding by `models.fuse`:
   # q, k and v one product, a gated MLP's gate and input one; `models.unfuse` sets 'xla' back) or
@@ -162,6 +167,11 @@ class TransformerConfig:
                        f'pair ({self.rotary_dims // 2}); got max_seq_len={self.max_seq_len}, '
                        f'{len(scaling.short_factor)} factors.')
     object.__setattr__(self, 'global_layers', tuple(self.global_layers))
+    object.__setattr__(self, 'feature_taps', tuple(self.feature_taps))
+    if list(self.feature_taps) != sorted(set(self.feature_taps)) or any(
+        t < 0 for t in self.feature_taps):
+      raise ValueError(f'feature_taps must be increasing layer indices >= 0, got '
+                       f'{self.feature_taps}.')
     if self.sliding_window is not None and self.sliding_window < 1:
       raise ValueError(f'sliding_window must be >= 1 (or None), got {self.sliding_window}.')
     if self.global_layers and (self.sliding_window is None or list(self.global_layers) != sorted(

@@ -14,6 +14,10 @@ target's law at t drew): each RMS-normed, side by side, projected back to D (`fu
 - `FeatureHead` (EAGLE-1, Li et al. 2024): then `num_layers` decoder blocks with their own KV cache
   over the pairs (pair t at position t); its output at t is f^_{t+1}, whose logits are the law of
   x_{t+2}. Drafting feeds it its own prediction with the token drawn from it, (f^_{t+1}, x_{t+2}).
+  With `feature_taps` (EAGLE-3's multi-layer features, Li et al. 2025) the target's side of a
+  pair is its residual stream at several depths (`Transformer`'s taps), each RMS-normed and
+  projected together to D (`taps`) before the fuse; its own predictions enter as they are, so
+  it is trained on them too (`train.head_losses`' own steps, EAGLE-3's training-time test).
 - `ParallelHeads` (Medusa, Cai et al. 2024; the MTP heads of Gloeckle et al. 2024): from one fused
   pair, head i (a residual gated MLP block) predicts the features f^_{t+1+i}: `num_layers` drafts
   x_{t+2}, .., x_{t+1+num_layers} in one pass, no cache and no draft fed back.
@@ -42,11 +46,37 @@ from spsjax.models.transformer import (Block, Mlp, RMSNorm, _kept_counts, _param
 KINDS = ('feature', 'heads')
 
 
-def head_config(target: TransformerConfig, num_layers: int = 1) -> TransformerConfig:
+def head_config(target: TransformerConfig, num_layers: int = 1,
+                taps: tuple[int, ...] = ()) -> TransformerConfig:
   """A head's config for `target`: its width, heads, MLP and vocabulary, `num_layers` blocks
-  (or heads), XLA's kernels, attention over every earlier position (no sliding window)."""
+  (or heads), XLA's kernels, attention over every earlier position (no sliding window), reading
+  the target's residual stream at `taps` (`TransformerConfig.feature_taps`; () its last layer's
+  output)."""
+  if taps and not all(0 <= t <= target.num_layers for t in taps):
+    raise ValueError(f'Feature taps index the target\'s residual stream, 0 .. {target.num_layers}'
+                     f' (its last output); got {taps}.')
   return dataclasses.replace(target, num_layers=num_layers, kernels='xla', sliding_window=None,
-                             global_layers=(), local_rope_base=None)
+                             global_layers=(), local_rope_base=None, feature_taps=tuple(taps))
+
+
+def reads(head: Model) -> bool | tuple[int, ...]:
+  """What a head reads of its target (`Transformer`'s and `models.extend_with_features`'
+  `features`): True for the last layer's output, else its taps."""
+  return head.config.feature_taps or True
+
+
+def _normed_product(module: nn.Module, c: TransformerConfig, xs_BxTxD, norms: list[str],
+                    name: str, counts_B):
+  """Each of n inputs [B, T, D] RMS-normed (scales `norms`), then one product over their n D
+  entries (weight `name`, [n, D, D]; packed: one kernel call) -> [B, T, D]."""
+  x_BxTxNxD = jnp.stack([RMSNorm(c, name=norm)(x.astype(c.jnp_dtype))
+                         for norm, x in zip(norms, xs_BxTxD)], axis=2)
+  B, T, N, D = x_BxTxNxD.shape
+  if c.kernels == 'native':  # Packed (`models.pack`): one product over the n D entries.
+    return native.matmul(x_BxTxNxD.reshape(B, T, N * D), module.get_variable('params', name),
+                         counts=counts_B).astype(c.jnp_dtype)
+  w_NxDxE = _param(module, name, (N, D, D), ('fuse', 'embed', 'embed'), N * D, c.jnp_dtype)
+  return project(c, 'BTID,IDE->BTE', x_BxTxNxD, w_NxDxE)
 
 
 class _Fuse(nn.Module):
@@ -56,28 +86,56 @@ class _Fuse(nn.Module):
 
   @nn.compact
   def __call__(self, features_BxTxD, embedded_BxTxD, counts_B=None):
-    c = self.config
-    x_BxTx2xD = jnp.stack([RMSNorm(c, name='feature_norm')(features_BxTxD.astype(c.jnp_dtype)),
-                           RMSNorm(c, name='token_norm')(embedded_BxTxD.astype(c.jnp_dtype))],
-                          axis=2)
-    if c.kernels == 'native':  # Packed (`models.pack`): one product over the 2D entries.
-      B, T = x_BxTx2xD.shape[:2]
-      return native.matmul(x_BxTx2xD.reshape(B, T, 2 * c.d_model),
-                           self.get_variable('params', 'fuse'), counts=counts_B).astype(c.jnp_dtype)
-    w_2xDxE = _param(self, 'fuse', (2, c.d_model, c.d_model), ('fuse', 'embed', 'embed'),
-                     2 * c.d_model, c.jnp_dtype)
-    return project(c, 'BTID,IDE->BTE', x_BxTx2xD, w_2xDxE)
+    return _normed_product(self, self.config, [features_BxTxD, embedded_BxTxD],
+                           ['feature_norm', 'token_norm'], 'fuse', counts_B)
+
+
+class _Taps(nn.Module):
+  """The target's residual stream at n taps, [B, T, n D] side by side -> [B, T, D]: each
+  RMS-normed (its depth's scale), then one product over the n D entries (EAGLE-3's fc)."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, taps_BxTxF, counts_B=None):
+    n, D = len(self.config.feature_taps), self.config.d_model
+    each = [taps_BxTxF[..., j * D:(j + 1) * D] for j in range(n)]
+    return _normed_product(self, self.config, each, [f'tap_norm_{j}' for j in range(n)], 'taps',
+                           counts_B)
+
+
+def _is_stream(c: TransformerConfig, features_BxTxF) -> bool:
+  """Whether a head's input features are a stream already, [.., D] (its own predictions, or
+  the target's last output), rather than the target's taps [.., n D] (ValueError for neither)."""
+  if features_BxTxF.shape[-1] == c.d_model:
+    return True
+  n = len(c.feature_taps)
+  if n < 2 or features_BxTxF.shape[-1] != n * c.d_model:
+    raise ValueError(f'A head of taps {c.feature_taps} reads [.., {c.d_model}] (its own '
+                     f'predictions) or [.., {n} x {c.d_model}] (the target\'s taps), got '
+                     f'{features_BxTxF.shape}.')
+  return False
+
+
+def _stream(c: TransformerConfig, features_BxTxF, counts_B):
+  """A head's input stream [B, T, D] (in its compact call): its own predictions as they are,
+  the target's taps projected (`_Taps`)."""
+  if _is_stream(c, features_BxTxF):
+    return features_BxTxF
+  return _Taps(c, name='taps')(features_BxTxF, counts_B)
 
 
 class FeatureHead(nn.Module):
   """EAGLE's head (module docstring): pairs at `positions` -> predicted features [B, T, D] and
-  its blocks' (k, v), cached like the transformer's (`cache`: (k, v, lengths) per block)."""
+  its blocks' (k, v), cached like the transformer's (`cache`: (k, v, lengths) per block). The
+  pairs' features are the target's (its taps where the config names several: [B, T, n D]) or
+  the head's own predictions [B, T, D]."""
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, features_BxTxD, embedded_BxTxD, positions_BxT, cache=None, counts_B=None,
+  def __call__(self, features_BxTxF, embedded_BxTxD, positions_BxT, cache=None, counts_B=None,
                tree=None):
     c = self.config
+    features_BxTxD = _stream(c, features_BxTxF, counts_B)
     x_BxTxD = _Fuse(c, name='fuse')(features_BxTxD, embedded_BxTxD, counts_B)
     new_k, new_v = [], []
     for i in range(c.num_layers):
@@ -118,13 +176,17 @@ def kind(head: Model) -> str:
 def _module(kind_: str, config: TransformerConfig) -> nn.Module:
   if kind_ not in KINDS:
     raise ValueError(f'Unknown head kind {kind_!r}; known: {list(KINDS)}.')
+  if kind_ == 'heads' and config.feature_taps:
+    raise ValueError(f'Parallel heads read the target\'s last output; feature_taps '
+                     f'{config.feature_taps} are for an EAGLE head (kind feature).')
   return FeatureHead(config) if kind_ == 'feature' else ParallelHeads(config)
 
 
 def _boxed_init(kind_: str, config: TransformerConfig, rng: jax.Array):
   D = config.d_model
-  if kind_ == 'feature':
-    args = (jnp.zeros((1, 1, D)), jnp.zeros((1, 1, D)), jnp.zeros((1, 1), jnp.int32))
+  if kind_ == 'feature':  # The target's features, all its taps (which the taps' product reads).
+    F = D * max(len(config.feature_taps), 1)
+    args = (jnp.zeros((1, 1, F)), jnp.zeros((1, 1, D)), jnp.zeros((1, 1), jnp.int32))
   else:
     args = (jnp.zeros((1, D)), jnp.zeros((1, D)))
   return _module(kind_, config).init(rng, *args)['params']
@@ -162,6 +224,18 @@ def check_pair(target: Model, head: Model) -> None:
     raise ValueError(f'The head (d_model {h.d_model}, vocab {h.vocab_size}) does not fit the '
                      f'target (d_model {t.d_model}, vocab {t.vocab_size}): a head reads the '
                      f'target\'s features and shares its embedding and output layer.')
+  if h.feature_taps and h.feature_taps[-1] > t.num_layers:
+    raise ValueError(f'The head reads taps {h.feature_taps} of a residual stream; the target '
+                     f'has {t.num_layers} layers (taps 0 .. {t.num_layers}).')
+
+
+def stream(head: Model, features_BxTxF: jax.Array, counts_B: jax.Array | None = None
+           ) -> jax.Array:
+  """An EAGLE head's input stream [B, T, D] of the target's features: its taps projected (a
+  head of several taps), else the features as they are."""
+  if _is_stream(head.config, features_BxTxF):
+    return features_BxTxF
+  return _Taps(head.config).apply({'params': head.params['taps']}, features_BxTxF, counts_B)
 
 
 def _logits_at(head: Model, target: Model, features_BxTxD, logits_at_BxL, counts_B):
@@ -231,7 +305,7 @@ def next_token_logits(draft: Model, target: Model, tokens_BxL: jax.Array) -> jax
   before it, uniform (zeros). For a transformer `draft`, its logits (`target` unused)."""
   if not is_head(draft):
     return logits(draft.config, draft.params, tokens_BxL)
-  f_BxLxD = features(target.config, target.params, tokens_BxL)
+  f_BxLxD = features(target.config, target.params, tokens_BxL, reads(draft))
   B, L = tokens_BxL.shape
   if kind(draft) == 'feature':
     q_BxTxV, _ = feature_head_forward(draft, target, f_BxLxD[:, :-1], tokens_BxL[:, 1:])

@@ -98,10 +98,13 @@ def _unpack_layer(config: TransformerConfig, layer: dict) -> dict:
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _pack_head(config: TransformerConfig, dtype: str, params: dict) -> dict:
-  """A feature head's own products (`feature_head`): its fuse and its parallel heads' MLPs (its
-  decoder blocks are layers, packed as a transformer's)."""
+  """A feature head's own products (`feature_head`): its fuse, its taps' product and its
+  parallel heads' MLPs (its decoder blocks are layers, packed as a transformer's)."""
   pack = functools.partial(native.pack, dtype=dtype)
-  params = dict(params, fuse=dict(params['fuse'], fuse=pack(params['fuse']['fuse'], in_dims=2)))
+  params = dict(params)
+  for name in _INPUT_PRODUCTS:
+    if name in params:
+      params[name] = dict(params[name], **{name: pack(params[name][name], in_dims=2)})
   for name in [n for n in params if n.startswith('head_') and not n.endswith('_norm')]:
     params[name] = _pack_mlp(config, pack, params[name])
   return params
@@ -109,10 +112,17 @@ def _pack_head(config: TransformerConfig, dtype: str, params: dict) -> dict:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _unpack_head(config: TransformerConfig, params: dict) -> dict:
-  params = dict(params, fuse=dict(params['fuse'], fuse=native.unpack(params['fuse']['fuse'])))
+  params = dict(params)
+  for name in _INPUT_PRODUCTS:
+    if name in params:
+      params[name] = dict(params[name], **{name: native.unpack(params[name][name])})
   for name in [n for n in params if n.startswith('head_') and not n.endswith('_norm')]:
     params[name] = _unpack_mlp(config, params[name])
   return params
+
+
+# A head's products over several inputs side by side, [n, D, D] (`feature_head._normed_product`).
+_INPUT_PRODUCTS = ('fuse', 'taps')
 
 
 def _layer_names(config: TransformerConfig) -> list[str]:

@@ -432,6 +432,21 @@ or in parallel (`parallel_residual`)."""
     return x_BxTxD, new_kv
 
 
+def feature_taps(config: TransformerConfig, features) -> tuple[int, ...]:
+  """The taps `Transformer`'s `features` asks for: () for False or None, the last layer's
+  output (num_layers,) for True, else the taps given (increasing, in [0, num_layers])."""
+  if features is None or features is False:
+    return ()
+  if features is True:
+    return (config.num_layers,)
+  taps = tuple(int(t) for t in features)
+  if not taps or list(taps) != sorted(set(taps)) or not 0 <= taps[0] <= taps[-1] <= (
+      config.num_layers):
+    raise ValueError(f'Feature taps must be increasing indices in [0, {config.num_layers}] of '
+                     f'this {config.num_layers}-layer model\'s residual stream, got {features}.')
+  return taps
+
+
 class Transformer(nn.Module):
   """tokens [B, T] at `positions` [B, T] -> float32 logits [B, T, V] and each layer's (k, v).
 
@@ -447,6 +462,9 @@ class Transformer(nn.Module):
   head reads) at every position, [B, T, D] in the model's dtype, also with `logits_at` (whose
   positions alone get logits; the last layer then runs on every position): the target's hidden
   states for a feature-level drafter, from the same forward (without it the program is as before).
+  `features` may name taps of the residual stream instead (`TransformerConfig.feature_taps`: i <
+  num_layers layer i's input, num_layers the last output): [B, T, len(taps) D], side by side in
+  the taps' order.
   With `tree` (`token_tree.TreeMask`) the T tokens are a tree's nodes tree.first .. + T - 1,
   the first written at the cache's length: each attends to the cache before the tree's root and
   to its ancestors (a packed model's by the attention kernel but in windowed layers).
@@ -470,18 +488,24 @@ class Transformer(nn.Module):
     if streams:  # Every layer's norms and products on two rows; `Attention` on the real one.
       x_BxTxD = _pad_rows(x_BxTxD, 2)
       logits_at_BxL = jnp.zeros_like(tokens_BxT) if logits_at_BxL is None else logits_at_BxL
+    taps = feature_taps(c, features)
+    tapped = []  # The residual stream at each tap, [B, T, D].
     new_k, new_v = [], []
     for i in range(c.num_layers):
+      if i in taps:
+        tapped.append(x_BxTxD[:, :tokens_BxT.shape[1]])
       layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.lengths)
       # x is then [B, L, D]; features are wanted at every position.
-      keep_BxL = logits_at_BxL if i == c.num_layers - 1 and not (features or streams) else None
+      keep_BxL = logits_at_BxL if i == c.num_layers - 1 and not (taps or streams) else None
       x_BxTxD, (k, v) = Block(c, i, name=f'layer_{i}')(x_BxTxD, positions_BxT, layer_cache,
                                                       keep_BxL, counts_B, tree)
       new_k.append(k)
       new_v.append(v)
     kv = (tuple(new_k), tuple(new_v))
-    extra = (x_BxTxD[:, :tokens_BxT.shape[1]],) if features else ()
-    if features and logits_at_BxL is not None and not streams:
+    if c.num_layers in taps:
+      tapped.append(x_BxTxD[:, :tokens_BxT.shape[1]])
+    extra = (jnp.concatenate(tapped, axis=-1),) if taps else ()
+    if taps and logits_at_BxL is not None and not streams:
       x_BxTxD = jnp.take_along_axis(x_BxTxD, logits_at_BxL[:, :, None], axis=1)
     final_norm = RMSNorm(c, name='final_norm')
     if packed:  # An untied head, or a packed copy of a tied table.

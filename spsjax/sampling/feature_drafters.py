@@ -8,9 +8,9 @@ scored positions from the scoring forward (`drafters.Verdict.features_BxKp1xD`).
 Exactness holds as for any drafter: a proposal is a function of the committed tokens (the
 target's features are a function of them) and of the loop's draft keys, and q is the law each
 draft was drawn from after the draft's sampling processors. The context rules among them (the
-n-gram ban, sequence biases, bans by position: `ngrams`) read the committed tokens and the drafts
-before each slot, as for a model drafter; the parallel heads' one pass gives every slot's logits,
-and the slots are then drawn in order.
+n-gram ban, sequence biases, bans by position: `ngrams`) and a repetition penalty read the
+committed tokens and the drafts before each slot (a tree node's path), as for a model drafter;
+the parallel heads' one pass gives every slot's logits, and the slots are then drawn in order.
 
 With `alternatives` = m > 0 either drafter proposes a tree (`models.TokenTree.
 chain_with_alternatives`): beside each slot's draft, m other tokens from the same law without
@@ -35,7 +35,7 @@ from spsjax.sampling import dynamic_trees, ngrams, siblings, tree_drafters
 from spsjax.sampling.drafters import (Committed, Drafter, Proposal, Verdict, alternatives_tree,
                                       chain_with_alternatives, check_alternatives,
                                       check_alternatives_fit, draw_draft)
-from spsjax.sampling.processors import uniforms
+from spsjax.sampling.processors import mark_present, uniforms
 
 
 @flax.struct.dataclass
@@ -79,7 +79,8 @@ class Pending:
 def _sampler(loop, keys_BxK, alternatives: int, committed: Committed):
   """(slot i, logits [B, V], the drafts so far [B, k]) -> (q [B, V], draft [B], the slot's
   `alternatives` siblings or None) with slot i's key, as a draft model: the logits shifted by
-  the draft sampling's context rules after the committed tokens and drafts[:, :i] (`ngrams`)."""
+  the draft sampling's context rules after the committed tokens and drafts[:, :i] (`ngrams`), a
+  repetition penalty on those tokens."""
   uniforms_BxK = uniforms(keys_BxK)
   sibling_keys_BxK = siblings.keys_apart(keys_BxK) if alternatives else None
   history = committed.history(loop.draft_sampling)
@@ -87,7 +88,11 @@ def _sampler(loop, keys_BxK, alternatives: int, committed: Committed):
   def choose(i, logits_BxV, drafts_BxK):
     if history is not None:
       logits_BxV = ngrams.shift(logits_BxV, history.at(drafts_BxK, i))
-    q_BxV, d_B = draw_draft(loop, uniforms_BxK[:, i], logits_BxV)
+    present_BxV = None
+    if committed.present_BxV is not None:  # The committed tokens and the slots before i.
+      present_BxV = mark_present(committed.present_BxV, drafts_BxK,
+                                 jnp.full(drafts_BxK.shape[:1], i, jnp.int32))
+    q_BxV, d_B = draw_draft(loop, uniforms_BxK[:, i], logits_BxV, present_BxV)
     if not alternatives:
       return q_BxV, d_B, None
     return q_BxV, d_B, siblings.draw(sibling_keys_BxK[:, i], logits_BxV, q_BxV, d_B,

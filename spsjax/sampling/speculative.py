@@ -48,7 +48,7 @@ from jax.sharding import Mesh
 
 from spsjax import sharding
 from spsjax.models import (KVCache, Model, RowTrees, TokenTree, extend, extend_with_features,
-                           kv_cache, prefill)
+                           feature_head, kv_cache, prefill)
 from spsjax.sampling import common, drafters, ngrams
 from spsjax.sampling.processors import (SamplingConfig, mark_present, native_probabilities,
                                         present_along, present_through, probabilities,
@@ -81,9 +81,11 @@ def headroom(k: int) -> int:
 
 
 def _target_logits(target: Model, cache: KVCache, tokens_BxKp1, active_B, num_B, longest,
-                   features: bool = False, tree: TokenTree | RowTrees | None = None):
+                   features: bool | tuple[int, ...] = False,
+                   tree: TokenTree | RowTrees | None = None):
   """The target's logits on the last committed token and the drafts: (float32[B, k + 1, V],
-  cache, and with `features` their hidden states [B, k + 1, D] from the same forward, else None).
+  cache, and with `features` their hidden states [B, k + 1, D] from the same forward (at its
+  taps where they are given: [B, k + 1, n D]), else None).
 
   Row b's logits past its num_B[b] drafts, and every logit of an idle row (not `active_B`), are
   unspecified and never read (a row accepts at most what it proposed), and a model packed for CPU
@@ -100,7 +102,8 @@ def _target_logits(target: Model, cache: KVCache, tokens_BxKp1, active_B, num_B,
   def forward(cache, tokens_BxN, counts_B):
     if features:
       logits_BxNxV, features_BxNxD, cache = extend_with_features(
-          target.config, target.params, cache, tokens_BxN, counts_B=counts_B, tree=tree)
+          target.config, target.params, cache, tokens_BxN, counts_B=counts_B, tree=tree,
+          taps=features)
       return logits_BxNxV, cache, features_BxNxD
     logits_BxNxV, cache = extend(target.config, target.params, cache, tokens_BxN,
                                  counts_B=counts_B, tree=tree)
@@ -177,7 +180,7 @@ class Loop(common.LoopSettings):
     if self.drafter.reads_features:
       first_logits_Bx1xV, features_BxPxD, target_cache = prefill(
           target.config, target.params, prompts_BxP, prompt_lengths_B, capacity, last_only=True,
-          with_features=True, rollback=self.scored)
+          with_features=self._features(draft), rollback=self.scored)
     else:
       features_BxPxD = None
       first_logits_Bx1xV, target_cache = prefill(target.config, target.params, prompts_BxP,
@@ -214,6 +217,7 @@ class Loop(common.LoopSettings):
            state: _State) -> _State:
     """One loop for every row, step by step (the module docstring); stopped rows idle."""
     active_B = ~state.done_B
+    features = self._features(draft)
     draft = self.drafter.bind(target, draft)
     committed = drafters.Committed(prompts_BxP, prompt_lengths_B, state.tokens_BxW,
                                    state.num_generated_B, target.config.vocab_size, active_B,
@@ -224,7 +228,7 @@ class Loop(common.LoopSettings):
                                                    draft_keys_BxK)
     with jax.named_scope('score'):
       logits_BxKp1xV, target_cache, features_BxKp1xD = self._score(
-          target, state.target_cache, committed, proposal)
+          target, state.target_cache, committed, proposal, features)
     with jax.named_scope('accept'):  # The profile's accept phase: everything after the scoring.
       if proposal.drafted_tree is None:
         path_BxD = None
@@ -237,17 +241,23 @@ class Loop(common.LoopSettings):
                                          draft_state, features_BxKp1xD, path_BxD)
       return self._statistics(state, active_B, proposal.num_B, n_B)
 
+  def _features(self, draft: Model | None) -> bool | tuple[int, ...]:
+    """What the target's forwards return of its hidden states: nothing (False) unless the
+    drafter reads them, then what its head reads (`feature_head.reads`)."""
+    return self.drafter.reads_features and feature_head.reads(draft)
+
   def _score(self, target: Model, cache: KVCache, committed: drafters.Committed,
-             proposal: drafters.Proposal) -> tuple[jax.Array, KVCache, jax.Array | None]:
+             proposal: drafters.Proposal, features: bool | tuple[int, ...] = False
+             ) -> tuple[jax.Array, KVCache, jax.Array | None]:
     """The target on each row's last committed token and its drafts (its cache holds the
     committed tokens but the last): logits float32[B, k + 1, V], the cache, and the hidden
-    states if the drafter reads them (`_target_logits`)."""
+    states `features` asks for (`_target_logits`)."""
     tokens_BxKp1 = jnp.concatenate([committed.last(1)[:, None], proposal.tokens_BxK], axis=1)
     active_B = committed.active_B
     longest = (jnp.max(jnp.where(active_B, proposal.num_B, 0))
                if self.trim_score and self.drafter.ragged else None)
     return _target_logits(target, cache, tokens_BxKp1, active_B, proposal.num_B, longest,
-                          features=self.drafter.reads_features, tree=proposal.drafted_tree)
+                          features=features, tree=proposal.drafted_tree)
 
   def _accept(self, keys_B, logits_BxKp1xV, proposal: drafters.Proposal, present_BxV=None,
               committed: drafters.Committed | None = None):

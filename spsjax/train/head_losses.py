@@ -8,7 +8,10 @@ of token t + 1 (no gradient: the target is frozen). A head reads pairs (f_t, x_{
   feature regression);
 - with `own_steps` > 0 (HASS-style, simplified), the head is run again `own_steps` times, each
   time reading at every position t >= 1 the features it predicted for t in the run before (as
-  drafting feeds it its own predictions), with the same targets; the losses are averaged;
+  drafting feeds it its own predictions), with the same targets; the losses are averaged. A head
+  of several taps (EAGLE-3's features, `feature_head`) reads the target's taps at t = 0 and at
+  every t of the first run, and its own predictions in their place after it (its training-time
+  test, simplified as HASS's);
 - parallel head i at pair t predicts the law of x_{t+2+i}: KL(p_{t+1+i} || q_{t,i}) and the
   regression to f_{t+1+i}, over the pairs where t + 1 + i is in the batch, averaged over heads.
 Metrics: `lm_loss` is the cross-entropy of the first draft's law on the corpus token it drafts
@@ -41,13 +44,29 @@ def _first_draft_ce(q_BxTxV, tokens_BxT):
   return losses.cross_entropy(q_BxTxV, tokens_BxT, jnp.ones(tokens_BxT.shape, bool))
 
 
+def _target_features(head: models.Model, target: models.Model, inputs_BxL):
+  """(what the head reads of the target at each position, [B, L, F]; the target's last output,
+  [B, L, D]), from one forward with no gradient (the target is frozen)."""
+  taps = feature_head.reads(head)
+  if taps is True:
+    f_BxLxD = models.features(target.config, target.params, inputs_BxL)
+    return jax.lax.stop_gradient(f_BxLxD), jax.lax.stop_gradient(f_BxLxD)
+  last = target.config.num_layers
+  both = tuple(sorted(set(taps) | {last}))
+  all_BxLxF = jax.lax.stop_gradient(models.features(target.config, target.params, inputs_BxL,
+                                                    both))
+  D = target.config.d_model
+  read = [all_BxLxF[..., both.index(t) * D:(both.index(t) + 1) * D] for t in taps]
+  return jnp.concatenate(read, axis=-1), all_BxLxF[..., -D:]
+
+
 def head_loss(kind: str, head: models.Model, target: models.Model, batch_BxL1: jax.Array, *,
               feature_weight: float, own_steps: int = 0) -> tuple[jax.Array, dict]:
   """(loss, metrics) of a head of `kind` on a batch of int32[B, L + 1] (module docstring)."""
   inputs_BxL = batch_BxL1[:, :-1]
-  f_BxLxD = jax.lax.stop_gradient(models.features(target.config, target.params, inputs_BxL))
+  read_BxLxF, f_BxLxD = _target_features(head, target, inputs_BxL)
   p_BxLxV = jax.lax.stop_gradient(output_logits(target.config, target.params, f_BxLxD))
-  pairs_f, pairs_x = f_BxLxD[:, :-1], inputs_BxL[:, 1:]  # Pair t = (f_t, x_{t+1}), t < L - 1.
+  pairs_f, pairs_x = read_BxLxF[:, :-1], inputs_BxL[:, 1:]  # Pair t = (f_t, x_{t+1}), t < L - 1.
   if kind == 'feature':
     kls, regressions = [], []
     features_in = pairs_f
@@ -58,9 +77,11 @@ def head_loss(kind: str, head: models.Model, target: models.Model, batch_BxL1: j
       regressions.append(_smooth_l1(predicted_BxTxD, f_BxLxD[:, 1:]))
       if step == 0:
         ce = _first_draft_ce(q_BxTxV, batch_BxL1[:, 2:])
-      # Next run: the prediction for t (made at pair t - 1) in place of f_t, for t >= 1.
+      # Next run: the prediction for t (made at pair t - 1) in place of f_t, for t >= 1 (a
+      # head of several taps: its stream, the first pair's taps projected).
       features_in = jnp.concatenate(
-          [pairs_f[:, :1], jax.lax.stop_gradient(predicted_BxTxD[:, :-1])], axis=1)
+          [feature_head.stream(head, pairs_f[:, :1]),
+           jax.lax.stop_gradient(predicted_BxTxD[:, :-1])], axis=1)
     kl, regression = sum(kls) / len(kls), sum(regressions) / len(regressions)
   elif kind == 'heads':
     B, T = pairs_x.shape
