@@ -407,13 +407,15 @@ def test_heads_that_do_not_fit_are_refused(pair48):
 
 def test_a_head_drafts_the_same_tokens_on_a_mesh(pair48):
   """Target and EAGLE head sharded on a 2 x 2 mesh (heads and MLP over `model`, rows over
-  `data`): greedy SpS gives the tokens it gives on one device."""
-  head = _head(pair48, 'feature', 1, 3, scale=3.0)
+  `data`): greedy SpS gives the tokens it gives on one device; an EAGLE-3 head (the target's
+  taps) too."""
   prompts, lengths = _ragged(8, batch=4)
-  run = lambda mesh: speculative_sample(pair48, head, prompts, lengths, jax.random.key(0), k=3,
-                                        max_new_tokens=10, sampling=GREEDY, mesh=mesh,
-                                        drafter=FeatureDrafter())
-  one = run(None)
-  sharded = run(sharding.make_mesh(2, 2, jax.devices()[:4]))
-  np.testing.assert_array_equal(np.asarray(sharded.tokens), np.asarray(one.tokens))
-  np.testing.assert_array_equal(np.asarray(sharded.num_loops), np.asarray(one.num_loops))
+  for taps in ((), TAPS):
+    head = _head(pair48, 'feature', 1, 3, scale=3.0, taps=taps)
+    run = lambda mesh, head=head: speculative_sample(
+        pair48, head, prompts, lengths, jax.random.key(0), k=3, max_new_tokens=10,
+        sampling=GREEDY, mesh=mesh, drafter=FeatureDrafter())
+    one = run(None)
+    sharded = run(sharding.make_mesh(2, 2, jax.devices()[:4]))
+    np.testing.assert_array_equal(np.asarray(sharded.tokens), np.asarray(one.tokens))
+    np.testing.assert_array_equal(np.asarray(sharded.num_loops), np.asarray(one.num_loops))
