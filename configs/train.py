@@ -16,11 +16,12 @@ Arguments:
     Medusa/MTP heads, `head_layers` of them, default 6) read the trained target's features and
     share its embedding and output layer; they train on the KL to the target's next-token law
     plus `feature_weight` (default 0.1) times a regression to its features (`train.head_losses`);
-    `hass=N` adds N runs on the head's own predicted features (HASS-style; feature only).
+    `hass=N` adds N runs on the head's own predicted features as drafting feeds them (HASS,
+    EAGLE-3's training-time test; feature only).
     `taps=1+3+6` (feature only): the head reads the target's residual stream at those depths
     (i < layers: layer i's input; the number of layers: its last output), projected together
     (EAGLE-3's multi-layer features; `TransformerConfig.feature_taps`); train it with `hass=1`
-    or more, as it reads its own predictions when drafting (EAGLE-3's training-time test).
+    or more, as it reads its own predictions when drafting.
   distill: 0 trains on the language-model loss; a value in (0, 1] is the weight of distillation
     from the family's trained target (DistillSpec), the rest the LM loss.
   divergence: forward_kl (KL(p_target || q_draft), the default) | reverse_kl | tv (total

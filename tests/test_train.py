@@ -375,6 +375,45 @@ def test_a_draft_can_start_from_the_teachers_first_layers(finished, tmp_path):
     run(wider, workdir=str(tmp_path / 'wider'), teacher=teacher)
 
 
+@pytest.mark.parametrize('taps', [(), (0, 1, 2)])
+def test_own_step_runs_see_what_drafting_sees(taps):
+  """`head_losses.own_steps_tree`: run j's pair at position s, on the tree of runs 0 .. j, gives
+  the prediction drafting gives after the head read the target's pairs 0 .. s - j (a cached
+  call) and then its own predictions with the tokens, one step at a time (`extend_head`), for
+  a head of the target's last output and one of its taps."""
+  config = models.TransformerConfig(vocab_size=40, d_model=16, num_layers=2, num_heads=2,
+                                    d_ff=32, max_seq_len=32)
+  target = models.Model(config, models.init_params(config, jax.random.key(0)))
+  head_config = models.feature_head.head_config(config, 1, taps)
+  head = models.Model(head_config, models.feature_head.init_head('feature', head_config,
+                                                                jax.random.key(1)))
+  T, runs, F = 7, 3, 16 * max(len(taps), 1)
+  rng = np.random.default_rng(0)
+  features_1xTxF = jnp.asarray(rng.normal(size=(1, T, F)), jnp.float32)
+  tokens_1xT = jnp.asarray(rng.integers(0, 40, size=(1, T)), jnp.int32)
+  streams = [models.feature_head.stream(head, features_1xTxF)]
+  tokens, predicted = [tokens_1xT], []  # predicted[j]: run j's, positions j .. T - 1.
+  for run in range(runs):
+    tree, firsts = head_losses.own_steps_tree(T, run + 1)
+    _, out_1xNxD = models.feature_head.feature_head_forward(
+        head, target, jnp.concatenate(streams, 1), jnp.concatenate(tokens, 1), tree)
+    predicted.append(np.asarray(out_1xNxD[0, firsts[run]:]))
+    streams.append(jnp.asarray(predicted[-1][None, :T - run - 1]))
+    tokens.append(tokens_1xT[:, run + 1:])
+  assert tree.num_nodes + 1 == T + (T - 1) + (T - 2) and firsts == (0, T, 2 * T - 1)
+  for run in range(runs):
+    for s in range(run, T):
+      cache = models.init_cache(head_config, 1, T + runs)
+      _, out_1xLxD, cache = models.feature_head.extend_head(
+          head, target, cache, features_1xTxF[:, :s - run + 1], tokens_1xT[:, :s - run + 1])
+      for step in range(1, run + 1):  # Its own prediction at the position before, the token.
+        position = s - run + step
+        _, out_1xLxD, cache = models.feature_head.extend_head(
+            head, target, cache, out_1xLxD[:, -1:], tokens_1xT[:, position:position + 1])
+      np.testing.assert_allclose(predicted[run][s - run], out_1xLxD[0, -1], rtol=2e-4,
+                                 atol=2e-4, err_msg=f'run {run}, position {s}')
+
+
 @pytest.mark.parametrize('head,own_steps,taps', [('feature', 1, False), ('heads', 0, False),
                                                  ('feature', 1, True)])
 def test_a_head_learns_the_targets_law_and_loads_for_drafting(finished, tmp_path, head,

@@ -40,6 +40,7 @@ from spsjax import native, sharding
 from spsjax.models import kv_cache
 from spsjax.models.api import Model, call_positions, features, logits
 from spsjax.models.config import TransformerConfig
+from spsjax.models.token_tree import TokenTree
 from spsjax.models.transformer import (Block, Mlp, RMSNorm, _kept_counts, _param, embed,
                                         output_logits, project)
 
@@ -269,15 +270,21 @@ def extend_head(head: Model, target: Model, cache: kv_cache.KVCache, features_Bx
 
 
 def feature_head_forward(head: Model, target: Model, features_BxTxD: jax.Array,
-                         tokens_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+                         tokens_BxT: jax.Array, tree: TokenTree | None = None
+                         ) -> tuple[jax.Array, jax.Array]:
   """An EAGLE head over whole sequences, no cache (training, and the reference of
   `extend_head`): pair t = (features[:, t], tokens[:, t]) -> (float32 logits [B, T, V],
-  predicted features [B, T, D])."""
+  predicted features [B, T, D]). With a `tree` (root and nodes: the T pairs) each pair sits at
+  its depth and sees its ancestors' pairs only (`models.tree_logits`' mask)."""
   T = tokens_BxT.shape[1]
   positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens_BxT.shape)
+  mask = None
+  if tree is not None:
+    mask = tree.mask(0, T)
+    positions_BxT = jnp.broadcast_to(mask.depths_xM, tokens_BxT.shape)
   embedded_BxTxD = embed(target.config, target.params['embedding'], tokens_BxT)
   predicted_BxTxD, _ = FeatureHead(head.config).apply(
-      {'params': head.params}, features_BxTxD, embedded_BxTxD, positions_BxT)
+      {'params': head.params}, features_BxTxD, embedded_BxTxD, positions_BxT, tree=mask)
   return _logits_at(head, target, predicted_BxTxD, None, None), predicted_BxTxD
 
 

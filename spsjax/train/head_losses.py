@@ -6,23 +6,25 @@ of token t + 1 (no gradient: the target is frozen). A head reads pairs (f_t, x_{
   of x_{t+2} through the target's output layer, plus `feature_weight` times the smooth-L1
   distance of f^_{t+1} to f_{t+1} per dimension, in units of f_{t+1}'s root mean square (EAGLE's
   feature regression);
-- with `own_steps` > 0 (HASS-style, simplified), the head is run again `own_steps` times, each
-  time reading at every position t >= 1 the features it predicted for t in the run before (as
-  drafting feeds it its own predictions), with the same targets; the losses are averaged. A head
-  of several taps (EAGLE-3's features, `feature_head`) reads the target's taps at t = 0 and at
-  every t of the first run, and its own predictions in their place after it (its training-time
-  test, simplified as HASS's);
+- with `own_steps` > 0 (HASS; EAGLE-3's training-time test), the head is run again
+  `own_steps` times, as drafting runs it: run j's pair at position s reads the features run
+  j - 1 predicted at s - 1 and attends to the target's features up to s - j and to the pairs
+  of runs 1 .. j - 1 on its diagonal (`own_steps_tree`), with the targets at s + 1; the losses
+  are averaged over the runs. A head of several taps (EAGLE-3's features, `feature_head`) reads
+  the target's taps in run 0 and its own predictions after;
 - parallel head i at pair t predicts the law of x_{t+2+i}: KL(p_{t+1+i} || q_{t,i}) and the
   regression to f_{t+1+i}, over the pairs where t + 1 + i is in the batch, averaged over heads.
 Metrics: `lm_loss` is the cross-entropy of the first draft's law on the corpus token it drafts
 (x_{t+2}), `distill` the KL, `feature` the regression.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from spsjax import models
-from spsjax.models import feature_head, output_logits
+from spsjax.models import TokenTree, feature_head, output_logits
 from spsjax.train import losses
 
 
@@ -42,6 +44,23 @@ def _kl(q_BxTxV, p_BxTxV):
 
 def _first_draft_ce(q_BxTxV, tokens_BxT):
   return losses.cross_entropy(q_BxTxV, tokens_BxT, jnp.ones(tokens_BxT.shape, bool))
+
+
+@functools.lru_cache(maxsize=16)
+def own_steps_tree(T: int, runs: int) -> tuple[TokenTree, tuple[int, ...]]:
+  """The pairs of `runs` runs over T positions as one token tree, and each run's first node:
+  run 0 is the sequence (its pair at s is node s, the root pair 0); run j >= 1 has a pair at each
+  s = j .. T - 1, the child of run j - 1's pair at s - 1. So run j's pair at s sees run 0's pairs
+  up to s - j and, of each run i = 1 .. j, the pair at s - j + i: what the head sees j steps
+  into drafting after position s - j (the target's features up to there, then its own
+  predictions), at position s (its depth)."""
+  if not 1 <= runs <= T:
+    raise ValueError(f'{runs} runs over {T} positions: want 1 .. {T}.')
+  parents, firsts = list(range(T - 1)), [0]
+  for run in range(1, runs):
+    firsts.append(len(parents) + 1)  # The nodes so far, the root included.
+    parents += [firsts[run - 1] + (s - 1) - (run - 1) for s in range(run, T)]
+  return TokenTree(tuple(parents)), tuple(firsts)
 
 
 def _target_features(head: models.Model, target: models.Model, inputs_BxL):
@@ -68,20 +87,24 @@ def head_loss(kind: str, head: models.Model, target: models.Model, batch_BxL1: j
   p_BxLxV = jax.lax.stop_gradient(output_logits(target.config, target.params, f_BxLxD))
   pairs_f, pairs_x = read_BxLxF[:, :-1], inputs_BxL[:, 1:]  # Pair t = (f_t, x_{t+1}), t < L - 1.
   if kind == 'feature':
+    T = pairs_x.shape[1]
     kls, regressions = [], []
-    features_in = pairs_f
-    for step in range(1 + own_steps):
-      q_BxTxV, predicted_BxTxD = feature_head.feature_head_forward(head, target, features_in,
-                                                                   pairs_x)
-      kls.append(_kl(q_BxTxV, p_BxLxV[:, 1:]))
-      regressions.append(_smooth_l1(predicted_BxTxD, f_BxLxD[:, 1:]))
-      if step == 0:
-        ce = _first_draft_ce(q_BxTxV, batch_BxL1[:, 2:])
-      # Next run: the prediction for t (made at pair t - 1) in place of f_t, for t >= 1 (a
-      # head of several taps: its stream, the first pair's taps projected).
-      features_in = jnp.concatenate(
-          [feature_head.stream(head, pairs_f[:, :1]),
-           jax.lax.stop_gradient(predicted_BxTxD[:, :-1])], axis=1)
+    q_BxTxV, predicted_BxTxD = feature_head.feature_head_forward(head, target, pairs_f, pairs_x)
+    ce = _first_draft_ce(q_BxTxV, batch_BxL1[:, 2:])
+    streams, tokens = [feature_head.stream(head, pairs_f)], [pairs_x]  # Run 0's pairs.
+    for run in range(1 + own_steps):
+      if run:  # Run `run`'s pairs (positions run .. T - 1) on the tree of runs 0 .. run.
+        tree, firsts = own_steps_tree(T, run + 1)
+        q_BxNxV, predicted_BxNxD = feature_head.feature_head_forward(
+            head, target, jnp.concatenate(streams, axis=1), jnp.concatenate(tokens, axis=1),
+            tree)
+        q_BxTxV, predicted_BxTxD = q_BxNxV[:, firsts[run]:], predicted_BxNxD[:, firsts[run]:]
+      # Pair s predicts the features at s + 1 and the law of the token after them.
+      kls.append(_kl(q_BxTxV, p_BxLxV[:, 1 + run:]))
+      regressions.append(_smooth_l1(predicted_BxTxD, f_BxLxD[:, 1 + run:]))
+      # The next run's pair at s reads this run's prediction made at s - 1.
+      streams.append(jax.lax.stop_gradient(predicted_BxTxD[:, :T - run - 1]))
+      tokens.append(pairs_x[:, run + 1:])
     kl, regression = sum(kls) / len(kls), sum(regressions) / len(regressions)
   elif kind == 'heads':
     B, T = pairs_x.shape

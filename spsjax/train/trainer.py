@@ -67,7 +67,7 @@ class TrainConfig:
   # then the head's config (`feature_head.head_config`). '' trains a transformer.
   head: str = ''
   head_feature_weight: float = 0.1  # The feature regression's weight beside the KL.
-  head_own_steps: int = 0  # HASS-style runs on the head's own predicted features.
+  head_own_steps: int = 0  # Runs on the head's own predictions (HASS; `head_losses`).
 
   def __post_init__(self):
     if self.head and self.head not in feature_head.KINDS:
@@ -76,7 +76,7 @@ class TrainConfig:
       raise ValueError('A head trains on the teacher\'s features and laws (head_losses); '
                        'distill_weight and init_from_teacher apply to transformers only.')
     if self.head_own_steps < 0 or self.head_own_steps and self.head != 'feature':
-      raise ValueError(f'head_own_steps (HASS-style runs) must be >= 0 and needs head=feature; '
+      raise ValueError(f'head_own_steps (HASS runs) must be >= 0 and needs head=feature; '
                        f'got {self.head_own_steps} with head={self.head!r}.')
     if not 0.0 <= self.distill_weight <= 1.0:
       raise ValueError(f'distill_weight must be in [0, 1], got {self.distill_weight}.')
