@@ -409,6 +409,25 @@ def test_the_top_p_search_is_unrolled_off_the_cpu():
   assert 'stablehlo.while' not in module('cpu', g)
 
 
+def test_draws_in_blocks_are_draw_withs_where_sums_are_exact():
+  """`draw_in_blocks` (O(V): a block, then a token in it) against `draw_with` (one prefix over
+  the vocabulary): integer weights (exact prefix sums in float32) give the same token for every
+  u, over 300 tokens (blocks of 128, the last partial) with whole blocks of zeros; only tokens
+  of positive weight, u = 0 the first of them, u -> 1 the last; no positive weight: token 0."""
+  rng = np.random.default_rng(0)
+  w_V = rng.integers(0, 4, size=300).astype(np.float32)
+  w_V[100:290] = 0.0  # Block 1 empty, blocks 0 and 2 partly.
+  u_N = np.concatenate([rng.random(4000), [0.0, 1.0 - 2.0**-24]]).astype(np.float32)
+  draws = lambda draw: np.asarray(jax.jit(jax.vmap(draw, in_axes=(0, None)))(
+      jnp.asarray(u_N), jnp.asarray(w_V)))
+  got = draws(processors.draw_in_blocks)
+  np.testing.assert_array_equal(got, draws(processors.draw_with))
+  positive = np.flatnonzero(w_V)
+  assert np.isin(got, positive).all() and got[-2] == positive[0] and got[-1] == positive[-1]
+  assert {int(t) for t in got} == set(positive.tolist())  # 4000 draws reach every one.
+  assert int(processors.draw_in_blocks(jnp.float32(0.5), jnp.zeros((300,)))) == 0
+
+
 @pytest.mark.parametrize('native_kernel', [False, True])
 def test_sampling_with_uniforms_drawn_ahead_is_sampling_with_keys(native_kernel):
   """`uniforms` of a [B, K] key array gives each key's own number, and sampling with them equals

@@ -507,6 +507,36 @@ def draw_with(u: jax.Array, weights_V: jax.Array) -> jax.Array:
   return jnp.where(key < V, key, jnp.where(key < 2 * V, 2 * V - 1 - key, 0)).astype(jnp.int32)
 
 
+def draw_in_blocks(u: jax.Array, weights_V: jax.Array, block: int = 128) -> jax.Array:
+  """`draw_with`'s law (a token with probability proportional to `weights_V`, >= 0, by inverse
+  CDF with u in [0, 1)) in O(V) on every platform: the first block of `block` tokens whose
+  prefix mass exceeds u * total, then the first token in it whose prefix within the block
+  exceeds the rest. Only tokens of positive weight are drawn, whatever the rounding (none past
+  the threshold: the last block, or token in the block, of positive weight); no positive weight
+  draws token 0. Its prefix sums differ from `draw_with`'s in rounding, so a draw at a boundary
+  may differ: callers that must reproduce the native kernels' draws use `draw_with`."""
+  V = weights_V.shape[-1]
+  P = -(-V // block)
+  w_PxC = jnp.pad(weights_V.astype(jnp.float32), (0, P * block - V)).reshape(P, block)
+  sums_P = jnp.sum(w_PxC, axis=1)
+  cdf_P = jnp.cumsum(sums_P)
+  threshold = u * cdf_P[-1]
+  p = _first_past(cdf_P, sums_P > 0, threshold)
+  in_block_C = w_PxC[p]
+  c = _first_past(jnp.cumsum(in_block_C), in_block_C > 0, threshold - (cdf_P[p] - sums_P[p]))
+  return (p * block + c).astype(jnp.int32)
+
+
+def _first_past(cdf_N: jax.Array, positive_N: jax.Array, threshold: jax.Array) -> jax.Array:
+  """The first index of positive weight whose prefix sum exceeds `threshold`; none: the last
+  of positive weight; none of positive weight: 0 (one reduction, as `draw_with`)."""
+  N = cdf_N.shape[-1]
+  ids_N = jnp.arange(N, dtype=jnp.int32)
+  key = jnp.min(jnp.where(positive_N & (cdf_N > threshold), ids_N,
+                          jnp.where(positive_N, 2 * N - 1 - ids_N, 2 * N)))
+  return jnp.where(key < N, key, jnp.where(key < 2 * N, 2 * N - 1 - key, 0)).astype(jnp.int32)
+
+
 def typed_keys(keys) -> jax.Array:
   """Typed keys (`jax.random.key`) of any shape from typed keys or legacy raw ones (uint32 key
   data with the key's trailing dimension, as `jax.random.PRNGKey` and `split` of it make): the
