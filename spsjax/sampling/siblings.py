@@ -4,7 +4,8 @@ given the ones before it is known (what `rejection.accept_tree` needs to stay ex
 `draw` takes a row's draft law q and its first child (already drawn from q) and returns `count`
 more, each from q without the children before it, renormalised: sampling without replacement,
 one after another by inverse CDF in blocks (`processors.draw_in_blocks`, one uniform number
-each, O(V): the Gumbel top-k trick's noise over the vocabulary costs 6-50x more on a CPU).
+each, O(V): the Gumbel top-k trick's noise and top-k over the vocabulary cost 3-140x more on
+a CPU).
 Under a greedy draft (q a point mass, nothing left to sample) they are instead the draft logits'
 next best, as point masses. Tokens the law has no mass left for are marked not proposed.
 """
