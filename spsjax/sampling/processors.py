@@ -516,6 +516,7 @@ def draw_in_blocks(u: jax.Array, weights_V: jax.Array, block: int = 128) -> jax.
   draws token 0. Its prefix sums differ from `draw_with`'s in rounding, so a draw at a boundary
   may differ: callers that must reproduce the native kernels' draws use `draw_with`."""
   V = weights_V.shape[-1]
+  block = min(block, V)  # A small vocabulary is one block, not padded.
   P = -(-V // block)
   w_PxC = jnp.pad(weights_V.astype(jnp.float32), (0, P * block - V)).reshape(P, block)
   sums_P = jnp.sum(w_PxC, axis=1)
