@@ -89,9 +89,10 @@ def head_loss(kind: str, head: models.Model, target: models.Model, batch_BxL1: j
   if kind == 'feature':
     T = pairs_x.shape[1]
     kls, regressions = [], []
-    q_BxTxV, predicted_BxTxD = feature_head.feature_head_forward(head, target, pairs_f, pairs_x)
-    ce = _first_draft_ce(q_BxTxV, batch_BxL1[:, 2:])
     streams, tokens = [feature_head.stream(head, pairs_f)], [pairs_x]  # Run 0's pairs.
+    q_BxTxV, predicted_BxTxD = feature_head.feature_head_forward(head, target, streams[0],
+                                                                 pairs_x)
+    ce = _first_draft_ce(q_BxTxV, batch_BxL1[:, 2:])
     for run in range(1 + own_steps):
       if run:  # Run `run`'s pairs (positions run .. T - 1) on the tree of runs 0 .. run.
         tree, firsts = own_steps_tree(T, run + 1)
