@@ -22,6 +22,11 @@ Arguments:
     (i < layers: layer i's input; the number of layers: its last output), projected together
     (EAGLE-3's multi-layer features; `TransformerConfig.feature_taps`); train it with `hass=1`
     or more, as it reads its own predictions when drafting.
+    `hass_decay=0.8`: own-step run j weighs decay^j in the loss (EAGLE-3's 0.8; default 1).
+    `vocab=512` (feature, heads): the head drafts from its own output layer over the 512 tokens
+    most frequent in its training data (EAGLE-3's draft vocabulary; `TransformerConfig.
+    draft_vocab_size`), a quarter of the vocabulary's product per draft step; 0 (default) reads
+    the target's output layer. Checkpoint names add `_decay0.8`, `_v512`.
   distill: 0 trains on the language-model loss; a value in (0, 1] is the weight of distillation
     from the family's trained target (DistillSpec), the rest the LM loss.
   divergence: forward_kl (KL(p_target || q_draft), the default) | reverse_kl | tv (total
@@ -96,7 +101,7 @@ def get_config(arg=None):
   a = parse_arg(arg, size='tiny', model='target', distill=0.0, root='', steps=0, seed=0,
                 data=1, model_axis=1, runlocal=False, divergence='forward_kl',
                 distill_data='corpus', prompt_len=32, distill_rows=0, name='', head_layers=0,
-                hass=0, feature_weight=0.1, taps='')
+                hass=0, feature_weight=0.1, taps='', hass_decay=1.0, vocab=0)
   if a.size not in _SIZES:
     raise ValueError(f'size must be one of {sorted(_SIZES)}, got {a.size!r}.')
   if a.model not in _PRESET and a.model not in _HEADS:
@@ -105,19 +110,26 @@ def get_config(arg=None):
   if head and a.distill:
     raise ValueError(f'model={a.model} trains on the target\'s features and laws; distill is for '
                      f'transformer drafts.')
+  if not head and (a.vocab or a.hass_decay != 1.0):
+    raise ValueError(f'vocab and hass_decay are a head\'s (model=feature or heads); got '
+                     f'model={a.model}.')
+  if a.hass_decay != 1.0 and not a.hass:
+    raise ValueError('hass_decay weighs the own-step runs: it needs hass >= 1.')
   size = _SIZES[a.size]
   c = ml_collections.ConfigDict()
   taps = _taps(a.taps, a.model, presets.get(f'{a.size}_target')['num_layers'])
   if head:  # The target's shape, its number of layers the head's blocks (or heads).
     c.model = dict(presets.get(f'{a.size}_target'), num_layers=a.head_layers or _HEADS[a.model],
-                   feature_taps=taps)
+                   feature_taps=taps, draft_vocab_size=a.vocab)
   else:
     c.model = presets.get(f'{a.size}_{_PRESET[a.model]}')
   c.root = a.root or f'checkpoints/{a.size}' + ('_runlocal' if a.runlocal else '')
   c.name = a.model
-  if head:  # e.g. feature_hass1, heads_4, feature_taps1-3-6_hass1.
-    c.name += (f'_{c.model["num_layers"]}' if a.head_layers else '') + (
-        f'_taps{"-".join(map(str, taps))}' if taps else '') + (f'_hass{a.hass}' if a.hass else '')
+  if head:  # e.g. feature_hass1, heads_4, feature_taps1-3-6_hass1_decay0.8_v512.
+    c.name += ''.join(part for part, on in (
+        (f'_{c.model["num_layers"]}', a.head_layers), (f'_taps{"-".join(map(str, taps))}', taps),
+        (f'_hass{a.hass}', a.hass), (f'_decay{a.hass_decay:g}', a.hass_decay != 1.0),
+        (f'_v{a.vocab}', a.vocab)) if on)
   if a.distill > 0:
     c.name += '_distill' + ''.join(
         f'_{v}' for v, default in ((a.divergence, 'forward_kl'), (a.distill_data, 'corpus'))
@@ -142,7 +154,8 @@ def get_config(arg=None):
       distill_temperature=1.0, distill_divergence=a.divergence, distill_data=a.distill_data,
       distill_prompt_len=a.prompt_len, distill_rows=a.distill_rows,
       init_from_teacher=a.model in _FROM_TARGET, head=a.model if head else '',
-      head_feature_weight=a.feature_weight, head_own_steps=a.hass)
+      head_feature_weight=a.feature_weight, head_own_steps=a.hass,
+      head_own_step_decay=a.hass_decay)
   c.optimizer = dict(learning_rate=size['learning_rate'],
                      warmup_steps=min(own('warmup_steps'), steps // 2), total_steps=steps,
                      final_fraction=0.1, weight_decay=0.1, clip_norm=1.0, b1=0.9, b2=0.95)

@@ -91,3 +91,24 @@ def test_bad_arguments_and_states(docs, tok):
     pipeline.PackedBatches(docs, tok, BATCH, SEQ_LEN, SEED + 1).set_state(state)
   with pytest.raises(ValueError, match='lacks'):
     batches.set_state({'epoch': 0})
+
+
+def test_most_frequent_tokens_of_the_stream_leave_its_position(docs, tok):
+  """A head's draft vocabulary: the n most frequent tokens of epoch 0's first tokens (ties: the
+  smaller id), counted independently; the pipeline yields the batches it would have."""
+  batches = pipeline.PackedBatches(docs, tok, BATCH, SEQ_LEN, SEED)
+  first = next(batches)
+  stream = _stream(docs, tok, 0)
+  for n, budget in ((5, 3000), (100, 10**9)):
+    counts = np.bincount(stream[:budget], minlength=tok.vocab_size)
+    got = batches.most_frequent(n, tok.vocab_size, budget)
+    assert got.dtype == np.int32 and list(got) == sorted(set(got.tolist())) and len(got) == n
+    kept, rest = counts[got], np.delete(counts, got)
+    assert kept.min() >= rest.max()
+    ties = np.flatnonzero(counts == kept.min())  # The smaller ids among equal counts.
+    np.testing.assert_array_equal(np.intersect1d(got, ties), ties[:np.isin(ties, got).sum()])
+  np.testing.assert_array_equal(next(batches).reshape(-1), stream[BATCH * (SEQ_LEN + 1):][
+      :BATCH * (SEQ_LEN + 1)])
+  assert first.shape == (BATCH, SEQ_LEN + 1)
+  with pytest.raises(ValueError, match='1 <= n <= vocab_size'):
+    batches.most_frequent(0, tok.vocab_size, 10)

@@ -262,7 +262,12 @@ def test_train_config_names_a_heads_taps_and_refuses_bad_ones():
   taps = config.get_config('size=demo,model=feature,taps=1+3+6,hass=1')
   assert taps.name == 'feature_taps1-3-6_hass1' and tuple(taps.model.feature_taps) == (1, 3, 6)
   assert tuple(config.get_config('size=demo,model=feature').model.feature_taps) == ()
+  eagle3 = config.get_config('size=demo,model=feature,taps=1+3+6,hass=2,hass_decay=0.8,vocab=512')
+  assert eagle3.name == 'feature_taps1-3-6_hass2_decay0.8_v512'
+  assert eagle3.model.draft_vocab_size == 512 and eagle3.train.head_own_step_decay == 0.8
   for arg, message in (('model=heads,taps=1+2', 'model=feature'),
+                       ('model=draft_wide,vocab=512', "a head's"),
+                       ('model=feature,hass_decay=0.8', 'needs hass >= 1'),
                        ('model=feature,taps=3+1', '0 .. 6'), ('model=feature,taps=1+7', '0 .. 6'),
                        ('model=feature,taps=x', '0 .. 6')):
     with pytest.raises(ValueError, match=message):

@@ -45,13 +45,16 @@ TAPS = (0, 1, 2)  # An EAGLE-3 head's taps of the 2-layer targets: embedding, mi
 
 
 def _head(target: models.Model, kind: str, layers: int, seed: int,
-          scale: float = 1.0, taps: tuple[int, ...] = ()) -> models.Model:
-  """A random head for `target` (reading its residual stream at `taps`, EAGLE-3's), its fused
-  input scaled (sharper, less uniform drafts)."""
-  config = feature_head.head_config(target.config, layers, taps)
+          scale: float = 1.0, taps: tuple[int, ...] = (), vocab: tuple[int, ...] = ()
+          ) -> models.Model:
+  """A random head for `target` (reading its residual stream at `taps`, EAGLE-3's; drafting
+  the tokens `vocab` from its own output layer, EAGLE-3's draft vocabulary), its fused input
+  scaled (sharper, less uniform drafts)."""
+  config = feature_head.head_config(target.config, layers, taps, len(vocab))
   params = feature_head.init_head(kind, config, jax.random.key(seed))
   fuse = dict(params['fuse'], fuse=params['fuse']['fuse'] * scale)
-  return models.Model(config, dict(params, fuse=fuse))
+  head = models.Model(config, dict(params, fuse=fuse))
+  return feature_head.with_draft_vocab(head, vocab) if vocab else head
 
 
 @pytest.fixture(scope='module')
@@ -116,7 +119,64 @@ def test_cached_head_equals_its_full_forward(pair48, packed, taps):
     np.testing.assert_allclose(got_c, want_more[:, 9:], rtol=2e-4, atol=2e-4)
 
 
-_head_forward = jax.jit(feature_head.feature_head_forward)
+_head_forward = jax.jit(feature_head.feature_head_forward, static_argnames='in_draft_vocab')
+
+
+@pytest.mark.parametrize('kind', ['feature', 'heads'])
+def test_a_draft_vocabulary_is_drafted_from_the_heads_own_output_layer(pair48, kind):
+  """A head with a draft vocabulary of 16 of the 48 tokens: its logits are its predicted
+  features RMS-normed, through its own [D, 16] product (numpy, from the features it predicts),
+  at those tokens, -inf at the others; packed (float32, int8) its cached calls give them (int8:
+  its own output layer quantized, no copy of the target's); bad vocabularies are refused."""
+  vocab = tuple(int(t) for t in np.sort(np.random.default_rng(1).choice(48, 16, replace=False)))
+  head = _head(pair48, kind, 1 if kind == 'feature' else 2, 1, vocab=vocab)
+  rng = np.random.default_rng(2)
+  tokens = jnp.asarray(rng.integers(0, 48, size=(2, 5)), jnp.int32)
+  features = jnp.asarray(rng.normal(size=(2, 5, 32)), jnp.float32)
+
+  def want(predicted, own):
+    x = np.asarray(predicted, np.float64)
+    x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6) * np.asarray(
+        own['norm']['scale'])
+    out = np.full(x.shape[:-1] + (48,), -np.inf)
+    w_DxVd = own['output']
+    if isinstance(w_DxVd, native.PackedWeight):
+      w_DxVd = native.unpack(w_DxVd)
+    out[..., vocab] = x @ np.asarray(w_DxVd, np.float64)
+    return out
+
+  def close(got, want_):
+    assert np.array_equal(np.isinf(np.asarray(got)), np.isinf(want_))
+    np.testing.assert_allclose(np.where(np.isinf(want_), 0, got), np.where(np.isinf(want_), 0,
+                                                                           want_), atol=2e-4)
+  if kind == 'heads':
+    logits, predicted = feature_head.parallel_heads(head, pair48, features[:, 0], tokens[:, 0])
+    close(logits, want(predicted, head.params['draft_vocab']))
+    own, _ = feature_head.parallel_heads(head, pair48, features[:, 0], tokens[:, 0],
+                                         in_draft_vocab=True)
+    np.testing.assert_array_equal(own, np.asarray(logits)[..., vocab])
+    return
+  logits, predicted = _head_forward(head, pair48, features, tokens)
+  close(logits, want(predicted, head.params['draft_vocab']))
+  own, _ = _head_forward(head, pair48, features, tokens, in_draft_vocab=True)
+  np.testing.assert_array_equal(own, np.asarray(logits)[..., vocab])
+  for weights in ('float32', 'int8'):
+    target = models.for_decoding(pair48)
+    head_run = models.for_decoding(head, weights, target)
+    assert 'output' not in head_run.params
+    assert head_run.params['draft_vocab']['output'].panels_PxIxC.dtype == (
+        jnp.int8 if weights == 'int8' else jnp.float32)
+    assert models.num_params(head_run.params) == models.num_params(head.params)
+    reference = models.unpack(head_run)  # Its weights as the packed products read them.
+    _, predicted = _head_forward(reference, pair48, features, tokens)
+    cache = models.init_cache(head.config, 2, 8)
+    got, _, _ = jax.jit(feature_head.extend_head)(head_run, target, cache, features, tokens)
+    close(got, want(predicted, head_run.params['draft_vocab']))
+  for bad in (vocab[:-1], vocab[:-1] + (vocab[0],), vocab[:-1] + (48,)):
+    with pytest.raises(ValueError, match='drafts as many distinct tokens in'):
+      feature_head.with_draft_vocab(head, bad)
+  with pytest.raises(ValueError, match='draft_vocab_size must be in'):
+    feature_head.head_config(pair48.config, 1, (), 49)
 
 
 def _padded(rows, width=forwards.WIDTH - 1) -> jax.Array:
@@ -284,24 +344,27 @@ def tiny_target():
     ('feature', 'top_p_0.8', 2, True, 'tree'), ('heads', 'temperature_1', 2, True, 'tree'),
     ('feature', 'temperature_1', 2, True, 'dynamic'), ('feature', 'top_p_0.8', 3, False,
                                                        'dynamic'),
-    ('feature', 'top_p_0.8', 2, True, 'taps')])
+    ('feature', 'top_p_0.8', 2, True, 'taps'), ('feature', 'temperature_1', 3, True, 'vocab')])
 def test_output_law_is_target_law(tiny_target, kind, setting, k, packed, variant):
   """5 tokens per row after two prompts of different lengths interleaved in one batch (rows accept
   different numbers of drafts in the same loops; the law covers the bonus token and a second
   loop), against each prompt's enumerated joint law of the target; with alternatives, or the heads
   drafting a tree (2, 2), a tree of drafts; the EAGLE head growing each row's own tree (point
-  masses); an EAGLE-3 head (reading the target's taps) drafting a chain. Power: 50,000 rows per
+  masses); an EAGLE-3 head (reading the target's taps) drafting a chain; a head drafting 4 of
+  the 7 tokens (its draft vocabulary: the others never proposed, drawn from the residual only).
+  Power: 50,000 rows per
   prompt detect at 80% any law within total variation 0.035 (temperature 1) or 0.028 (top-p
   0.8) of the target's (`stats.detectable_tv`)."""
   sampling = {'temperature_1': SamplingConfig(), 'top_p_0.8': SamplingConfig(top_p=0.8)}[setting]
   head = _head(tiny_target, kind, 1 if kind == 'feature' else 3, 4, scale=2.0,
-               taps=TAPS if variant == 'taps' else ())
-  variant = 0 if variant == 'taps' else variant
+               taps=TAPS if variant == 'taps' else (),
+               vocab=(0, 2, 3, 5) if variant == 'vocab' else ())
+  variant = 0 if variant in ('taps', 'vocab') else variant
   target, head = tiny_target, head
   if packed:  # The head in w8a8 (the drafts' default), through its own copy of the output layer.
     target = models.for_decoding(tiny_target)
     head = models.for_decoding(head, 'w8a8', target)
-    assert 'output' in head.params
+    assert ('output' in head.params) != bool(head.config.draft_vocab_size)
   assert models.is_packed(target) == packed == models.is_packed(head)
   prompts, lengths = interleaved(RAGGED_PROMPTS, ROWS)
   out = speculative_sample(target, head, prompts, lengths, jax.random.key(30 + k), k=k,
@@ -317,7 +380,8 @@ def test_greedy_sps_equals_greedy_ars(tiny_target, kind, k):
   drafts accepted (the small vocabulary makes a random head's argmax often right); with 2
   alternatives beside each draft (the head's next best) too, and drafting a tree (the heads': the
   Cartesian tree of their top tokens), in fewer loops than the chain; and the EAGLE head growing
-  each row's own tree; an EAGLE-3 head (the target's taps) too, its chain and its tree."""
+  each row's own tree; an EAGLE-3 head (the target's taps) too, its chain and its tree; and one
+  drafting from its own output layer over 5 of the 7 tokens (a draft vocabulary)."""
   head = _head(tiny_target, kind, 1 if kind == 'feature' else 4, 6, scale=2.0)
   prompts, lengths = _ragged(k, batch=8, width=4, vocab=V_SMALL)
   ars = autoregressive_sample(tiny_target, prompts, lengths, jax.random.key(0),
@@ -340,12 +404,15 @@ def test_greedy_sps_equals_greedy_ars(tiny_target, kind, k):
     last_only = jnp.zeros((len(TAPS), D, D)).at[-1].set(jnp.eye(D))
     head3 = models.Model(head3.config, dict(head3.params, taps=dict(head3.params['taps'],
                                                                      taps=last_only)))
-    for variant in (0, 'tree') if k > 1 else (0,):
-      sps = speculative_sample(
-          tiny_target, head3, prompts, lengths, jax.random.key(1), k=k, max_new_tokens=8,
-          sampling=GREEDY, eos_id=6, drafter=_drafter(kind, variant, k))
-      np.testing.assert_array_equal(sps.tokens, ars.tokens, err_msg=f'taps {variant}')
-      assert int(np.sum(sps.num_accepted)) > 0
+    # A draft vocabulary of 5 of the 7 tokens (its own output layer): chain and dynamic tree.
+    head_v = _head(tiny_target, kind, 1, 6, scale=2.0, vocab=(0, 1, 3, 4, 6))
+    for name, head_, variants in (('taps', head3, (0, 'tree')), ('vocab', head_v, (0, 'dynamic'))):
+      for variant in variants if k > 1 else (0,):
+        sps = speculative_sample(
+            tiny_target, head_, prompts, lengths, jax.random.key(1), k=k, max_new_tokens=8,
+            sampling=GREEDY, eos_id=6, drafter=_drafter(kind, variant, k))
+        np.testing.assert_array_equal(sps.tokens, ars.tokens, err_msg=f'{name} {variant}')
+        assert int(np.sum(sps.num_accepted)) > 0
 
 
 @pytest.mark.parametrize('kind', ['feature', 'heads'])
@@ -408,10 +475,11 @@ def test_heads_that_do_not_fit_are_refused(pair48):
 def test_a_head_drafts_the_same_tokens_on_a_mesh(pair48):
   """Target and EAGLE head sharded on a 2 x 2 mesh (heads and MLP over `model`, rows over
   `data`): greedy SpS gives the tokens it gives on one device; an EAGLE-3 head (the target's
-  taps) too."""
+  taps, its own output layer over 24 tokens split over `model`) too."""
   prompts, lengths = _ragged(8, batch=4)
   for taps in ((), TAPS):
-    head = _head(pair48, 'feature', 1, 3, scale=3.0, taps=taps)
+    head = _head(pair48, 'feature', 1, 3, scale=3.0, taps=taps,
+                 vocab=tuple(range(0, 48, 2)) if taps else ())
     run = lambda mesh, head=head: speculative_sample(
         pair48, head, prompts, lengths, jax.random.key(0), k=3, max_new_tokens=10,
         sampling=GREEDY, mesh=mesh, drafter=FeatureDrafter())

@@ -375,6 +375,42 @@ def test_a_draft_can_start_from_the_teachers_first_layers(finished, tmp_path):
     run(wider, workdir=str(tmp_path / 'wider'), teacher=teacher)
 
 
+def test_a_heads_loss_in_its_draft_vocabulary_weighs_its_runs():
+  """A head drafting 10 of 40 tokens: its KL is to the target's law restricted to them and
+  renormalized, its logits its own over them (numpy from its `in_draft_vocab` forward);
+  `lm_loss` the cross-entropy on the corpus tokens in it, `coverage` their share; with one
+  own-step run the KLs weigh 1 and decay."""
+  config = models.TransformerConfig(vocab_size=40, d_model=16, num_layers=2, num_heads=2,
+                                    d_ff=32, max_seq_len=32)
+  target = models.Model(config, models.init_params(config, jax.random.key(0)))
+  vocab = np.arange(0, 40, 4)
+  head_config = models.feature_head.head_config(config, 1, (), len(vocab))
+  head = models.Model(head_config, models.feature_head.init_head('feature', head_config,
+                                                                jax.random.key(1)))
+  head = models.feature_head.with_draft_vocab(head, vocab)
+  batch = jnp.asarray(np.random.default_rng(0).integers(0, 40, size=(2, 10)), jnp.int32)
+  loss = lambda steps, decay=1.0: head_losses.head_loss(
+      'feature', head, target, batch, feature_weight=0.0, own_steps=steps,
+      own_step_decay=decay)[1]
+  one = loss(0)
+  f = models.features(config, target.params, batch[:, :-1])
+  q, _ = models.feature_head.feature_head_forward(head, target, f[:, :-1], batch[:, 1:-1],
+                                                  in_draft_vocab=True)
+  log_q = np.asarray(jax.nn.log_softmax(q))
+  log_p = np.asarray(jax.nn.log_softmax(models.logits(config, target.params, batch[:, :-1])[
+      :, 1:, vocab]))
+  np.testing.assert_allclose(one['distill'], np.mean(np.sum(np.exp(log_p) * (log_p - log_q), -1)),
+                             rtol=1e-5)
+  corpus = np.asarray(batch[:, 2:])
+  inside = np.isin(corpus, vocab)
+  assert 0 < inside.sum() < inside.size
+  nll = -np.take_along_axis(log_q, (corpus // 4)[..., None], -1)[..., 0]
+  np.testing.assert_allclose(one['lm_loss'], nll[inside].mean(), rtol=1e-5)
+  np.testing.assert_allclose(one['coverage'], inside.mean())
+  kl0, kl1 = float(one['distill']), 2 * float(loss(1)['distill']) - float(one['distill'])
+  np.testing.assert_allclose(loss(1, 0.5)['distill'], (kl0 + 0.5 * kl1) / 1.5, rtol=1e-5)
+
+
 @pytest.mark.parametrize('taps', [(), (0, 1, 2)])
 def test_own_step_runs_see_what_drafting_sees(taps):
   """`head_losses.own_steps_tree`: run j's pair at position s, on the tree of runs 0 .. j, gives
@@ -387,7 +423,7 @@ def test_own_step_runs_see_what_drafting_sees(taps):
   head_config = models.feature_head.head_config(config, 1, taps)
   head = models.Model(head_config, models.feature_head.init_head('feature', head_config,
                                                                 jax.random.key(1)))
-  T, runs, F = 7, 3, 16 * max(len(taps), 1)
+  T, runs, F = 5, 3, 16 * max(len(taps), 1)
   rng = np.random.default_rng(0)
   features_1xTxF = jnp.asarray(rng.normal(size=(1, T, F)), jnp.float32)
   tokens_1xT = jnp.asarray(rng.integers(0, 40, size=(1, T)), jnp.int32)
@@ -414,40 +450,56 @@ def test_own_step_runs_see_what_drafting_sees(taps):
                                  atol=2e-4, err_msg=f'run {run}, position {s}')
 
 
-@pytest.mark.parametrize('head,own_steps,taps', [('feature', 1, False), ('heads', 0, False),
-                                                 ('feature', 1, True)])
+@pytest.mark.parametrize('head,own_steps,taps,vocab', [
+    ('feature', 1, False, 0), ('heads', 0, False, 256), ('feature', 1, True, 256)])
 def test_a_head_learns_the_targets_law_and_loads_for_drafting(finished, tmp_path, head,
-                                                              own_steps, taps):
+                                                              own_steps, taps, vocab):
   """A head over the finished run's features (`head_losses`; the EAGLE head with one HASS-style
   run on its own predictions; `taps`: reading the target's embedding and last output side by
-  side, EAGLE-3's features): 10 steps lower its KL to the target's law on held-out text; its
-  checkpoint says it is a head (of those taps) and loads as one, and drafts for the target in
-  SpS."""
+  side, EAGLE-3's features; `vocab`: drafting the 256 most frequent tokens of its training
+  batches from its own output layer): 10 steps lower its KL to the target's law on held-out
+  text; its checkpoint says it is a head (of those taps, that vocabulary) and loads as one, and
+  drafts for the target in SpS."""
   finished_dir, _, _ = finished
   teacher, tok, _ = load.load_model(finished_dir)
   layers = 1 if head == 'feature' else 3
   taps = (0, teacher.config.num_layers) if taps else ()
   config = dataclasses.replace(
       train_helpers.CONFIG, head=head, head_own_steps=own_steps, seed=2,
-      model=models.feature_head.head_config(teacher.config, layers, taps),
+      model=models.feature_head.head_config(teacher.config, layers, taps, vocab),
       optimizer=dataclasses.replace(train_helpers.CONFIG.optimizer, total_steps=10))
+  batches = experiment.pipeline.PackedBatches(data_helpers.texts('train'), tok,
+                                              train_helpers.BATCH, train_helpers.SEQ_LEN)
+  most_frequent = lambda: batches.most_frequent(vocab, config.model.vocab_size, 20_000)
   batch = jnp.asarray(next(train_helpers.held_out(tok)()))
   kl = lambda params: float(head_losses.head_loss(
       head, models.Model(config.model, params), teacher, batch, feature_weight=0.1)[1]['distill'])
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ('data', 'model'))
-  before = kl(trainer.init_state(config, mesh).params)
+  start = models.Model(config.model, trainer.init_state(config, mesh).params)
+  if vocab:  # The KL in the vocabulary the run drafts.
+    start = models.feature_head.with_draft_vocab(start, most_frequent())
+  before = kl(start.params)
   workdir = str(tmp_path / (head + str(taps)))
   state, metrics = trainer.train(
-      config, workdir=workdir, train_batches=experiment.pipeline.PackedBatches(
-          data_helpers.texts('train'), tok, train_helpers.BATCH, train_helpers.SEQ_LEN),
-      eval_batches=train_helpers.held_out(tok), tokenizer_bytes=tok.to_bytes(), mesh=mesh,
-      teacher=teacher)
+      config, workdir=workdir, train_batches=batches, eval_batches=train_helpers.held_out(tok),
+      tokenizer_bytes=tok.to_bytes(), mesh=mesh, teacher=teacher,
+      draft_vocab=most_frequent if vocab else None)
   assert {'distill', 'feature', 'lm_loss', 'eval_loss'} <= set(metrics)
+  assert ('coverage' in metrics) == bool(vocab)
   assert kl(state.params) < before - 0.1, (before, kl(state.params))
   loaded, _, meta = load.load_model(workdir)
   assert meta['head'] == head and models.feature_head.kind(loaded) == head
   assert loaded.config.feature_taps == taps and ('taps' in loaded.params) == bool(taps)
   assert _leaves_equal(loaded.params, state.params)
+  if vocab:
+    drafted = np.asarray(models.feature_head.draft_vocab(loaded))
+    np.testing.assert_array_equal(drafted, most_frequent())
+    assert drafted[-1] > 2 * vocab  # The most frequent of ~1,000 tokens, not the first ids.
+    assert 0.5 < metrics['coverage'] < 1.0
+    with pytest.raises(ValueError, match='needs its tokens'):
+      trainer.train(config, workdir=str(tmp_path / 'none'), train_batches=batches,
+                    eval_batches=train_helpers.held_out(tok), tokenizer_bytes=tok.to_bytes(),
+                    mesh=mesh, teacher=teacher)
   prompts = np.asarray(batch[:2, :6])
   out = sampling.speculative_sample(teacher, loaded, prompts, np.full((2,), 6, np.int32),
                                     jax.random.key(0), k=2, max_new_tokens=6,

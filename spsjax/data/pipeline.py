@@ -95,6 +95,24 @@ class PackedBatches:
       self._cache[index] = tokens
     return tokens
 
+  def most_frequent(self, n: int, vocab_size: int, max_tokens: int) -> np.ndarray:
+    """The `n` most frequent tokens (ties: the smaller id; int32, increasing) of the first
+    `max_tokens` of epoch 0's stream (or all of it), eos included: a head's draft vocabulary
+    (`models.feature_head.DraftVocab`). The pipeline's position is not moved."""
+    if not 1 <= n <= vocab_size or max_tokens < 1:
+      raise ValueError(f'Want 1 <= n <= vocab_size ({vocab_size}) and max_tokens >= 1, got n={n},'
+                       f' max_tokens={max_tokens}.')
+    counts, seen = np.zeros(vocab_size, np.int64), 0
+    for index in epoch_order(len(self._source), self._seed, 0):
+      tokens = self.document_tokens(int(index))[:max_tokens - seen]
+      if tokens.size and int(tokens.max()) >= vocab_size:
+        raise ValueError(f'Token {int(tokens.max())} is outside a vocabulary of {vocab_size}.')
+      counts += np.bincount(tokens, minlength=vocab_size)
+      seen += tokens.size
+      if seen >= max_tokens:
+        break
+    return np.sort(np.argsort(-counts, kind='stable')[:n]).astype(np.int32)
+
   def _start_epoch(self, epoch: int) -> None:
     self._epoch, self._doc, self._offset, self._batch_in_epoch = epoch, 0, 0, 0
     self._order = epoch_order(len(self._source), self._seed, epoch)

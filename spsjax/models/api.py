@@ -99,9 +99,11 @@ def truncated_params(config: TransformerConfig, params, to: TransformerConfig) -
 
 
 def num_params(params) -> int:
-  """Parameters of the model, packed or not (a packed copy of a tied table is not counted)."""
+  """Parameters of the model, packed or not (a packed copy of a tied table is not counted, nor
+  are integer leaves: a head's draft vocabulary's token ids)."""
   leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, native.PackedWeight))
-  return sum(0 if getattr(x, 'tied_to', None) else x.size for x in leaves)
+  return sum(0 if getattr(x, 'tied_to', None) or not isinstance(x, native.PackedWeight)
+             and jnp.issubdtype(x.dtype, jnp.integer) else x.size for x in leaves)
 
 
 def logits(config: TransformerConfig, params, tokens_BxT: jax.Array) -> jax.Array:

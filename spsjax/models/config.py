@@ -135,6 +135,11 @@ class TransformerConfig:
   # norm. () reads that last output alone (EAGLE-1); several are read side by side and projected
   # to one stream (EAGLE-3). A list (a checkpoint's JSON) becomes a tuple.
   feature_taps: tuple[int, ...] = ()
+  # A feature head's own output layer over a draft vocabulary of this many of the target's
+  # tokens (EAGLE-3's d2t: the most frequent in its training data; `feature_head`'s
+  # `draft_vocab`): a final norm and a [D, draft_vocab_size] product, the other tokens never
+  # drafted. 0 reads the target's output layer (every token).
+  draft_vocab_size: int = 0
   # What computes the projections and the cached attention: 'xla' (XLA's ops on the parameters
   # `init_params` makes), 'xla_fused' (XLA's ops on weights fused for decoding by `models.fuse`:
   # q, k and v one product, a gated MLP's gate and input one; `models.unfuse` sets 'xla' back) or
@@ -172,6 +177,9 @@ class TransformerConfig:
         t < 0 for t in self.feature_taps):
       raise ValueError(f'feature_taps must be increasing layer indices >= 0, got '
                        f'{self.feature_taps}.')
+    if not 0 <= self.draft_vocab_size <= self.vocab_size:
+      raise ValueError(f'draft_vocab_size must be in [0, vocab_size={self.vocab_size}] (0: the '
+                       f'target\'s output layer), got {self.draft_vocab_size}.')
     if self.sliding_window is not None and self.sliding_window < 1:
       raise ValueError(f'sliding_window must be >= 1 (or None), got {self.sliding_window}.')
     if self.global_layers and (self.sliding_window is None or list(self.global_layers) != sorted(

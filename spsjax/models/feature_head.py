@@ -7,7 +7,11 @@ turns its predicted features into logits through the target's own embedding tabl
 layer (`transformer.embed`, `transformer.output_logits` on the target's parameters, passed in
 at each call): its parameters hold neither, so it costs the target's vocabulary nothing to store
 (a head packed in bfloat16, int8 or w8a8 for the CPU kernels may hold `output`, a copy of the
-target's output layer in its own precision, made when it is packed: `models.pack`).
+target's output layer in its own precision, made when it is packed: `models.pack`). A head with
+a draft vocabulary (`draft_vocab_size` > 0, EAGLE-3's d2t) has its own output layer instead, over
+that many of the target's tokens (`DraftVocab`, `draft_vocab`): a fraction of the vocabulary's
+product per draft step; the other tokens have logits -inf, never drafted (speculative sampling
+stays exact: the target's law decides what is kept and drawn).
 
 Both kinds read a pair (f_t, x_{t+1}) (the features at t and the token after t, which the
 target's law at t drew): each RMS-normed, side by side, projected back to D (`fuse`).
@@ -33,6 +37,7 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from spsjax import native, sharding
@@ -41,23 +46,25 @@ from spsjax.models import kv_cache
 from spsjax.models.api import Model, call_positions, features, logits
 from spsjax.models.config import TransformerConfig
 from spsjax.models.token_tree import TokenTree
-from spsjax.models.transformer import (Block, Mlp, RMSNorm, _kept_counts, _param, embed,
-                                        output_logits, project)
+from spsjax.models.transformer import (Block, Mlp, RMSNorm, _kept_counts, _output, _param,
+                                        embed, output_logits, project)
 
 KINDS = ('feature', 'heads')
 
 
 def head_config(target: TransformerConfig, num_layers: int = 1,
-                taps: tuple[int, ...] = ()) -> TransformerConfig:
+                taps: tuple[int, ...] = (), draft_vocab_size: int = 0) -> TransformerConfig:
   """A head's config for `target`: its width, heads, MLP and vocabulary, `num_layers` blocks
   (or heads), XLA's kernels, attention over every earlier position (no sliding window), reading
   the target's residual stream at `taps` (`TransformerConfig.feature_taps`; () its last layer's
-  output)."""
+  output), drafting from its own output layer over `draft_vocab_size` tokens (0: through the
+  target's, every token)."""
   if taps and not all(0 <= t <= target.num_layers for t in taps):
     raise ValueError(f'Feature taps index the target\'s residual stream, 0 .. {target.num_layers}'
                      f' (its last output); got {taps}.')
   return dataclasses.replace(target, num_layers=num_layers, kernels='xla', sliding_window=None,
-                             global_layers=(), local_rope_base=None, feature_taps=tuple(taps))
+                             global_layers=(), local_rope_base=None, feature_taps=tuple(taps),
+                             draft_vocab_size=draft_vocab_size)
 
 
 def reads(head: Model) -> bool | tuple[int, ...]:
@@ -125,6 +132,25 @@ def _stream(c: TransformerConfig, features_BxTxF, counts_B):
   return _Taps(c, name='taps')(features_BxTxF, counts_B)
 
 
+class DraftVocab(nn.Module):
+  """A head's own output layer over its draft vocabulary (EAGLE-3; `draft_vocab_size` > 0):
+  predicted features [B, T, D], RMS-normed (`norm`), through a [D, Vd] product (`output`) ->
+  float32 logits [B, T, Vd] of the target's tokens `tokens` (int32[Vd], increasing; not trained:
+  the most frequent tokens of the head's training data, set before its first step)."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxD, counts_B=None):
+    c = self.config
+    self.param('tokens', lambda _, n: jnp.arange(n, dtype=jnp.int32), c.draft_vocab_size)
+    if c.kernels == 'native':
+      w_DxVd = self.get_variable('params', 'output')
+    else:
+      w_DxVd = _param(self, 'output', (c.d_model, c.draft_vocab_size), ('embed', 'vocab'),
+                      c.d_model, c.jnp_dtype)
+    return _output(c, RMSNorm(c, name='norm'), None, w_DxVd, x_BxTxD, counts_B)
+
+
 class FeatureHead(nn.Module):
   """EAGLE's head (module docstring): pairs at `positions` -> predicted features [B, T, D] and
   its blocks' (k, v), cached like the transformer's (`cache`: (k, v, lengths) per block). The
@@ -190,7 +216,11 @@ def _boxed_init(kind_: str, config: TransformerConfig, rng: jax.Array):
     args = (jnp.zeros((1, 1, F)), jnp.zeros((1, 1, D)), jnp.zeros((1, 1), jnp.int32))
   else:
     args = (jnp.zeros((1, D)), jnp.zeros((1, D)))
-  return _module(kind_, config).init(rng, *args)['params']
+  params = _module(kind_, config).init(rng, *args)['params']
+  if config.draft_vocab_size:  # Its own output layer (`DraftVocab`).
+    params = dict(params, draft_vocab=DraftVocab(config).init(
+        jax.random.fold_in(rng, 1), jnp.zeros((1, 1, D)))['params'])
+  return params
 
 
 @functools.lru_cache(maxsize=16)
@@ -239,12 +269,48 @@ def stream(head: Model, features_BxTxF: jax.Array, counts_B: jax.Array | None = 
   return _Taps(head.config).apply({'params': head.params['taps']}, features_BxTxF, counts_B)
 
 
-def _logits_at(head: Model, target: Model, features_BxTxD, logits_at_BxL, counts_B):
+def draft_vocab(head: Model) -> jax.Array | None:
+  """The target's tokens a head drafts from its own output layer, int32[Vd] increasing
+  (`DraftVocab`), or None: it drafts every token through the target's."""
+  return head.params['draft_vocab']['tokens'] if head.config.draft_vocab_size else None
+
+
+def with_draft_vocab(head: Model, tokens) -> Model:
+  """`head` drafting the target's `tokens` (distinct ids, sorted here) from its own output
+  layer; ValueError unless they are as many as its `draft_vocab_size`, within the vocabulary."""
+  tokens = np.unique(np.asarray(tokens))
+  c = head.config
+  if tokens.size != c.draft_vocab_size or tokens.size and not 0 <= tokens[0] <= tokens[-1] < (
+      c.vocab_size):
+    raise ValueError(f'A head of draft_vocab_size {c.draft_vocab_size} drafts as many distinct '
+                     f'tokens in [0, {c.vocab_size}); got {tokens.size} in '
+                     f'[{tokens.min(initial=0)}, {tokens.max(initial=0)}].')
+  vocab = head.params['draft_vocab']
+  tokens = jnp.asarray(tokens, jnp.int32)
+  if isinstance(vocab['tokens'], jax.Array):  # Where the placeholder lives (a mesh's devices).
+    tokens = jax.device_put(tokens, vocab['tokens'].sharding)
+  return head.replace(params=dict(head.params, draft_vocab=dict(vocab, tokens=tokens)))
+
+
+def _logits_at(head: Model, target: Model, features_BxTxD, logits_at_BxL, counts_B,
+               in_draft_vocab: bool = False):
   """The target's output layer on predicted features (the head's copy of it where it holds
-  one: `models.pack`'s `target`)."""
+  one: `models.pack`'s `target`); a head with a draft vocabulary, its own (`DraftVocab`), its
+  logits [.., Vd] (`in_draft_vocab`) or placed among the target's tokens, -inf at the others."""
   if logits_at_BxL is not None:
     features_BxTxD = jnp.take_along_axis(features_BxTxD, logits_at_BxL[:, :, None], axis=1)
     counts_B = _kept_counts(logits_at_BxL, counts_B)
+  if head.config.draft_vocab_size:
+    own_BxTxVd = DraftVocab(head.config).apply({'params': head.params['draft_vocab']},
+                                               features_BxTxD, counts_B)
+    if in_draft_vocab:
+      return own_BxTxVd
+    everywhere = jnp.full(own_BxTxVd.shape[:-1] + (head.config.vocab_size,), -jnp.inf,
+                          own_BxTxVd.dtype)
+    return everywhere.at[..., draft_vocab(head)].set(own_BxTxVd, unique_indices=True)
+  if in_draft_vocab:
+    raise ValueError('This head drafts through the target\'s output layer: it has no draft '
+                     'vocabulary of its own (draft_vocab_size 0).')
   return output_logits(target.config, target.params,
                        features_BxTxD.astype(target.config.jnp_dtype), counts_B,
                        head=head.params.get('output'))
@@ -270,12 +336,13 @@ def extend_head(head: Model, target: Model, cache: kv_cache.KVCache, features_Bx
 
 
 def feature_head_forward(head: Model, target: Model, features_BxTxD: jax.Array,
-                         tokens_BxT: jax.Array, tree: TokenTree | None = None
-                         ) -> tuple[jax.Array, jax.Array]:
+                         tokens_BxT: jax.Array, tree: TokenTree | None = None,
+                         in_draft_vocab: bool = False) -> tuple[jax.Array, jax.Array]:
   """An EAGLE head over whole sequences, no cache (training, and the reference of
-  `extend_head`): pair t = (features[:, t], tokens[:, t]) -> (float32 logits [B, T, V],
-  predicted features [B, T, D]). With a `tree` (root and nodes: the T pairs) each pair sits at
-  its depth and sees its ancestors' pairs only (`models.tree_logits`' mask)."""
+  `extend_head`): pair t = (features[:, t], tokens[:, t]) -> (float32 logits [B, T, V] (a head
+  with a draft vocabulary: [B, T, Vd] where `in_draft_vocab`), predicted features [B, T, D]).
+  With a `tree` (root and nodes: the T pairs) each pair sits at its depth and sees its
+  ancestors' pairs only (`models.tree_logits`' mask)."""
   T = tokens_BxT.shape[1]
   positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens_BxT.shape)
   mask = None
@@ -285,13 +352,16 @@ def feature_head_forward(head: Model, target: Model, features_BxTxD: jax.Array,
   embedded_BxTxD = embed(target.config, target.params['embedding'], tokens_BxT)
   predicted_BxTxD, _ = FeatureHead(head.config).apply(
       {'params': head.params}, features_BxTxD, embedded_BxTxD, positions_BxT, tree=mask)
-  return _logits_at(head, target, predicted_BxTxD, None, None), predicted_BxTxD
+  return (_logits_at(head, target, predicted_BxTxD, None, None, in_draft_vocab),
+          predicted_BxTxD)
 
 
 def parallel_heads(head: Model, target: Model, features_BxD: jax.Array, tokens_B: jax.Array,
-                   num: int | None = None) -> tuple[jax.Array, jax.Array]:
-  """Parallel heads on one pair per row: (float32 logits [B, n, V], predicted features [B, n,
-  D]) of the first `num` heads (default all), head i's for the token i + 1 after `tokens_B`."""
+                   num: int | None = None, in_draft_vocab: bool = False
+                   ) -> tuple[jax.Array, jax.Array]:
+  """Parallel heads on one pair per row: (float32 logits [B, n, V] ([B, n, Vd] as
+  `feature_head_forward`'s), predicted features [B, n, D]) of the first `num` heads (default
+  all), head i's for the token i + 1 after `tokens_B`."""
   n = head.config.num_layers if num is None else num
   if not 1 <= n <= head.config.num_layers:
     raise ValueError(f'{n} drafts need {n} heads; this model has {head.config.num_layers}.')
@@ -302,7 +372,8 @@ def parallel_heads(head: Model, target: Model, features_BxD: jax.Array, tokens_B
   embedded_BxD = embed(target.config, target.params['embedding'], tokens_B)
   predicted_BxNxD = ParallelHeads(dataclasses.replace(head.config, num_layers=n)).apply(
       {'params': params}, features_BxD, embedded_BxD)
-  return _logits_at(head, target, predicted_BxNxD, None, None), predicted_BxNxD
+  return (_logits_at(head, target, predicted_BxNxD, None, None, in_draft_vocab),
+          predicted_BxNxD)
 
 
 def next_token_logits(draft: Model, target: Model, tokens_BxL: jax.Array) -> jax.Array:

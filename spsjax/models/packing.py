@@ -98,13 +98,17 @@ def _unpack_layer(config: TransformerConfig, layer: dict) -> dict:
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _pack_head(config: TransformerConfig, dtype: str, params: dict) -> dict:
-  """A feature head's own products (`feature_head`): its fuse, its taps' product and its
-  parallel heads' MLPs (its decoder blocks are layers, packed as a transformer's)."""
+  """A feature head's own products (`feature_head`): its fuse, its taps' product, its
+  parallel heads' MLPs and its draft vocabulary's output layer (its decoder blocks are layers,
+  packed as a transformer's)."""
   pack = functools.partial(native.pack, dtype=dtype)
   params = dict(params)
   for name in _INPUT_PRODUCTS:
     if name in params:
       params[name] = dict(params[name], **{name: pack(params[name][name], in_dims=2)})
+  if 'draft_vocab' in params:
+    params['draft_vocab'] = dict(params['draft_vocab'],
+                                 output=pack(params['draft_vocab']['output']))
   for name in [n for n in params if n.startswith('head_') and not n.endswith('_norm')]:
     params[name] = _pack_mlp(config, pack, params[name])
   return params
@@ -116,6 +120,9 @@ def _unpack_head(config: TransformerConfig, params: dict) -> dict:
   for name in _INPUT_PRODUCTS:
     if name in params:
       params[name] = dict(params[name], **{name: native.unpack(params[name][name])})
+  if 'draft_vocab' in params:
+    params['draft_vocab'] = dict(params['draft_vocab'],
+                                 output=native.unpack(params['draft_vocab']['output']))
   for name in [n for n in params if n.startswith('head_') and not n.endswith('_norm')]:
     params[name] = _unpack_mlp(config, params[name])
   return params
@@ -154,7 +161,8 @@ def pack(model: Model, weights: str = 'float32', target: Model | None = None) ->
   `target`: for a feature head (`models.feature_head`) packed in bfloat16, int8 or w8a8, the
   target it drafts for: the head gets a copy of the target's output layer stored as `weights`
   (`output`), so that a draft step reads the vocabulary's weights in the draft's precision, not
-  the target's float32 (the target's final norm still applies). Made here, never saved; `unpack` drops it.
+  the target's float32 (the target's final norm still applies). Made here, never saved; `unpack`
+  drops it. A head with its own output layer (a draft vocabulary) packs that one instead.
   """
   config = model.config
   if config.dtype != 'float32':
@@ -168,7 +176,7 @@ def pack(model: Model, weights: str = 'float32', target: Model | None = None) ->
     params[name] = _pack_layer(config, weights, params[name])
   if feature_head.is_head(model):  # No embedding, no output layer: the target's serve them.
     params = _pack_head(config, weights, params)
-    if target is not None and weights != 'float32':
+    if target is not None and weights != 'float32' and not config.draft_vocab_size:
       feature_head.check_pair(target, model)
       params['output'] = jax.jit(_output_copy, static_argnums=1)(target, weights)
     return _with_kernels(model, 'native', params)

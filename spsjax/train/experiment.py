@@ -146,7 +146,11 @@ def run(exp: Experiment) -> dict:
   _, metrics = trainer.train(
       c, workdir=exp.workdir, train_batches=train_batches, eval_batches=eval_batches,
       tokenizer_bytes=tok.to_bytes(), mesh=mesh, teacher=teacher,
-      meta=dict(data=dataclasses.asdict(d), teacher=exp.teacher))
+      meta=dict(data=dataclasses.asdict(d), teacher=exp.teacher),
+      # A head's draft vocabulary: the most frequent tokens of what it trains on.
+      draft_vocab=lambda: train_batches.most_frequent(
+          c.model.draft_vocab_size, c.model.vocab_size,
+          max_tokens=c.steps * c.batch_size * (c.seq_len + 1)))
   return metrics
 
 

@@ -10,12 +10,17 @@ of token t + 1 (no gradient: the target is frozen). A head reads pairs (f_t, x_{
   `own_steps` times, as drafting runs it: run j's pair at position s reads the features run
   j - 1 predicted at s - 1 and attends to the target's features up to s - j and to the pairs
   of runs 1 .. j - 1 on its diagonal (`own_steps_tree`), with the targets at s + 1; the losses
-  are averaged over the runs. A head of several taps (EAGLE-3's features, `feature_head`) reads
+  are averaged over the runs, run j weighted by `own_step_decay`^j (EAGLE-3: 0.8). A head of
+  several taps (EAGLE-3's features, `feature_head`) reads
   the target's taps in run 0 and its own predictions after;
 - parallel head i at pair t predicts the law of x_{t+2+i}: KL(p_{t+1+i} || q_{t,i}) and the
   regression to f_{t+1+i}, over the pairs where t + 1 + i is in the batch, averaged over heads.
+A head with a draft vocabulary (`feature_head.DraftVocab`, EAGLE-3) is trained in it: its
+logits over those tokens against the target's law restricted to them, renormalized (the law q
+on the draft vocabulary that accepts most: every min(p, q) is p there).
 Metrics: `lm_loss` is the cross-entropy of the first draft's law on the corpus token it drafts
-(x_{t+2}), `distill` the KL, `feature` the regression.
+(x_{t+2}; with a draft vocabulary, over the tokens in it, and `coverage` the fraction that
+are), `distill` the KL, `feature` the regression.
 """
 
 import functools
@@ -42,8 +47,24 @@ def _kl(q_BxTxV, p_BxTxV):
   return jnp.mean(losses.divergence_per_position(q_BxTxV, p_BxTxV, 'forward_kl'))
 
 
-def _first_draft_ce(q_BxTxV, tokens_BxT):
-  return losses.cross_entropy(q_BxTxV, tokens_BxT, jnp.ones(tokens_BxT.shape, bool))
+def _first_draft_ce(q_BxTxV, tokens_BxT, vocab_Vd, vocab_size: int) -> dict:
+  """{'lm_loss'} of the first draft's law on the corpus tokens; with a draft vocabulary (its
+  tokens `vocab_Vd`), on the tokens in it, and their fraction ('coverage')."""
+  if vocab_Vd is None:
+    return dict(lm_loss=losses.cross_entropy(q_BxTxV, tokens_BxT,
+                                             jnp.ones(tokens_BxT.shape, bool)))
+  index_V = jnp.full((vocab_size,), -1, jnp.int32).at[vocab_Vd].set(
+      jnp.arange(vocab_Vd.shape[0], dtype=jnp.int32))
+  index_BxT = index_V[tokens_BxT]
+  inside_BxT = index_BxT >= 0
+  return dict(lm_loss=losses.cross_entropy(q_BxTxV, jnp.maximum(index_BxT, 0), inside_BxT),
+              coverage=jnp.mean(inside_BxT.astype(jnp.float32)))
+
+
+def _weighted(values: list, decay: float):
+  """The runs' mean, run j weighted by decay^j."""
+  weights = [decay**j for j in range(len(values))]
+  return sum(w * v for w, v in zip(weights, values)) / sum(weights)
 
 
 @functools.lru_cache(maxsize=16)
@@ -80,25 +101,30 @@ def _target_features(head: models.Model, target: models.Model, inputs_BxL):
 
 
 def head_loss(kind: str, head: models.Model, target: models.Model, batch_BxL1: jax.Array, *,
-              feature_weight: float, own_steps: int = 0) -> tuple[jax.Array, dict]:
+              feature_weight: float, own_steps: int = 0, own_step_decay: float = 1.0
+              ) -> tuple[jax.Array, dict]:
   """(loss, metrics) of a head of `kind` on a batch of int32[B, L + 1] (module docstring)."""
   inputs_BxL = batch_BxL1[:, :-1]
   read_BxLxF, f_BxLxD = _target_features(head, target, inputs_BxL)
   p_BxLxV = jax.lax.stop_gradient(output_logits(target.config, target.params, f_BxLxD))
+  vocab_Vd = feature_head.draft_vocab(head)
+  own = vocab_Vd is not None  # Laws in the draft vocabulary ([.., Vd]).
+  if own:
+    p_BxLxV = p_BxLxV[..., vocab_Vd]
   pairs_f, pairs_x = read_BxLxF[:, :-1], inputs_BxL[:, 1:]  # Pair t = (f_t, x_{t+1}), t < L - 1.
   if kind == 'feature':
     T = pairs_x.shape[1]
     kls, regressions = [], []
     streams, tokens = [feature_head.stream(head, pairs_f)], [pairs_x]  # Run 0's pairs.
     q_BxTxV, predicted_BxTxD = feature_head.feature_head_forward(head, target, streams[0],
-                                                                 pairs_x)
-    ce = _first_draft_ce(q_BxTxV, batch_BxL1[:, 2:])
+                                                                 pairs_x, in_draft_vocab=own)
+    ce = _first_draft_ce(q_BxTxV, batch_BxL1[:, 2:], vocab_Vd, head.config.vocab_size)
     for run in range(1 + own_steps):
       if run:  # Run `run`'s pairs (positions run .. T - 1) on the tree of runs 0 .. run.
         tree, firsts = own_steps_tree(T, run + 1)
         q_BxNxV, predicted_BxNxD = feature_head.feature_head_forward(
             head, target, jnp.concatenate(streams, axis=1), jnp.concatenate(tokens, axis=1),
-            tree)
+            tree, in_draft_vocab=own)
         q_BxTxV, predicted_BxTxD = q_BxNxV[:, firsts[run]:], predicted_BxNxD[:, firsts[run]:]
       # Pair s predicts the features at s + 1 and the law of the token after them.
       kls.append(_kl(q_BxTxV, p_BxLxV[:, 1 + run:]))
@@ -106,12 +132,12 @@ def head_loss(kind: str, head: models.Model, target: models.Model, batch_BxL1: j
       # The next run's pair at s reads this run's prediction made at s - 1.
       streams.append(jax.lax.stop_gradient(predicted_BxTxD[:, :T - run - 1]))
       tokens.append(pairs_x[:, run + 1:])
-    kl, regression = sum(kls) / len(kls), sum(regressions) / len(regressions)
+    kl, regression = _weighted(kls, own_step_decay), _weighted(regressions, own_step_decay)
   elif kind == 'heads':
     B, T = pairs_x.shape
     D = f_BxLxD.shape[-1]
     q_BTxNxV, predicted_BTxNxD = feature_head.parallel_heads(
-        head, target, pairs_f.reshape(B * T, D), pairs_x.reshape(B * T))
+        head, target, pairs_f.reshape(B * T, D), pairs_x.reshape(B * T), in_draft_vocab=own)
     n = head.config.num_layers
     q_BxTxNxV = q_BTxNxV.reshape(B, T, n, -1)
     predicted_BxTxNxD = predicted_BTxNxD.reshape(B, T, n, D)
@@ -121,8 +147,8 @@ def head_loss(kind: str, head: models.Model, target: models.Model, batch_BxL1: j
       kls.append(_kl(q_BxTxNxV[:, :valid, i], p_BxLxV[:, 1 + i:]))
       regressions.append(_smooth_l1(predicted_BxTxNxD[:, :valid, i], f_BxLxD[:, 1 + i:]))
     kl, regression = sum(kls) / n, sum(regressions) / n
-    ce = _first_draft_ce(q_BxTxNxV[:, :, 0], batch_BxL1[:, 2:])
+    ce = _first_draft_ce(q_BxTxNxV[:, :, 0], batch_BxL1[:, 2:], vocab_Vd, head.config.vocab_size)
   else:
     raise ValueError(f'Unknown head kind {kind!r}; known: {list(feature_head.KINDS)}.')
   loss = kl + feature_weight * regression
-  return loss, dict(loss=loss, lm_loss=ce, distill=kl, feature=regression)
+  return loss, dict(loss=loss, distill=kl, feature=regression, **ce)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 
 from absl import logging
 import flax.struct
+from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,6 +69,7 @@ class TrainConfig:
   head: str = ''
   head_feature_weight: float = 0.1  # The feature regression's weight beside the KL.
   head_own_steps: int = 0  # Runs on the head's own predictions (HASS; `head_losses`).
+  head_own_step_decay: float = 1.0  # Run j's weight in the loss: decay^j (EAGLE-3: 0.8).
 
   def __post_init__(self):
     if self.head and self.head not in feature_head.KINDS:
@@ -78,6 +80,11 @@ class TrainConfig:
     if self.head_own_steps < 0 or self.head_own_steps and self.head != 'feature':
       raise ValueError(f'head_own_steps (HASS runs) must be >= 0 and needs head=feature; '
                        f'got {self.head_own_steps} with head={self.head!r}.')
+    if not 0.0 < self.head_own_step_decay <= 1.0:
+      raise ValueError(f'head_own_step_decay must be in (0, 1], got {self.head_own_step_decay}.')
+    if self.model.draft_vocab_size and not self.head:
+      raise ValueError('draft_vocab_size is a head\'s own output layer (`feature_head`); a '
+                       'transformer has its whole vocabulary.')
     if not 0.0 <= self.distill_weight <= 1.0:
       raise ValueError(f'distill_weight must be in [0, 1], got {self.distill_weight}.')
     if self.distill_divergence not in losses.DIVERGENCES:
@@ -109,6 +116,35 @@ class TrainState:
   opt_state: tuple
 
 
+def _fixed_paths(params) -> frozenset:
+  """The paths of the leaves no step trains: the integer ones (a head's draft vocabulary,
+  `feature_head.DraftVocab`'s token ids, chosen before its first step). Arrays or abstract ones."""
+  return frozenset(k for k, v in traverse_util.flatten_dict(params).items()
+                   if not jnp.issubdtype(v.dtype, jnp.inexact))
+
+
+def _without(tree, paths: frozenset):
+  """`tree` (a tree shaped like the parameters) without the leaves at `paths`."""
+  if not paths:
+    return tree
+  return traverse_util.unflatten_dict({k: v for k, v in traverse_util.flatten_dict(tree).items()
+                                       if k not in paths})
+
+
+def _trained(params):
+  """The parameters a step trains (`_fixed_paths`' complement)."""
+  return _without(params, _fixed_paths(params))
+
+
+def _merged(trained, params):
+  """`params` with the trained leaves replaced by `trained`'s."""
+  if not _fixed_paths(params):
+    return trained
+  flat = traverse_util.flatten_dict(params)
+  flat.update(traverse_util.flatten_dict(trained))
+  return traverse_util.unflatten_dict(flat)
+
+
 def state_shardings(config: TrainConfig, mesh: Mesh) -> TrainState:
   """Where every leaf of the state lives on `mesh`: parameters by their logical names, optimizer
   moments like their parameters, and every scalar (`step`, optax's counts) replicated.
@@ -118,10 +154,11 @@ def state_shardings(config: TrainConfig, mesh: Mesh) -> TrainState:
   """
   params = _param_shardings(config, mesh)
   tx = optimizer_lib.make(config.optimizer)
-  abstract_opt = jax.eval_shape(tx.init, jax.eval_shape(
-      functools.partial(init_params, config), jax.random.key(0)))
+  abstract = jax.eval_shape(functools.partial(init_params, config), jax.random.key(0))
+  abstract_opt = jax.eval_shape(tx.init, _trained(abstract))
   replicated = NamedSharding(mesh, PartitionSpec())
-  opt_state = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, params,
+  opt_state = optax.tree_map_params(tx, lambda _, s: s, abstract_opt,
+                                    _without(params, _fixed_paths(abstract)),
                                     transform_non_params=lambda _: replicated,
                                     is_leaf=lambda x: isinstance(x, NamedSharding))
   return TrainState(step=replicated, params=params, opt_state=opt_state)
@@ -143,7 +180,8 @@ def _param_shardings(config: TrainConfig, mesh: Mesh):
 def _start(config: TrainConfig, params, mesh: Mesh) -> TrainState:
   """Step 0 from `params`, with a fresh optimizer state, laid out by `state_shardings`."""
   tx = optimizer_lib.make(config.optimizer)
-  fresh = lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p))
+  fresh = lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p,
+                               opt_state=tx.init(_trained(p)))
   return jax.jit(fresh, out_shardings=state_shardings(config, mesh))(params)
 
 
@@ -179,7 +217,8 @@ def _loss(config: TrainConfig, params, teacher: models.Model | None, batch_BxL1,
   if config.head:
     return head_losses.head_loss(config.head, models.Model(config.model, params), teacher,
                                  batch_BxL1, feature_weight=config.head_feature_weight,
-                                 own_steps=config.head_own_steps)
+                                 own_steps=config.head_own_steps,
+                                 own_step_decay=config.head_own_step_decay)
   distilling = teacher is not None and config.distill_weight > 0
   on_policy = distilling and config.distill_data != 'corpus'
   logits_BxLxV, lm = losses.next_token(functools.partial(models.logits, config.model, params),
@@ -219,11 +258,13 @@ def make_train_step(config: TrainConfig, mesh: Mesh | None = None):
       key = jax.random.fold_in(jax.random.key(config.seed), state.step)
       rows = config.distill_rows or batch_BxL1.shape[0]
       distill_BxL1 = _on_policy(config, state.params, teacher, batch_BxL1[:rows], key, mesh)
+    trained = _trained(state.params)
     grad_fn = jax.value_and_grad(
-        lambda p: _loss(config, p, teacher, batch_BxL1, distill_BxL1), has_aux=True)
-    (_, metrics), grads = grad_fn(state.params)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+        lambda t: _loss(config, _merged(t, state.params), teacher, batch_BxL1, distill_BxL1),
+        has_aux=True)
+    (_, metrics), grads = grad_fn(trained)
+    updates, opt_state = tx.update(grads, state.opt_state, trained)
+    params = _merged(optax.apply_updates(trained, updates), state.params)
     metrics['grad_norm'] = optax.tree.norm(grads)
     metrics['learning_rate'] = optimizer_lib.schedule(config.optimizer)(state.step)
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
@@ -290,18 +331,23 @@ def _speed_text(speed: dict[str, float]) -> str:
 
 def train(config: TrainConfig, *, workdir: str, train_batches, eval_batches: Callable[[], Iterator],
           tokenizer_bytes: bytes, mesh: Mesh, teacher: models.Model | None = None,
-          meta: dict | None = None) -> tuple[TrainState, dict]:
+          meta: dict | None = None, draft_vocab: Callable[[], np.ndarray] | None = None
+          ) -> tuple[TrainState, dict]:
   """Trains (or resumes) to `config.steps`; returns the final state and the last metrics.
 
   `train_batches` yields global batches, `int32[batch_size, seq_len + 1]`, the same on every
   process, and has `get_state()` / `set_state(dict)`; `eval_batches()` returns a fresh iterator
-  over held-out global batches.
+  over held-out global batches. A head with a draft vocabulary (`draft_vocab_size`) starts with
+  the tokens `draft_vocab()` gives (`feature_head.with_draft_vocab`), and keeps them on resume.
   """
   if (config.distill_weight > 0 or config.init_from_teacher or config.head) and teacher is None:
     raise ValueError('distill_weight > 0, init_from_teacher and a head need a teacher (the '
                      'trained target).')
   if config.head:
     feature_head.check_pair(teacher, models.Model(config.model, {}))
+  if config.model.draft_vocab_size and draft_vocab is None:
+    raise ValueError(f'A head of draft_vocab_size {config.model.draft_vocab_size} needs its '
+                     f'tokens (draft_vocab: the most frequent of its training data).')
   if teacher is not None and teacher.config.vocab_size != config.model.vocab_size:
     raise ValueError(f'Teacher vocab_size ({teacher.config.vocab_size}) differs from the '
                      f'student\'s ({config.model.vocab_size}); they must share a tokenizer.')
@@ -323,6 +369,9 @@ def train(config: TrainConfig, *, workdir: str, train_batches, eval_batches: Cal
           f'of steps changes the schedule): use another workdir, or the same settings to resume.')
     train_batches.set_state(data_state)
     logging.info('Resumed from step %d in %s.', int(state.step), workdir)
+  elif config.model.draft_vocab_size:
+    head = feature_head.with_draft_vocab(models.Model(config.model, state.params), draft_vocab())
+    state = state.replace(params=head.params)
   if teacher is not None:
     teacher = teacher.replace(params=jax.device_put(
         teacher.params, models.param_shardings(teacher.config, mesh)))
@@ -349,9 +398,10 @@ def train(config: TrainConfig, *, workdir: str, train_batches, eval_batches: Cal
     if pending is not None and (step % config.log_every == 0 or step == config.steps - 1):
       metrics = {k: float(v) for k, v in jax.device_get(pending).items()}
       speed = meters[0].tick(step)
-      logging.info('%s loss %.4f lm %.4f lr %.2e |g| %.2f%s', _progress(step, config.steps,
-                                                                        start_step, started),
-                   metrics['loss'], metrics['lm_loss'], metrics['learning_rate'],
+      coverage = f' (coverage {metrics["coverage"]:.3f})' if 'coverage' in metrics else ''
+      logging.info('%s loss %.4f lm %.4f%s lr %.2e |g| %.2f%s', _progress(step, config.steps,
+                                                                          start_step, started),
+                   metrics['loss'], metrics['lm_loss'], coverage, metrics['learning_rate'],
                    metrics['grad_norm'], _speed_text(speed))
     pending = step_metrics
     done = step + 1
