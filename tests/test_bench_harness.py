@@ -244,11 +244,38 @@ def test_pair_statistics_give_each_column_as_its_own_pass_does(family):
   stats = acceptance.pair_statistics(target, draft, cfg, prompts, lengths, out, lenience=0.5)
   assert stats.count == 5
   assert stats.logp == pytest.approx(likelihood.mean_logprobs(target, prompts, lengths, out))
-  assert stats.logq == pytest.approx(likelihood.mean_logprobs(draft, prompts, lengths, out))
-  assert stats.logp != pytest.approx(stats.logq)
+  want = [p - q for p, q in zip(stats.logp, likelihood.mean_logprobs(draft, prompts, lengths, out))]
+  assert stats.log_ratios == pytest.approx(want, abs=1e-5)
+  assert stats.log_ratios == pytest.approx(likelihood.mean_log_ratios(target, draft, prompts,
+                                                                      lengths, out), abs=1e-5)
+  assert min(map(abs, stats.log_ratios)) > 1e-3
   assert (stats.beta, stats.count) == acceptance.model_alpha(target, draft, cfg, prompts, lengths,
                                                              out, lenience=0.5)
   assert 0 < stats.tv == acceptance.lenient_tv(target, draft, cfg, 0.5, prompts, lengths, out)[0]
+
+
+def test_log_p_over_q_skips_the_tokens_a_draft_vocabulary_leaves_out(family):
+  """A head drafting 3, 7, 9 and 0 .. 2 (not 4, 8): log p/q averages over the generated tokens
+  it can propose; a row with none of them counts 0."""
+  target, _, _ = family
+  config = models.feature_head.head_config(target.config, 1, (), 6)
+  head = models.feature_head.with_draft_vocab(models.Model(config, models.feature_head.init_head(
+      'feature', config, jax.random.key(0))), [0, 1, 2, 3, 7, 9])
+  prompts = np.array([[5, 6, 7, 0], [8, 9, 10, 11], [5, 6, 0, 0]], np.int32)
+  lengths = np.array([3, 4, 2], np.int32)
+  out = sampling.SampleOutput(tokens=np.array([[3, 4, 0], [7, 8, 9], [4, 8, 0]], np.int32),
+                              num_generated=np.array([2, 3, 2], np.int32))
+  got = likelihood.mean_log_ratios(target, head, prompts, lengths, out)
+  for row, (seq, kept) in enumerate((([5, 6, 7, 3, 4], [3]), ([8, 9, 10, 11, 7, 8, 9], [4, 6]),
+                                     ([5, 6, 4, 8], []))):
+    logp = np.asarray(jax.nn.log_softmax(forwards.logits(target, seq)))
+    logq = np.asarray(jax.nn.log_softmax(models.feature_head.next_token_logits(
+        head, target, jnp.asarray([seq], jnp.int32))[0]))
+    want = np.mean([logp[t - 1, seq[t]] - logq[t - 1, seq[t]] for t in kept]) if kept else 0.0
+    assert got[row] == pytest.approx(float(want), abs=1e-4)
+  stats = acceptance.pair_statistics(target, head, sampling.SamplingConfig(), prompts, lengths,
+                                     out)
+  assert stats.log_ratios == pytest.approx(got, abs=1e-5) and stats.count == 7
 
 
 def test_alpha_skips_a_row_without_generated_tokens_where_the_log_columns_refuse_it(family):

@@ -85,7 +85,8 @@ class Row:
   method: str  # 'ArS' | 'SpS'
   scores: dict[str, list[float]]  # Per prompt, each of the task's metrics (headline first).
   logprobs: list[float]  # Per prompt: the target's mean log p per generated token (nats).
-  log_ratios: list[float] | None  # Per prompt: mean log p - log q (None: no draft model).
+  # Per prompt: mean log p - log q over the tokens the draft can propose (None: no draft model).
+  log_ratios: list[float] | None
   extra: dict
   timing: dict
   completions: list[str]
@@ -202,17 +203,16 @@ class _Pair:
     if method == 'SpS' and self.draft is not None:  # One forward pass of each model for all.
       stats = pair_statistics(self.target, self.draft, self.sampling_config, prompts_BxP,
                               lengths_B, out, self.mesh, lenience=self.lenience)
-      target_logp, draft_logp = stats.logp, stats.logq
+      target_logp, log_ratios = stats.logp, stats.log_ratios
       sums = dict(beta=stats.beta, positions=stats.count,
                   tv=stats.tv if self.lenience < 1 else 0.0)
     else:
       target_logp = likelihood.mean_logprobs(self.target, prompts_BxP, lengths_B, out, self.mesh)
-      draft_logp = (likelihood.mean_logprobs(self.draft, prompts_BxP, lengths_B, out, self.mesh,
-                                             self.target)
-                    if self.draft is not None else target_logp)
+      log_ratios = (likelihood.mean_log_ratios(self.target, self.draft, prompts_BxP, lengths_B,
+                                               out, self.mesh)
+                    if self.draft is not None else [0.0] * len(rows))
     return _CallScores(rows=tuple(rows), completions=completions,
-                       logprobs=tuple(target_logp),
-                       log_ratios=tuple(p - q for p, q in zip(target_logp, draft_logp)), **sums)
+                       logprobs=tuple(target_logp), log_ratios=tuple(log_ratios), **sums)
 
   def row(self, method: str, calls: list[_CallScores], timed: timing.Timing) -> Row:
     """`method`'s row from its calls' scores, in prompt order."""

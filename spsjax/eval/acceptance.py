@@ -35,7 +35,8 @@ def _sums(sampling_config, lenience, target: models.Model, draft: models.Model, 
   """From one forward pass of each model, over masked positions (next-token laws): sum of beta =
   sum_x min(q(x), p(x) / lenience) (the probability a draft is accepted; sum min(p, q) when
   exact), count, sum of the total variation between a draft slot's law under `lenience` and p,
-  and per row the raw models' log-probability sums of the next tokens (`likelihood.row_sums`).
+  and per row the raw target's log-probability sums of the next tokens (`likelihood.row_sums`)
+  and the sums of log p - log q where q > 0 (`likelihood.row_ratio_sums`) with their counts.
   A head over the target's features counts with its first draft's law
   (`feature_head.next_token_logits`)."""
   target_BxLxV = models.logits(target.config, target.params, tokens_BxL)
@@ -56,8 +57,10 @@ def _sums(sampling_config, lenience, target: models.Model, draft: models.Model, 
   tv_BxL = 0.5 * jnp.sum(jnp.abs(rejection.lenient_law(p, q, lenience) - p), axis=-1)
   total = lambda x_BxL: jnp.sum(jnp.where(mask_BxL, x_BxL, 0.0))
   logp_B, counts_B = likelihood.row_sums(target_BxLxV, tokens_BxL, mask_BxL)
-  logq_B, _ = likelihood.row_sums(draft_BxLxV, tokens_BxL, mask_BxL)
-  return total(beta_BxL), jnp.sum(mask_BxL), total(tv_BxL), logp_B, logq_B, counts_B
+  ratios_B, ratio_counts_B = likelihood.row_ratio_sums(target_BxLxV, draft_BxLxV, tokens_BxL,
+                                                       mask_BxL)
+  return (total(beta_BxL), jnp.sum(mask_BxL), total(tv_BxL), logp_B, counts_B, ratios_B,
+          ratio_counts_B)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +70,9 @@ class PairStatistics:
   count: int  # Positions.
   tv: float  # Sum of the lenient draft slot's total variation from p (0 when exact).
   logp_sums: np.ndarray  # [B]: the raw target's log-probability sums of each row's tokens.
-  logq_sums: np.ndarray  # [B]: the raw draft's.
   counts: np.ndarray  # [B]: each row's generated tokens.
+  ratio_sums: np.ndarray  # [B]: sums of log p - log q (raw models) over the tokens with q > 0.
+  ratio_counts: np.ndarray  # [B]: those tokens.
 
   @property
   def logp(self) -> list[float]:
@@ -77,9 +81,10 @@ class PairStatistics:
     return likelihood.row_means(self.logp_sums, self.counts)
 
   @property
-  def logq(self) -> list[float]:
-    """Per row: the draft's mean log-probability per generated token."""
-    return likelihood.row_means(self.logq_sums, self.counts)
+  def log_ratios(self) -> list[float]:
+    """Per row: the mean log p - log q per generated token the draft can propose
+    (`likelihood.ratio_means`)."""
+    return likelihood.ratio_means(self.ratio_sums, self.ratio_counts)
 
 
 def pair_statistics(target: models.Model, draft: models.Model, sampling_config, prompts_BxP,
@@ -89,12 +94,11 @@ def pair_statistics(target: models.Model, draft: models.Model, sampling_config, 
   and total variation under `sampling_config` and `lenience`, and both log-probability columns.
   `out` is gathered here if it is a global array; on `mesh` the sequences are replicated."""
   seq, mask = likelihood.generated_positions(prompts_BxP, lengths_B, out, mesh)
-  beta, count, tv, logp_B, logq_B, counts_B = _sums(sampling_config, float(lenience), target,
-                                                    draft, seq, mask,
-                                                    np.asarray(lengths_B, np.int32))
-  return PairStatistics(beta=float(beta), count=int(count), tv=float(tv),
-                        logp_sums=np.asarray(logp_B), logq_sums=np.asarray(logq_B),
-                        counts=np.asarray(counts_B))
+  beta, count, tv, *rows = _sums(sampling_config, float(lenience), target, draft, seq, mask,
+                                 np.asarray(lengths_B, np.int32))
+  logp_B, counts_B, ratios_B, ratio_counts_B = (np.asarray(x) for x in rows)
+  return PairStatistics(beta=float(beta), count=int(count), tv=float(tv), logp_sums=logp_B,
+                        counts=counts_B, ratio_sums=ratios_B, ratio_counts=ratio_counts_B)
 
 
 def lenient_tv(target: models.Model, draft: models.Model, sampling_config, lenience: float,

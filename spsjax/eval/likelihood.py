@@ -4,7 +4,9 @@ Exact SpS samples the target's law, so any statistic of its outputs has the same
 ArS and SpS: equal within noise, on any task, whether or not the task's metric scores the models
 above zero. Table 1 uses two, per prompt:
 - log p: the target's mean log-probability per generated token;
-- log p/q: the mean of log p - log q (target minus draft) per generated token. Where SpS leaks the
+- log p/q: the mean of log p - log q (target minus draft) per generated token the draft can
+  propose (q > 0: every token, but a head with a draft vocabulary gives the others q = 0, an
+  infinite ratio; a row with none counts 0). Where SpS leaks the
   draft's law into its outputs (a lossy lenience, a bug in the acceptance rule) this moves first:
   it is the log-likelihood ratio of the two laws, the most powerful statistic for telling samples
   of one from samples of the other (Neyman-Pearson), with mean KL(p || q) on the target's samples
@@ -50,14 +52,26 @@ def generated_positions(prompts_BxP, lengths_B, out: sampling.SampleOutput,
   return seq, mask
 
 
+def _next_logprobs(logits_BxLxV, tokens_BxL):
+  """float32[B, L - 1]: at each position t < L - 1, the log-softmax of token t + 1."""
+  logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32))
+  return jnp.take_along_axis(logp_BxLxV[:, :-1], tokens_BxL[:, 1:, None], axis=-1)[..., 0]
+
+
 def row_sums(logits_BxLxV, tokens_BxL, mask_BxL):
   """(sum over each row's masked positions of the log-softmax of the next token, count per row):
   traceable, for callers that already hold a model's logits."""
-  logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32))
-  next_BxL1 = tokens_BxL[:, 1:]
-  picked_BxL1 = jnp.take_along_axis(logp_BxLxV[:, :-1], next_BxL1[..., None], axis=-1)[..., 0]
-  mask_BxL1 = mask_BxL[:, :-1]
+  picked_BxL1, mask_BxL1 = _next_logprobs(logits_BxLxV, tokens_BxL), mask_BxL[:, :-1]
   return jnp.sum(jnp.where(mask_BxL1, picked_BxL1, 0.0), axis=1), jnp.sum(mask_BxL1, axis=1)
+
+
+def row_ratio_sums(target_BxLxV, draft_BxLxV, tokens_BxL, mask_BxL):
+  """(sum over each row's masked positions of log p - log q of the next token, count per row),
+  over the positions whose token the draft can propose (q > 0): traceable."""
+  logq_BxL1 = _next_logprobs(draft_BxLxV, tokens_BxL)
+  mask_BxL1 = mask_BxL[:, :-1] & jnp.isfinite(logq_BxL1)
+  ratio_BxL1 = _next_logprobs(target_BxLxV, tokens_BxL) - logq_BxL1
+  return jnp.sum(jnp.where(mask_BxL1, ratio_BxL1, 0.0), axis=1), jnp.sum(mask_BxL1, axis=1)
 
 
 def row_means(sums_B, counts_B) -> list[float]:
@@ -68,9 +82,31 @@ def row_means(sums_B, counts_B) -> list[float]:
   return [float(x) for x in sums_B / counts_B]
 
 
+def ratio_means(sums_B, counts_B) -> list[float]:
+  """Per-row mean log p/q from `row_ratio_sums`; 0 for a row none of whose tokens the draft
+  can propose."""
+  sums_B, counts_B = np.asarray(sums_B), np.asarray(counts_B)
+  return [float(s / c) if c else 0.0 for s, c in zip(sums_B, counts_B)]
+
+
 @jax.jit
 def _model_row_sums(model, target, tokens_BxL, mask_BxL):
   return row_sums(feature_head.next_token_logits(model, target, tokens_BxL), tokens_BxL, mask_BxL)
+
+
+@jax.jit
+def _pair_ratio_sums(target, draft, tokens_BxL, mask_BxL):
+  return row_ratio_sums(models.logits(target.config, target.params, tokens_BxL),
+                        feature_head.next_token_logits(draft, target, tokens_BxL), tokens_BxL,
+                        mask_BxL)
+
+
+def mean_log_ratios(target: models.Model, draft: models.Model, prompts_BxP, lengths_B,
+                    out: sampling.SampleOutput, mesh: Mesh | None = None) -> list[float]:
+  """Each row's mean log p - log q per generated token the draft can propose (`ratio_means`;
+  a head over `target`'s features with its first draft's law)."""
+  tokens, mask = generated_positions(prompts_BxP, lengths_B, out, mesh)
+  return ratio_means(*_pair_ratio_sums(target, draft, tokens, mask))
 
 
 def mean_logprobs(model: models.Model, prompts_BxP, lengths_B, out: sampling.SampleOutput,
