@@ -26,6 +26,27 @@ def test_flops_per_token_counts_products_by_hand(tied):
   assert throughput.teacher_flops_per_token(c, 32) == pytest.approx((6 * products + attention) / 3)
 
 
+def test_head_flops_count_its_products_and_the_output_layer_it_reads_by_hand():
+  """A head's count: its own products 6 N, the target's output layer 4 V D a law (frozen), or
+  its own over a draft vocabulary 6 V' D; an EAGLE head's attention; own-step runs again but
+  the taps' product."""
+  target = models.TransformerConfig(vocab_size=100, d_model=16, num_layers=2, num_heads=4,
+                                    num_kv_heads=2, d_ff=24)
+  layer = 16 * 16 + 2 * 16 * 8 + 16 * 16 + 3 * 16 * 24
+  fuse, taps, attention = 2 * 16 * 16, 3 * 16 * 16, 12 * 1 * 32 * 4 * 4
+  eagle = models.feature_head.head_config(target, 1)
+  assert throughput.head_flops_per_token('feature', eagle, 32) == (
+      6 * (fuse + layer) + 4 * 100 * 16 + attention)
+  eagle3 = models.feature_head.head_config(target, 1, (0, 1, 2), 40)
+  run = 6 * (fuse + layer) + 6 * 40 * 16 + attention
+  assert throughput.head_flops_per_token('feature', eagle3, 32, own_steps=2) == (
+      6 * taps + 3 * run)
+  mlp = 3 * 16 * 24  # A parallel head: a gated MLP (its norm is no product), 3 laws a pair.
+  heads = models.feature_head.head_config(target, 3)
+  assert throughput.head_flops_per_token('heads', heads, 32) == 6 * (fuse + 3 * mlp) + 3 * (
+      4 * 100 * 16)
+
+
 def test_meter_counts_steps_between_ticks(monkeypatch):
   clock = iter([10.0, 12.0, 12.0, 16.0])
   monkeypatch.setattr(throughput.time, 'perf_counter', lambda: next(clock))

@@ -12,7 +12,8 @@ MFU = (model flops per token x tokens per second) / peak, where
   machine's dot reaches the training step gets.
 
 A distilled draft's teacher forward passes are extra work not counted in its MFU (they are
-2 N_teacher per token: `teacher_flops_per_token`).
+2 N_teacher per token: `teacher_flops_per_token`); nor is the frozen target's forward a draft
+head trains over, whose own count (`head_flops_per_token`) has the output layer it reads.
 """
 
 import dataclasses
@@ -21,7 +22,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from spsjax.models import TransformerConfig, param_shapes
+from spsjax.models import TransformerConfig, feature_head, param_shapes
 
 
 def _multiplying_params(config: TransformerConfig) -> int:
@@ -37,6 +38,26 @@ def flops_per_token(config: TransformerConfig, seq_len: int) -> float:
   """Training flops per token (forward and backward), PaLM's count (module docstring)."""
   attention = 12 * config.num_layers * seq_len * config.num_heads * config.dims_per_head
   return 6.0 * _multiplying_params(config) + attention
+
+
+def head_flops_per_token(kind: str, config: TransformerConfig, seq_len: int,
+                         own_steps: int = 0) -> float:
+  """Training flops per token of a draft head of `kind` (`models.feature_head`, its
+  `config`) over a frozen target: 6 N for its own matrices, and for each law it gives per pair
+  (one, or one per parallel head) 6 x its own output layer over a draft vocabulary, or 4 x the
+  target's (frozen: the forward and the gradient to its input, no weight gradient); an EAGLE
+  head's attention as a transformer's; all of it again for each own-step run, but the taps'
+  product (run 0 only). The target's forward pass is not counted."""
+  params = feature_head.param_shapes(kind, config)
+  matrices = sum(x.size for x in jax.tree.leaves(params) if x.ndim >= 2)
+  taps = params['taps']['taps'].size if 'taps' in params else 0
+  own = params['draft_vocab']['output'].size if 'draft_vocab' in params else 0
+  per_law = 6 * own if own else 4 * config.vocab_size * config.d_model
+  laws = config.num_layers if kind == 'heads' else 1
+  attention = (12 * config.num_layers * seq_len * config.num_heads * config.dims_per_head
+               if kind == 'feature' else 0)
+  run = 6.0 * (matrices - taps - own) + laws * per_law + attention
+  return 6.0 * taps + (1 + own_steps) * run
 
 
 def teacher_flops_per_token(config: TransformerConfig, seq_len: int) -> float:

@@ -311,11 +311,14 @@ def _progress(step: int, total: int, start_step: int, started: float) -> str:
 
 def _meters(config: TrainConfig, mesh: Mesh,
             teacher: models.Model | None) -> tuple[throughput.Meter, throughput.Meter]:
-  flops = throughput.flops_per_token(config.model, config.seq_len)
+  flops = (throughput.head_flops_per_token(config.head, config.model, config.seq_len,
+                                           config.head_own_steps) if config.head
+           else throughput.flops_per_token(config.model, config.seq_len))
   peak = throughput.run_peak(mesh.size)
   logging.info('Throughput: %s.', throughput.describe(peak, flops))
-  if teacher is not None and config.distill_weight > 0:  # Not in MFU: said here once.
-    share = (config.distill_rows or config.batch_size) / config.batch_size
+  if teacher is not None and (config.distill_weight > 0 or config.head):  # Not in MFU: said
+    # here once (a head's target reads every row).
+    share = 1.0 if config.head else (config.distill_rows or config.batch_size) / config.batch_size
     logging.info('Teacher: %.1f MFLOP per token trained (its forward pass on %.0f%% of the rows, '
                  'not counted in MFU).', share * throughput.teacher_flops_per_token(
                      teacher.config, config.seq_len) / 1e6, 100 * share)
