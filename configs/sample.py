@@ -9,9 +9,9 @@ max_new_tokens, temperature, top_k, top_p, min_p, typical_p, epsilon_cutoff, eta
 repetition_penalty, no_repeat_ngram_size, sequence_bias (token ids joined by _, a colon and a
 bias, pairs joined by +: 5_9:-inf bans 9 after 5), min_new_tokens (the eos token banned at each
 row's first new tokens: the tokenizer's eos ids, or eos_id), seed, data/model_axis (mesh
-axes), runlocal (fewer tokens); drafter (model | lookup | hybrid | feature | heads:
-`spsjax.sampling.drafter_config`; feature and heads draft with `draft_name`, a head trained by
-configs/train.py model=feature or heads, e.g. draft_name=feature), max_ngram, min_ngram
+axes), runlocal (fewer tokens); drafter (model | lookup | hybrid | feature | heads | mlp:
+`spsjax.sampling.drafter_config`; feature, heads and mlp draft with `draft_name`, a head trained by
+configs/train.py model=feature, heads or mlp, e.g. draft_name=feature), max_ngram, min_ngram
 (prompt lookup's n-grams), stop_below (dynamic k: a model draft stops below this confidence),
 alternatives (a tree: that many other tokens beside each draft of the model, hybrid, feature or
 heads drafter), branching (drafter tree, feature or heads: children per node at each depth

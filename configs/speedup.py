@@ -15,8 +15,9 @@ the draft's packed weights: w8a8 by default, int8 weights by inputs quantized to
 integer arithmetic; int8 the same weights in float32 arithmetic; bfloat16 half the bytes of
 float32; SpS stays exact, the target is float32 either way; float32 for the draft as trained);
 drafter (model | lookup |
-hybrid | feature | heads: `spsjax.sampling.drafter_config`; feature and heads take a head trained by
-configs/train.py model=feature or heads as `draft`), max_ngram, min_ngram, stop_below (dynamic k),
+hybrid | feature | heads | mlp: `spsjax.sampling.drafter_config`; feature, heads and mlp take a
+head trained by configs/train.py model=feature, heads or mlp as `draft`), max_ngram, min_ngram,
+stop_below (dynamic k),
 alternatives (a tree of drafts: that many other tokens beside each), branching (drafter tree,
 feature or heads: children per node at each depth joined by +, k its length), tree_nodes and
 tree_width (drafter tree or feature: each row's own tree of tree_nodes nodes, depth k at most,

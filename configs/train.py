@@ -5,9 +5,9 @@ Arguments:
     tests); `demo` is the README's main job (`make demo`: a 5M target of ~6 minutes, whose decode
     step outweighs the fixed costs of a step, and a one-layer draft distilled from it in ~2);
     `reference` is the pair the README's tables are measured on.
-  model: target | draft_wide | draft_mid | draft_deep | draft_trunc | feature | heads (presets `<size>_target`,
-    `<size>_draft`, `<size>_draft_mid`, `<size>_draft_deep`, `<size>_draft_trunc`): the
-    wide-shallow draft is ~0.75 of the target's width (0.5 for demo) and 1/4 (tiny), 1/6 (demo)
+  model: target | draft_wide | draft_mid | draft_deep | draft_trunc | feature | heads | mlp
+    (presets `<size>_target`, `<size>_draft`, `<size>_draft_mid`, `<size>_draft_deep`,
+    `<size>_draft_trunc`): the wide-shallow draft is ~0.75 of the target's width (0.5 for demo) and 1/4 (tiny), 1/6 (demo)
     or 1/8 (reference) of its depth; the deep draft (4 narrow layers) and the mid one (2 layers)
     have about the wide one's parameter count: the draft-topology sweep's three shapes. The
     truncated draft is the target's first layer at its full width and starts from the trained
@@ -16,6 +16,9 @@ Arguments:
     Medusa/MTP heads, `head_layers` of them, default 6) read the trained target's features and
     share its embedding and output layer; they train on the KL to the target's next-token law
     plus `feature_weight` (default 0.1) times a regression to its features (`train.head_losses`);
+    `mlp` (an MLP speculator, IBM's: `head_layers` stages, default 6, each a [D, D] product in
+    and out of a GELU state) reads them too and trains likewise, stage i on the corpus tokens
+    before its own (teacher forcing).
     `hass=N` adds N runs on the head's own predicted features as drafting feeds them (HASS,
     EAGLE-3's training-time test; feature only).
     `taps=1+3+6` (feature only): the head reads the target's residual stream at those depths
@@ -23,7 +26,7 @@ Arguments:
     (EAGLE-3's multi-layer features; `TransformerConfig.feature_taps`); train it with `hass=1`
     or more, as it reads its own predictions when drafting.
     `hass_decay=0.8`: own-step run j weighs decay^j in the loss (EAGLE-3's 0.8; default 1).
-    `vocab=512` (feature, heads): the head drafts from its own output layer over the 512 tokens
+    `vocab=512` (any head): the head drafts from its own output layer over the 512 tokens
     most frequent in its training data (EAGLE-3's draft vocabulary; `TransformerConfig.
     draft_vocab_size`), a quarter of the vocabulary's product per draft step; 0 (default) reads
     the target's output layer. Checkpoint names add `_decay0.8`, `_v512`.
@@ -60,8 +63,8 @@ from spsjax.models import presets
 _PRESET = {'target': 'target', 'draft_wide': 'draft', 'draft_mid': 'draft_mid',
            'draft_deep': 'draft_deep', 'draft_trunc': 'draft_trunc'}
 # Heads over the trained target's features (`models.feature_head`), and their default number of
-# blocks (feature: EAGLE's one decoder layer) or heads (heads: one per draft position, k <= 6).
-_HEADS = {'feature': 1, 'heads': 6}
+# blocks (feature: EAGLE's one decoder layer), heads or stages (one per draft position, k <= 6).
+_HEADS = {'feature': 1, 'heads': 6, 'mlp': 6}
 _FROM_TARGET = ('draft_trunc',)  # Models that start from the trained target's parameters.
 
 # Per size: batch (sequences), sequence length, steps, warm-up, peak learning rate.
@@ -111,7 +114,7 @@ def get_config(arg=None):
     raise ValueError(f'model={a.model} trains on the target\'s features and laws; distill is for '
                      f'transformer drafts.')
   if not head and (a.vocab or a.hass_decay != 1.0):
-    raise ValueError(f'vocab and hass_decay are a head\'s (model=feature or heads); got '
+    raise ValueError(f'vocab and hass_decay are a head\'s (model=feature, heads or mlp); got '
                      f'model={a.model}.')
   if a.hass_decay != 1.0 and not a.hass:
     raise ValueError('hass_decay weighs the own-step runs: it needs hass >= 1.')

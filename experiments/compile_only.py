@@ -103,7 +103,7 @@ def _draft(kind: str, target: models.Model, single_row: str, mesh):
   """The draft `kind`'s drafter reads: the draft preset, a head over `target`, or None."""
   if kind in drafter_config.HEAD_KINDS:
     return deviceless.abstract_head(kind, target.config, mesh,
-                                    num_layers=_K.value if kind == 'heads' else 1)
+                                    num_layers=_K.value if kind in ('heads', 'mlp') else 1)
   return None if kind == 'lookup' else _model(_DRAFT_PRESET.value, single_row, mesh)
 
 

@@ -265,6 +265,8 @@ def test_train_config_names_a_heads_taps_and_refuses_bad_ones():
   eagle3 = config.get_config('size=demo,model=feature,taps=1+3+6,hass=2,hass_decay=0.8,vocab=512')
   assert eagle3.name == 'feature_taps1-3-6_hass2_decay0.8_v512'
   assert eagle3.model.draft_vocab_size == 512 and eagle3.train.head_own_step_decay == 0.8
+  mlp = config.get_config('size=demo,model=mlp')
+  assert mlp.name == 'mlp' and mlp.model.num_layers == 6 and mlp.train.head == 'mlp'
   for arg, message in (('model=heads,taps=1+2', 'model=feature'),
                        ('model=draft_wide,vocab=512', "a head's"),
                        ('model=feature,hass_decay=0.8', 'needs hass >= 1'),

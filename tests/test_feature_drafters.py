@@ -17,7 +17,7 @@ from spsjax.sampling import (SamplingConfig, autoregressive_sample, drafter_conf
                              probabilities, speculative, speculative_sample)
 from spsjax.sampling.feature_drafters import (FeatureDrafter, FeatureDynamicDrafter,
                                               FeatureTreeDrafter, HeadsDrafter,
-                                              HeadsTreeDrafter)
+                                              HeadsTreeDrafter, MlpDrafter)
 from tests import forwards
 from tests.stats import scaled_model
 from tests.test_drafters import check_unrolled_drafts
@@ -25,7 +25,7 @@ from tests.test_speculative import check_interleaved_law, interleaved
 
 GREEDY = SamplingConfig(temperature=0.0)
 P_MIN = 1e-5  # Each G-test fails a correct sampler with this probability.
-DRAFTERS = {'feature': FeatureDrafter(), 'heads': HeadsDrafter()}
+DRAFTERS = {'feature': FeatureDrafter(), 'heads': HeadsDrafter(), 'mlp': MlpDrafter()}
 
 
 def _drafter(kind: str, variant, k: int):
@@ -49,11 +49,15 @@ def _head(target: models.Model, kind: str, layers: int, seed: int,
           ) -> models.Model:
   """A random head for `target` (reading its residual stream at `taps`, EAGLE-3's; drafting
   the tokens `vocab` from its own output layer, EAGLE-3's draft vocabulary), its fused input
-  scaled (sharper, less uniform drafts)."""
+  scaled (an MLP speculator: each stage's output product; sharper, less uniform drafts)."""
   config = feature_head.head_config(target.config, layers, taps, len(vocab))
   params = feature_head.init_head(kind, config, jax.random.key(seed))
-  fuse = dict(params['fuse'], fuse=params['fuse']['fuse'] * scale)
-  head = models.Model(config, dict(params, fuse=fuse))
+  if kind == 'mlp':
+    params = {name: dict(p, out=p['out'] * scale) if name.startswith('stage_') else p
+              for name, p in params.items()}
+  else:
+    params = dict(params, fuse=dict(params['fuse'], fuse=params['fuse']['fuse'] * scale))
+  head = models.Model(config, params)
   return feature_head.with_draft_vocab(head, vocab) if vocab else head
 
 
@@ -120,6 +124,37 @@ def test_cached_head_equals_its_full_forward(pair48, packed, taps):
 
 
 _head_forward = jax.jit(feature_head.feature_head_forward, static_argnames='in_draft_vocab')
+
+
+def test_an_mlp_speculator_stage_updates_its_state_as_ibms_does(pair48):
+  """Stages by numpy: s_0 = the features RMS-normed; s_{i+1} = GELU(norm(a s_i P_i + b
+  norm(e(x_i)))), a = 0.5^(0.5 / n), b = sqrt(1 - a^2) for n = 3 stages; stage i's features
+  s_{i+1} O_i through the target's output layer; stage by stage as drafting runs them too."""
+  head = _head(pair48, 'mlp', 3, 5, scale=2.0)
+  rng = np.random.default_rng(3)
+  f_2xD = rng.normal(size=(2, 32)).astype(np.float32)
+  tokens_2x3 = rng.integers(0, 48, size=(2, 3)).astype(np.int32)
+  rms = lambda x, g: x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6) * np.asarray(g)
+  gelu = lambda x: np.asarray(jax.nn.gelu(jnp.asarray(x)))
+  P = head.params
+  a = 0.5**(0.5 / 3)
+  state = rms(f_2xD.astype(np.float64), P['input_norm']['scale'])
+  logits, _ = feature_head.mlp_speculator(head, pair48, jnp.asarray(f_2xD),
+                                          jnp.asarray(tokens_2x3))
+  state_run = feature_head.speculator_state(head, jnp.asarray(f_2xD))
+  for i in range(3):
+    stage = P[f'stage_{i}']
+    e = np.asarray(pair48.params['embedding'])[tokens_2x3[:, i]]
+    mixed = a * state @ np.asarray(stage['proj']) + np.sqrt(1 - a * a) * rms(
+        e, stage['token_norm']['scale'])
+    state = gelu(rms(mixed, stage['norm']['scale']))
+    want = models.output_logits(pair48.config, pair48.params,
+                                jnp.asarray((state @ np.asarray(stage['out']))[:, None],
+                                            jnp.float32))[:, 0]
+    np.testing.assert_allclose(logits[:, i], want, rtol=1e-4, atol=1e-4)
+    got, state_run = feature_head.speculator_stage(head, pair48, i, state_run,
+                                                   jnp.asarray(tokens_2x3[:, i]))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize('kind', ['feature', 'heads'])
@@ -207,6 +242,13 @@ def _reference_laws(target, head, kind, seq, k, sampling):
     logits, _ = feature_head.parallel_heads(head, target, jnp.asarray(features_CxD[None, c - 2]),
                                             jnp.asarray(seq[-1:], jnp.int32), num=k)
     return [law(logits[:, i]) for i in range(k)]
+  if kind == 'mlp':  # Stage i after the last committed token and drafts 0 .. i - 1.
+    def stage(*drafts):
+      inputs = np.concatenate([seq[-1:], drafts]).astype(np.int32)
+      logits, _ = feature_head.mlp_speculator(
+          head, target, jnp.asarray(features_CxD[None, c - 2]), jnp.asarray(inputs[None]))
+      return law(logits[:, len(drafts)], drafts)
+    return stage(), stage
   logits, predicted = _head_forward(head, target, _padded(features_CxD[:c - 1]),
                                     _padded(seq[1:].astype(np.int32)))
 
@@ -226,7 +268,8 @@ def _reference_laws(target, head, kind, seq, k, sampling):
 @pytest.mark.parametrize('kind,packed,variant', [
     ('feature', False, 0), ('feature', True, 0), ('heads', True, 0), ('feature', True, 2),
     ('heads', False, 2), ('feature', True, 'tree'), ('heads', True, 'tree'),
-    ('feature', True, 'penalty'), ('feature', False, 'taps'), ('feature', True, 'taps')])
+    ('feature', True, 'penalty'), ('feature', False, 'taps'), ('feature', True, 'taps'),
+    ('mlp', True, 0), ('mlp', False, 2)])
 def test_each_loops_drafts_come_from_the_head_on_the_targets_features(pair48, kind, packed,
                                                                       variant):
   """Stepping the loop (ragged prompts, 3 loops, k = 3): before each loop, the proposal's laws
@@ -238,7 +281,9 @@ def test_each_loops_drafts_come_from_the_head_on_the_targets_features(pair48, ki
   a tree (2, 2, 1): node 1 from the root's law, node 3 from node 1's (read on the tree); the
   parallel heads drafting it: every node at depth d from head d's law. 'penalty': the chain
   after a repetition penalty of 1.8, each slot's law reading the committed tokens and the
-  drafts before it as present. 'taps': the chain of an EAGLE-3 head reading the target's taps."""
+  drafts before it as present. 'taps': the chain of an EAGLE-3 head reading the target's taps.
+  An MLP speculator: slot i from stage i after the last committed token and drafts 0 .. i - 1
+  (with alternatives too: the chain's slots)."""
   target = models.for_decoding(pair48) if packed else pair48
   head = _head(pair48, kind, 1 if kind == 'feature' else 3, 2, scale=3.0,
                taps=TAPS if variant == 'taps' else ())
@@ -252,6 +297,8 @@ def test_each_loops_drafts_come_from_the_head_on_the_targets_features(pair48, ki
   # 7 .. 10 (slots 6 .. 9) after their grandparent (1, 1, 2, 2) and parent (3, 4, 5, 6).
   paths = {1: (0,)} if variant != 'tree' else {2: (0,), 6: (0, 2), 7: (0, 3), 8: (1, 4),
                                                 9: (1, 5)}
+  if kind == 'mlp':
+    paths = {1: (0,), 2: (0, 1)}
   prompts, lengths = _ragged(3)
   loop, args = speculative.prepare(target, head_run, prompts, lengths, k=k, max_new_tokens=20,
                                    sampling=sampling, drafter=drafter)
@@ -344,14 +391,16 @@ def tiny_target():
     ('feature', 'top_p_0.8', 2, True, 'tree'), ('heads', 'temperature_1', 2, True, 'tree'),
     ('feature', 'temperature_1', 2, True, 'dynamic'), ('feature', 'top_p_0.8', 3, False,
                                                        'dynamic'),
-    ('feature', 'top_p_0.8', 2, True, 'taps'), ('feature', 'temperature_1', 3, True, 'vocab')])
+    ('feature', 'top_p_0.8', 2, True, 'taps'), ('feature', 'temperature_1', 3, True, 'vocab'),
+    ('mlp', 'top_p_0.8', 3, True, 0)])
 def test_output_law_is_target_law(tiny_target, kind, setting, k, packed, variant):
   """5 tokens per row after two prompts of different lengths interleaved in one batch (rows accept
   different numbers of drafts in the same loops; the law covers the bonus token and a second
   loop), against each prompt's enumerated joint law of the target; with alternatives, or the heads
   drafting a tree (2, 2), a tree of drafts; the EAGLE head growing each row's own tree (point
   masses); an EAGLE-3 head (reading the target's taps) drafting a chain; a head drafting 4 of
-  the 7 tokens (its draft vocabulary: the others never proposed, drawn from the residual only).
+  the 7 tokens (its draft vocabulary: the others never proposed, drawn from the residual only);
+  an MLP speculator's chain.
   Power: 50,000 rows per
   prompt detect at 80% any law within total variation 0.035 (temperature 1) or 0.028 (top-p
   0.8) of the target's (`stats.detectable_tv`)."""
@@ -374,7 +423,7 @@ def test_output_law_is_target_law(tiny_target, kind, setting, k, packed, variant
                         RAGGED_PROMPTS, NEW_LONG)
 
 
-@pytest.mark.parametrize('kind,k', [('feature', 1), ('feature', 4), ('heads', 4)])
+@pytest.mark.parametrize('kind,k', [('feature', 1), ('feature', 4), ('heads', 4), ('mlp', 4)])
 def test_greedy_sps_equals_greedy_ars(tiny_target, kind, k):
   """Ragged prompts, 8 tokens, an eos some rows emit: the same tokens as greedy ArS, with
   drafts accepted (the small vocabulary makes a random head's argmax often right); with 2
@@ -388,7 +437,7 @@ def test_greedy_sps_equals_greedy_ars(tiny_target, kind, k):
                               max_new_tokens=8, sampling=GREEDY, eos_id=6)
   loops = {}
   dynamic = ('dynamic',) if kind == 'feature' else ()
-  for variant in (0, 2) + (('tree',) + dynamic if k > 1 else ()):
+  for variant in (0, 2) + (('tree',) + dynamic if k > 1 and kind != 'mlp' else ()):
     sps = speculative_sample(
         tiny_target, head, prompts, lengths, jax.random.key(1), k=k, max_new_tokens=8,
         sampling=GREEDY, eos_id=6, drafter=_drafter(kind, variant, k))
@@ -458,6 +507,14 @@ def test_heads_that_do_not_fit_are_refused(pair48):
     run(FeatureDrafter(), _head(models.Model(narrow, {}), 'feature', 1, 0))
   with pytest.raises(ValueError, match='k = 3 drafts need k heads'):
     run(HeadsDrafter(), _head(pair48, 'heads', 2, 0), k=3)
+  with pytest.raises(ValueError, match=r"k = 3 drafts need k heads \(an MLP speculator's stages"):
+    run(MlpDrafter(), _head(pair48, 'mlp', 2, 0), k=3)
+  with pytest.raises(ValueError, match="MlpDrafter drafts with a 'mlp' head.*got a 'heads' head"):
+    run(MlpDrafter(), _head(pair48, 'heads', 2, 0))
+  assert drafter_config.build('mlp', alternatives=1) == MlpDrafter(alternatives=1)
+  for bad in (dict(branching='2+1'), dict(tree_nodes=4)):
+    with pytest.raises(ValueError, match='not the mlp drafter'):
+      drafter_config.build('mlp', **bad)
   with pytest.raises(ValueError, match='48 alternatives need a vocabulary'):
     run(HeadsDrafter(alternatives=48), _head(pair48, 'heads', 2, 0))
   with pytest.raises(ValueError, match='alternatives must be an integer'):

@@ -411,6 +411,37 @@ def test_a_heads_loss_in_its_draft_vocabulary_weighs_its_runs():
   np.testing.assert_allclose(loss(1, 0.5)['distill'], (kl0 + 0.5 * kl1) / 1.5, rtol=1e-5)
 
 
+def test_an_mlp_speculators_stage_i_trains_on_the_corpus_tokens_before_its_own():
+  """Stage i at pair t (features f_t) reads x_{t+1} .. x_{t+1+i} and is scored against the
+  target's law of x_{t+2+i}: the KL per stage over the pairs where it exists, averaged over
+  the stages (each stage's law from its own `mlp_speculator` call, numpy KL)."""
+  config = models.TransformerConfig(vocab_size=40, d_model=16, num_layers=2, num_heads=2,
+                                    d_ff=32, max_seq_len=32)
+  target = models.Model(config, models.init_params(config, jax.random.key(0)))
+  head_config = models.feature_head.head_config(config, 3)
+  head = models.Model(head_config, models.feature_head.init_head('mlp', head_config,
+                                                                jax.random.key(1)))
+  batch = np.random.default_rng(0).integers(0, 40, size=(2, 8)).astype(np.int32)
+  got = head_losses.head_loss('mlp', head, target, jnp.asarray(batch), feature_weight=0.0)[1]
+  inputs = batch[:, :-1]
+  L = inputs.shape[1]
+  f = np.asarray(models.features(config, target.params, jnp.asarray(inputs)))
+  log_p = np.asarray(jax.nn.log_softmax(models.logits(config, target.params,
+                                                      jnp.asarray(inputs))))
+  per_stage, speculator = [], jax.jit(models.feature_head.mlp_speculator)
+  for i in range(3):
+    kls = []
+    for b in range(2):
+      for t in range(L - 1 - i):
+        logits, _ = speculator(head, target, jnp.asarray(f[b, t][None]),
+                               jnp.asarray(inputs[b, t + 1:t + 2 + i][None]))
+        log_q = np.asarray(jax.nn.log_softmax(logits[0, i]))
+        p = np.exp(log_p[b, t + 1 + i])
+        kls.append(np.sum(p * (log_p[b, t + 1 + i] - log_q)))
+    per_stage.append(np.mean(kls))
+  np.testing.assert_allclose(got['distill'], np.mean(per_stage), rtol=1e-4)
+
+
 @pytest.mark.parametrize('taps', [(), (0, 1, 2)])
 def test_own_step_runs_see_what_drafting_sees(taps):
   """`head_losses.own_steps_tree`: run j's pair at position s, on the tree of runs 0 .. j, gives
@@ -451,7 +482,8 @@ def test_own_step_runs_see_what_drafting_sees(taps):
 
 
 @pytest.mark.parametrize('head,own_steps,taps,vocab', [
-    ('feature', 1, False, 0), ('heads', 0, False, 256), ('feature', 1, True, 256)])
+    ('feature', 1, False, 0), ('heads', 0, False, 256), ('feature', 1, True, 256),
+    ('mlp', 0, False, 0)])
 def test_a_head_learns_the_targets_law_and_loads_for_drafting(finished, tmp_path, head,
                                                               own_steps, taps, vocab):
   """A head over the finished run's features (`head_losses`; the EAGLE head with one HASS-style
@@ -462,7 +494,7 @@ def test_a_head_learns_the_targets_law_and_loads_for_drafting(finished, tmp_path
   drafts for the target in SpS."""
   finished_dir, _, _ = finished
   teacher, tok, _ = load.load_model(finished_dir)
-  layers = 1 if head == 'feature' else 3
+  layers = 1 if head == 'feature' else 3  # Parallel heads, or an MLP speculator's stages.
   taps = (0, teacher.config.num_layers) if taps else ()
   config = dataclasses.replace(
       train_helpers.CONFIG, head=head, head_own_steps=own_steps, seed=2,

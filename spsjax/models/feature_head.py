@@ -13,8 +13,9 @@ that many of the target's tokens (`DraftVocab`, `draft_vocab`): a fraction of th
 product per draft step; the other tokens have logits -inf, never drafted (speculative sampling
 stays exact: the target's law decides what is kept and drawn).
 
-Both kinds read a pair (f_t, x_{t+1}) (the features at t and the token after t, which the
-target's law at t drew): each RMS-normed, side by side, projected back to D (`fuse`).
+The EAGLE head and the parallel heads read a pair (f_t, x_{t+1}) (the features at t and the
+token after t, which the target's law at t drew): each RMS-normed, side by side, projected back
+to D (`fuse`).
 - `FeatureHead` (EAGLE-1, Li et al. 2024): then `num_layers` decoder blocks with their own KV cache
   over the pairs (pair t at position t); its output at t is f^_{t+1}, whose logits are the law of
   x_{t+2}. Drafting feeds it its own prediction with the token drawn from it, (f^_{t+1}, x_{t+2}).
@@ -22,13 +23,18 @@ target's law at t drew): each RMS-normed, side by side, projected back to D (`fu
   pair is its residual stream at several depths (`Transformer`'s taps), each RMS-normed and
   projected together to D (`taps`) before the fuse; its own predictions enter as they are, so
   it is trained on them too (`train.head_losses`' own steps, EAGLE-3's training-time test).
+- `MlpSpeculator` (IBM's MLP speculator, Wertheimer et al. 2024): no fuse; the features RMS-normed
+  are a state, and stage i mixes it with a token's embedding into the next state (a product, a
+  norm, a GELU) whose product O_i is the predicted features: stage i reads the draft of stage
+  i - 1, so the k drafts are a chain of k small steps, with no cache.
 - `ParallelHeads` (Medusa, Cai et al. 2024; the MTP heads of Gloeckle et al. 2024): from one fused
   pair, head i (a residual gated MLP block) predicts the features f^_{t+1+i}: `num_layers` drafts
   x_{t+2}, .., x_{t+1+num_layers} in one pass, no cache and no draft fed back.
 
 A head's parameters are a `Model` whose config is a `TransformerConfig` at the target's width,
 heads and vocabulary (`head_config`), `num_layers` counting its blocks (FeatureHead) or heads
-(ParallelHeads); its kind is which of the two trees its parameters hold (`kind`).
+(ParallelHeads) or stages (MlpSpeculator); its kind is which of the three trees its parameters
+hold (`kind`).
 """
 
 import dataclasses
@@ -49,7 +55,7 @@ from spsjax.models.token_tree import TokenTree
 from spsjax.models.transformer import (Block, Mlp, RMSNorm, _kept_counts, _output, _param,
                                         embed, output_logits, project)
 
-KINDS = ('feature', 'heads')
+KINDS = ('feature', 'heads', 'mlp')
 
 
 def head_config(target: TransformerConfig, num_layers: int = 1,
@@ -188,25 +194,80 @@ class ParallelHeads(nn.Module):
          for i in range(c.num_layers)], axis=1)
 
 
+def _dense(module: nn.Module, c: TransformerConfig, x_BxTxD, name: str, counts_B=None):
+  """x [B, T, D] through the module's [D, D] product `name` (packed: one kernel call)."""
+  if c.kernels == 'native':
+    return native.matmul(x_BxTxD, module.get_variable('params', name),
+                         counts=counts_B).astype(c.jnp_dtype)
+  w_DxE = _param(module, name, (c.d_model, c.d_model), ('embed', 'embed'), c.d_model, c.jnp_dtype)
+  return project(c, 'BTD,DE->BTE', x_BxTxD, w_DxE)
+
+
+class _Stage(nn.Module):
+  """Stage i of the MLP speculator: (state s [B, T, D], embedded token [B, T, D]) ->
+  (predicted features [B, T, D], next state). s' = GELU(norm(a s P + b token_norm(e))) with
+  IBM's fixed weights a = 0.5^(0.5 / n), b = sqrt(1 - a^2) (n stages: the state's share shrinks
+  stage by stage less than the token's grows), and features s' O, which the target's output
+  layer reads (a linear map of the GELU state, which alone would give the frozen output layer
+  only the near-positive orthant)."""
+  config: TransformerConfig
+  stages: int
+
+  @nn.compact
+  def __call__(self, state_BxTxD, embedded_BxTxD, counts_B=None):
+    c = self.config
+    a = 0.5**(0.5 / self.stages)
+    mixed_BxTxD = (a * _dense(self, c, state_BxTxD, 'proj', counts_B)
+                   + (1.0 - a * a)**0.5 * RMSNorm(c, name='token_norm')(embedded_BxTxD))
+    next_BxTxD = jax.nn.gelu(RMSNorm(c, name='norm')(mixed_BxTxD))
+    return _dense(self, c, next_BxTxD, 'out', counts_B), next_BxTxD
+
+
+class MlpSpeculator(nn.Module):
+  """IBM's MLP speculator (Wertheimer et al. 2024; fms-extras), over the target's own embedding
+  and output layer: the features f_t RMS-normed are the state s_0; stage i reads s_i and token
+  x_{t+1+i} (the pair's token, then the drafts) and predicts the features whose law is that of
+  x_{t+2+i}. Sequential like a chain (each stage reads the draft before it), stateless like
+  Medusa's heads (no cache: each loop starts from the newest features). Called with the tokens
+  of its first n stages given (training: [B, T, D] features, [B, T, n, D] embedded tokens) ->
+  [B, T, n, D]; drafting runs the stages one at a time (`speculator_stage`). Every stage's
+  weights a and b depend on the number of stages, `num_layers`."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, features_BxTxD, embedded_BxTxNxD):
+    c = self.config
+    state_BxTxD = RMSNorm(c, name='input_norm')(features_BxTxD)
+    predicted = []
+    for i in range(embedded_BxTxNxD.shape[2]):
+      f_BxTxD, state_BxTxD = _Stage(c, c.num_layers, name=f'stage_{i}')(
+          state_BxTxD, embedded_BxTxNxD[:, :, i])
+      predicted.append(f_BxTxD)
+    return jnp.stack(predicted, axis=2)
+
+
 def is_head(model: Model) -> bool:
   """Whether `model` is a head of this module (rather than a transformer)."""
-  return 'fuse' in model.params
+  return 'fuse' in model.params or 'stage_0' in model.params
 
 
 def kind(head: Model) -> str:
-  """'feature' (an EAGLE head: decoder blocks) or 'heads' (parallel heads)."""
+  """'feature' (an EAGLE head: decoder blocks), 'heads' (parallel heads) or 'mlp' (an MLP
+  speculator)."""
   if not is_head(head):
     raise ValueError('Not a feature head (`models.feature_head`): a transformer\'s parameters.')
+  if 'stage_0' in head.params:
+    return 'mlp'
   return 'heads' if 'head_0' in head.params else 'feature'
 
 
 def _module(kind_: str, config: TransformerConfig) -> nn.Module:
   if kind_ not in KINDS:
     raise ValueError(f'Unknown head kind {kind_!r}; known: {list(KINDS)}.')
-  if kind_ == 'heads' and config.feature_taps:
-    raise ValueError(f'Parallel heads read the target\'s last output; feature_taps '
-                     f'{config.feature_taps} are for an EAGLE head (kind feature).')
-  return FeatureHead(config) if kind_ == 'feature' else ParallelHeads(config)
+  if kind_ != 'feature' and config.feature_taps:
+    raise ValueError(f'Parallel heads and MLP speculators read the target\'s last output; '
+                     f'feature_taps {config.feature_taps} are for an EAGLE head (kind feature).')
+  return {'feature': FeatureHead, 'heads': ParallelHeads, 'mlp': MlpSpeculator}[kind_](config)
 
 
 def _boxed_init(kind_: str, config: TransformerConfig, rng: jax.Array):
@@ -214,6 +275,8 @@ def _boxed_init(kind_: str, config: TransformerConfig, rng: jax.Array):
   if kind_ == 'feature':  # The target's features, all its taps (which the taps' product reads).
     F = D * max(len(config.feature_taps), 1)
     args = (jnp.zeros((1, 1, F)), jnp.zeros((1, 1, D)), jnp.zeros((1, 1), jnp.int32))
+  elif kind_ == 'mlp':
+    args = (jnp.zeros((1, 1, D)), jnp.zeros((1, 1, config.num_layers, D)))
   else:
     args = (jnp.zeros((1, D)), jnp.zeros((1, D)))
   params = _module(kind_, config).init(rng, *args)['params']
@@ -376,6 +439,39 @@ def parallel_heads(head: Model, target: Model, features_BxD: jax.Array, tokens_B
           predicted_BxNxD)
 
 
+def mlp_speculator(head: Model, target: Model, features_BxD: jax.Array, tokens_BxN: jax.Array,
+                   in_draft_vocab: bool = False) -> tuple[jax.Array, jax.Array]:
+  """An MLP speculator's first N stages on one pair per row, stage i reading token i of
+  `tokens_BxN` (the pair's token, then the tokens after it): (float32 logits [B, N, V] ([B, N,
+  Vd] as `feature_head_forward`'s), predicted features [B, N, D]); stage i's law is that of the
+  token after tokens_BxN[:, i]."""
+  n = tokens_BxN.shape[1]
+  if not 1 <= n <= head.config.num_layers:
+    raise ValueError(f'{n} stages wanted; this speculator has {head.config.num_layers}.')
+  embedded_Bx1xNxD = embed(target.config, target.params['embedding'], tokens_BxN)[:, None]
+  predicted_BxNxD = MlpSpeculator(head.config).apply(  # Stages 0 .. N - 1 (of num_layers).
+      {'params': head.params}, features_BxD[:, None], embedded_Bx1xNxD)[:, 0]
+  return (_logits_at(head, target, predicted_BxNxD, None, None, in_draft_vocab),
+          predicted_BxNxD)
+
+
+def speculator_state(head: Model, features_BxD: jax.Array) -> jax.Array:
+  """An MLP speculator's state s_0 [B, D] from the target's features."""
+  return RMSNorm(head.config).apply({'params': head.params['input_norm']},
+                                    features_BxD.astype(head.config.jnp_dtype))
+
+
+def speculator_stage(head: Model, target: Model, stage: int, state_BxD: jax.Array,
+                     tokens_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Stage `stage` of an MLP speculator on (state [B, D], token [B]): (float32 logits [B, V]
+  of the token after it, the next state [B, D])."""
+  c = head.config
+  embedded_Bx1xD = embed(target.config, target.params['embedding'], tokens_B[:, None])
+  predicted_Bx1xD, next_Bx1xD = _Stage(c, c.num_layers).apply(
+      {'params': head.params[f'stage_{stage}']}, state_BxD[:, None], embedded_Bx1xD)
+  return _logits_at(head, target, predicted_Bx1xD, None, None)[:, 0], next_Bx1xD[:, 0]
+
+
 def next_token_logits(draft: Model, target: Model, tokens_BxL: jax.Array) -> jax.Array:
   """float32[B, L, V]: at each position t the law of token t + 1 a drafter proposes from the
   tokens up to t, as `models.logits` gives a transformer's: for a head, its first draft's law
@@ -388,7 +484,11 @@ def next_token_logits(draft: Model, target: Model, tokens_BxL: jax.Array) -> jax
   if kind(draft) == 'feature':
     q_BxTxV, _ = feature_head_forward(draft, target, f_BxLxD[:, :-1], tokens_BxL[:, 1:])
   else:
-    q_BTx1xV, _ = parallel_heads(draft, target, f_BxLxD[:, :-1].reshape(B * (L - 1), -1),
-                                 tokens_BxL[:, 1:].reshape(B * (L - 1)), num=1)
+    rows_BTxD = f_BxLxD[:, :-1].reshape(B * (L - 1), -1)
+    tokens_BT = tokens_BxL[:, 1:].reshape(B * (L - 1))
+    if kind(draft) == 'heads':
+      q_BTx1xV, _ = parallel_heads(draft, target, rows_BTxD, tokens_BT, num=1)
+    else:
+      q_BTx1xV, _ = mlp_speculator(draft, target, rows_BTxD, tokens_BT[:, None])
     q_BxTxV = q_BTx1xV.reshape(B, L - 1, -1)
   return jnp.pad(q_BxTxV, ((0, 0), (1, 0), (0, 0)))

@@ -99,8 +99,8 @@ def _unpack_layer(config: TransformerConfig, layer: dict) -> dict:
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _pack_head(config: TransformerConfig, dtype: str, params: dict) -> dict:
   """A feature head's own products (`feature_head`): its fuse, its taps' product, its
-  parallel heads' MLPs and its draft vocabulary's output layer (its decoder blocks are layers,
-  packed as a transformer's)."""
+  parallel heads' MLPs, an MLP speculator's stages and its draft vocabulary's output layer (its
+  decoder blocks are layers, packed as a transformer's)."""
   pack = functools.partial(native.pack, dtype=dtype)
   params = dict(params)
   for name in _INPUT_PRODUCTS:
@@ -109,6 +109,9 @@ def _pack_head(config: TransformerConfig, dtype: str, params: dict) -> dict:
   if 'draft_vocab' in params:
     params['draft_vocab'] = dict(params['draft_vocab'],
                                  output=pack(params['draft_vocab']['output']))
+  for name in [n for n in params if n.startswith('stage_')]:  # An MLP speculator's stages.
+    params[name] = dict(params[name], proj=pack(params[name]['proj']),
+                        out=pack(params[name]['out']))
   for name in [n for n in params if n.startswith('head_') and not n.endswith('_norm')]:
     params[name] = _pack_mlp(config, pack, params[name])
   return params
@@ -123,6 +126,9 @@ def _unpack_head(config: TransformerConfig, params: dict) -> dict:
   if 'draft_vocab' in params:
     params['draft_vocab'] = dict(params['draft_vocab'],
                                  output=native.unpack(params['draft_vocab']['output']))
+  for name in [n for n in params if n.startswith('stage_')]:
+    params[name] = dict(params[name], proj=native.unpack(params[name]['proj']),
+                        out=native.unpack(params[name]['out']))
   for name in [n for n in params if n.startswith('head_') and not n.endswith('_norm')]:
     params[name] = _unpack_mlp(config, params[name])
   return params

@@ -2,20 +2,22 @@
 
 from spsjax.sampling.drafters import Drafter, Hybrid, ModelDrafter, PromptLookup
 from spsjax.sampling.feature_drafters import (FeatureDrafter, FeatureDynamicDrafter,
-                                              FeatureTreeDrafter, HeadsDrafter, HeadsTreeDrafter)
+                                              FeatureTreeDrafter, HeadsDrafter, HeadsTreeDrafter,
+                                              MlpDrafter)
 from spsjax.sampling.tree_drafters import DynamicTreeDrafter, TreeDrafter
 
-KINDS = ('model', 'lookup', 'hybrid', 'feature', 'heads', 'tree')
+KINDS = ('model', 'lookup', 'hybrid', 'feature', 'heads', 'mlp', 'tree')
 # The kinds whose draft is a head over the target's features (`models.feature_head`), not a
 # transformer: the binaries load their checkpoint as one.
-HEAD_KINDS = ('feature', 'heads')
+HEAD_KINDS = ('feature', 'heads', 'mlp')
 
 
 def build(kind: str = 'model', *, max_ngram: int = 3, min_ngram: int = 1,
           stop_below: float = 0.0, alternatives: int = 0, branching: str = '',
           tree_nodes: int = 0, tree_width: int = 4) -> Drafter:
   """`model` (with `stop_below` > 0: dynamic k), `lookup` (n-grams from `max_ngram` down to
-  `min_ngram`), `hybrid` (both), `feature` (an EAGLE head), `heads` (parallel heads); with
+  `min_ngram`), `hybrid` (both), `feature` (an EAGLE head), `heads` (parallel heads), `mlp`
+  (an MLP speculator: a chain, stage by stage); with
   `alternatives` > 0 all but `lookup` propose a tree, that many other tokens beside each draft;
   `feature` or `heads` with `branching` drafts a full tree (EAGLE's static tree, Medusa's);
   or `tree` (the draft
@@ -38,7 +40,7 @@ def build(kind: str = 'model', *, max_ngram: int = 3, min_ngram: int = 1,
   if alternatives and kind not in ('model', 'hybrid') + HEAD_KINDS:
     raise ValueError(f'alternatives={alternatives}: alternatives are drawn from a draft law '
                      f'(drafter model, hybrid, feature or heads), not by the {kind} drafter.')
-  if branching and kind not in ('tree',) + HEAD_KINDS:
+  if branching and kind not in ('tree', 'feature', 'heads'):
     raise ValueError(f'branching={branching!r}: branching factors are the tree drafters\' '
                      f'(drafter tree, feature or heads), not the {kind} drafter\'s.')
   if stop_below and kind == 'lookup':
@@ -59,7 +61,8 @@ def build(kind: str = 'model', *, max_ngram: int = 3, min_ngram: int = 1,
   if branching:
     return (FeatureTreeDrafter if kind == 'feature' else HeadsTreeDrafter)(
         alternatives=alternatives, branching=branching_factors(branching))
-  return (FeatureDrafter if kind == 'feature' else HeadsDrafter)(alternatives=alternatives)
+  return {'feature': FeatureDrafter, 'heads': HeadsDrafter, 'mlp': MlpDrafter}[kind](
+      alternatives=alternatives)
 
 
 def branching_factors(text: str) -> tuple[int, ...]:

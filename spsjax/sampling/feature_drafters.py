@@ -1,4 +1,5 @@
-"""Drafters that read the target's hidden states: an EAGLE head and parallel (Medusa/MTP) heads.
+"""Drafters that read the target's hidden states: an EAGLE head, parallel (Medusa/MTP) heads and
+an MLP speculator.
 
 Both draft from `models.feature_head` heads, which share the target's embedding and output layer
 (`Drafter.bind` hands them the target inside the program). The target's features reach them from
@@ -111,7 +112,7 @@ def _proposal(tokens_BxK, q_BxKxV, alternatives: siblings.Siblings | None) -> Pr
 
 @dataclasses.dataclass(frozen=True)
 class _FeatureDrafterBase(Drafter):
-  """What both feature drafters share: the target bound in, the head checked against it, the
+  """What the feature drafters share: the target bound in, the head checked against it, the
   alternatives beside each draft (module docstring)."""
   alternatives: int = 0
 
@@ -362,8 +363,8 @@ class HeadsDrafter(_FeatureDrafterBase):
            features_BxPxD=None) -> Pending:
     del prompts_BxP, capacity
     if loop.k > draft.head.config.num_layers:
-      raise ValueError(f'k = {loop.k} drafts need k heads; the head model has '
-                       f'{draft.head.config.num_layers}.')
+      raise ValueError(f'k = {loop.k} drafts need k heads (an MLP speculator\'s stages); the '
+                       f'head model has {draft.head.config.num_layers}.')
     return Pending.of_prompts(features_BxPxD, prompt_lengths_B, loop.k + 1)
 
   def propose(self, loop, draft: HeadAndTarget, pending: Pending, committed: Committed,
@@ -383,6 +384,35 @@ class HeadsDrafter(_FeatureDrafterBase):
   def rollback(self, loop, pending: Pending, verdict: Verdict) -> Pending:
     del loop
     return pending.after(verdict)
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpDrafter(HeadsDrafter):
+  """IBM's MLP speculator (`feature_head.MlpSpeculator`): from the newest features and the last
+  committed token, stage i draws slot i from its law after reading slot i - 1's draft, a chain
+  in k small steps, no cache (the pending features as the parallel heads keep them). Needs at
+  least k stages."""
+  kind = 'mlp'
+
+  def draft_steps(self, k: int, proposed_per_loop: float) -> float:
+    del proposed_per_loop
+    return float(k)  # A stage each.
+
+  def propose(self, loop, draft: HeadAndTarget, pending: Pending, committed: Committed,
+              keys_BxK):
+    choose = _sampler(loop, keys_BxK, self.alternatives, committed)
+    state_BxD = feature_head.speculator_state(draft.head, pending.newest())
+    token_B = committed.last(1)
+    tokens_BxK, drawn = jnp.zeros((token_B.shape[0], loop.k), jnp.int32), []
+    for i in range(loop.k):
+      logits_BxV, state_BxD = feature_head.speculator_stage(draft.head, draft.target, i,
+                                                            state_BxD, token_B)
+      drawn.append(choose(i, logits_BxV, tokens_BxK))
+      token_B = drawn[-1][1]
+      tokens_BxK = tokens_BxK.at[:, i].set(token_B)
+    q_BxKxV = jnp.stack([q for q, _, _ in drawn], axis=1)
+    alternatives = siblings.stack_slots([a for _, _, a in drawn]) if self.alternatives else None
+    return _proposal(tokens_BxK, q_BxKxV, alternatives), pending
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,9 @@ of token t + 1 (no gradient: the target is frozen). A head reads pairs (f_t, x_{
   several taps (EAGLE-3's features, `feature_head`) reads
   the target's taps in run 0 and its own predictions after;
 - parallel head i at pair t predicts the law of x_{t+2+i}: KL(p_{t+1+i} || q_{t,i}) and the
-  regression to f_{t+1+i}, over the pairs where t + 1 + i is in the batch, averaged over heads.
+  regression to f_{t+1+i}, over the pairs where t + 1 + i is in the batch, averaged over heads;
+  an MLP speculator's stage i likewise, reading the corpus tokens x_{t+1} .. x_{t+1+i} (teacher
+  forcing, as IBM trains it; drafting feeds it its drafts).
 A head with a draft vocabulary (`feature_head.DraftVocab`, EAGLE-3) is trained in it: its
 logits over those tokens against the target's law restricted to them, renormalized (the law q
 on the draft vocabulary that accepts most: every min(p, q) is p there).
@@ -133,12 +135,19 @@ def head_loss(kind: str, head: models.Model, target: models.Model, batch_BxL1: j
       streams.append(jax.lax.stop_gradient(predicted_BxTxD[:, :T - run - 1]))
       tokens.append(pairs_x[:, run + 1:])
     kl, regression = _weighted(kls, own_step_decay), _weighted(regressions, own_step_decay)
-  elif kind == 'heads':
+  elif kind in ('heads', 'mlp'):
     B, T = pairs_x.shape
     D = f_BxLxD.shape[-1]
-    q_BTxNxV, predicted_BTxNxD = feature_head.parallel_heads(
-        head, target, pairs_f.reshape(B * T, D), pairs_x.reshape(B * T), in_draft_vocab=own)
     n = head.config.num_layers
+    if kind == 'heads':
+      q_BTxNxV, predicted_BTxNxD = feature_head.parallel_heads(
+          head, target, pairs_f.reshape(B * T, D), pairs_x.reshape(B * T), in_draft_vocab=own)
+    else:  # Stage i at pair t reads the corpus token x_{t+1+i} (teacher forcing).
+      padded_BxLn = jnp.pad(inputs_BxL, ((0, 0), (0, n)))
+      tokens_BxTxN = jnp.stack([padded_BxLn[:, 1 + i:1 + i + T] for i in range(n)], axis=2)
+      q_BTxNxV, predicted_BTxNxD = feature_head.mlp_speculator(
+          head, target, pairs_f.reshape(B * T, D), tokens_BxTxN.reshape(B * T, n),
+          in_draft_vocab=own)
     q_BxTxNxV = q_BTxNxV.reshape(B, T, n, -1)
     predicted_BxTxNxD = predicted_BTxNxD.reshape(B, T, n, D)
     kls, regressions = [], []
