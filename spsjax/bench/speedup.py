@@ -206,11 +206,12 @@ class _Pair:
       target_logp, log_ratios = stats.logp, stats.log_ratios
       sums = dict(beta=stats.beta, positions=stats.count,
                   tv=stats.tv if self.lenience < 1 else 0.0)
+    elif self.draft is not None:  # One forward pass of each model for both columns.
+      target_logp, log_ratios = likelihood.log_columns(self.target, self.draft, prompts_BxP,
+                                                       lengths_B, out, self.mesh)
     else:
       target_logp = likelihood.mean_logprobs(self.target, prompts_BxP, lengths_B, out, self.mesh)
-      log_ratios = (likelihood.mean_log_ratios(self.target, self.draft, prompts_BxP, lengths_B,
-                                               out, self.mesh)
-                    if self.draft is not None else [0.0] * len(rows))
+      log_ratios = [0.0] * len(rows)
     return _CallScores(rows=tuple(rows), completions=completions,
                        logprobs=tuple(target_logp), log_ratios=tuple(log_ratios), **sums)
 

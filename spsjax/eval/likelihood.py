@@ -95,18 +95,29 @@ def _model_row_sums(model, target, tokens_BxL, mask_BxL):
 
 
 @jax.jit
-def _pair_ratio_sums(target, draft, tokens_BxL, mask_BxL):
-  return row_ratio_sums(models.logits(target.config, target.params, tokens_BxL),
-                        feature_head.next_token_logits(draft, target, tokens_BxL), tokens_BxL,
-                        mask_BxL)
+def _pair_sums(target, draft, tokens_BxL, mask_BxL):
+  target_BxLxV = models.logits(target.config, target.params, tokens_BxL)
+  draft_BxLxV = feature_head.next_token_logits(draft, target, tokens_BxL)
+  return (row_sums(target_BxLxV, tokens_BxL, mask_BxL),
+          row_ratio_sums(target_BxLxV, draft_BxLxV, tokens_BxL, mask_BxL))
+
+
+def log_columns(target: models.Model, draft: models.Model, prompts_BxP, lengths_B,
+                out: sampling.SampleOutput, mesh: Mesh | None = None
+                ) -> tuple[list[float], list[float]]:
+  """Both columns of each row from one forward pass of each model: the target's mean
+  log-probability per generated token (`row_means`) and the mean log p - log q per generated
+  token the draft can propose (`ratio_means`; a head over `target`'s features with its first
+  draft's law)."""
+  tokens, mask = generated_positions(prompts_BxP, lengths_B, out, mesh)
+  logp_sums, ratio_sums = _pair_sums(target, draft, tokens, mask)
+  return row_means(*logp_sums), ratio_means(*ratio_sums)
 
 
 def mean_log_ratios(target: models.Model, draft: models.Model, prompts_BxP, lengths_B,
                     out: sampling.SampleOutput, mesh: Mesh | None = None) -> list[float]:
-  """Each row's mean log p - log q per generated token the draft can propose (`ratio_means`;
-  a head over `target`'s features with its first draft's law)."""
-  tokens, mask = generated_positions(prompts_BxP, lengths_B, out, mesh)
-  return ratio_means(*_pair_ratio_sums(target, draft, tokens, mask))
+  """`log_columns`' log p/q alone."""
+  return log_columns(target, draft, prompts_BxP, lengths_B, out, mesh)[1]
 
 
 def mean_logprobs(model: models.Model, prompts_BxP, lengths_B, out: sampling.SampleOutput,
