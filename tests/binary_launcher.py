@@ -13,14 +13,18 @@ Starting an interpreter and importing JAX, flax, TFDS and spsjax took ~3 s of CP
 fork of this process takes a fraction of a second. The binaries' own code (their module bodies,
 flag definitions, config parsing, `main`) runs in each child as in a fresh process; only the
 modules they import are shared, imported once with the same environment. Used by
-tests/test_experiments.py for runs that must end in an error before any model runs; the runs that
-sample, train or write start fresh interpreters.
+tests/test_experiments.py and tests/test_accelerator_check.py (through `started`) for runs that
+must end in an error before any model runs; the runs that sample, train or write start fresh
+interpreters.
 """
 
 import ast
+import contextlib
 import json
 import os
 import runpy
+import select
+import subprocess
 import sys
 import traceback
 
@@ -84,6 +88,44 @@ def main(binaries: list[str]) -> None:
       _child(request['argv'], request['stdout'], request['stderr'])
     _, status = os.waitpid(pid, 0)
     print(json.dumps({'returncode': os.waitstatus_to_exitcode(status)}), flush=True)
+
+
+@contextlib.contextmanager
+def started(binaries, out_dir, *, cwd: str, env: dict[str, str], timeout_s: float = 300):
+  """Starts a launcher for `binaries` (paths relative to `cwd`); yields `run(binary, *args)`,
+  which runs one in a forked child and returns its `subprocess.CompletedProcess` (stdout and
+  stderr through files in `out_dir`). A run past `timeout_s` kills the launcher and raises
+  TimeoutError."""
+  launcher = subprocess.Popen(  # pylint: disable=consider-using-with
+      [sys.executable, os.path.abspath(__file__), *binaries], cwd=cwd, env=env,
+      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+  count = 0
+
+  def run(*args):
+    nonlocal count
+    count += 1
+    paths = [os.path.join(out_dir, f'{count}.{stream}') for stream in ('stdout', 'stderr')]
+    launcher.stdin.write(json.dumps(dict(argv=list(args), stdout=paths[0], stderr=paths[1]))
+                         + '\n')
+    launcher.stdin.flush()
+    if not select.select([launcher.stdout], [], [], timeout_s)[0]:
+      launcher.kill()
+      raise TimeoutError(f'{args}: no end after {timeout_s} s')
+    returncode = json.loads(launcher.stdout.readline())['returncode']
+    stdout, stderr = (open(path, encoding='utf-8').read() for path in paths)  # pylint: disable=consider-using-with
+    return subprocess.CompletedProcess(args, returncode, stdout, stderr)
+
+  try:
+    if json.loads(launcher.stdout.readline() or 'null') != {'ready': True}:
+      raise RuntimeError(f'the launcher of {binaries} did not start')
+    yield run
+  finally:
+    launcher.stdin.close()
+    try:
+      launcher.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+      launcher.kill()
+      launcher.wait()
 
 
 if __name__ == '__main__':

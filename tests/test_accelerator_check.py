@@ -15,7 +15,7 @@ import pytest
 from spsjax import models
 from spsjax.bench import accelerator
 from spsjax.models import presets
-from tests import xla_env
+from tests import binary_launcher, xla_env
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What the GPU image of this workplace does not have (device KINDS.md), and what the check must
@@ -97,19 +97,24 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
   assert len(list(dumped.glob('*/plugins/profile/*/*.xplane.pb'))) == 3
 
 
-@pytest.mark.parametrize('flag,message', [
+_BAD_FLAGS = [
     ('--batches=1,-8', 'positive integers'), ('--ceiling_ks=four', 'take integers'),
     ('--compile_threads=0', 'positive integers'),
     ('--presets=nope', 'nope'), ('--variants=fused,nope', 'Unknown step variants'),
     ('--dump_dir=/tmp/x', 'pass --variants or --profile_ceilings'),
-    ('--ceiling_top_p=0', 'must be in (0, 1]')])
-def test_bad_flags_are_usage_errors_before_anything_runs(flag, message):
-  result = subprocess.run(
-      [sys.executable, os.path.join(_ROOT, 'experiments', 'accelerator_check.py'), flag,
-       '--out=/dev/null'], cwd=_ROOT, capture_output=True, text=True,
-      env=xla_env.subprocess_env(PYTHONPATH=_ROOT), timeout=120, check=False)
-  assert result.returncode == 1 and message in result.stderr, result.stderr[-2000:]
-  assert 'Traceback' not in result.stderr and 'small run' not in result.stdout
+    ('--ceiling_top_p=0', 'must be in (0, 1]')]
+
+
+def test_bad_flags_are_usage_errors_before_anything_runs(tmp_path):
+  """Each run forked from one interpreter that imported what the binary imports
+  (`tests/binary_launcher.py`); its own code runs as in a fresh process."""
+  binary = 'experiments/accelerator_check.py'
+  with binary_launcher.started([binary], tmp_path, cwd=_ROOT,
+                               env=xla_env.subprocess_env(PYTHONPATH=_ROOT)) as run:
+    for flag, message in _BAD_FLAGS:
+      result = run(binary, flag, '--out=/dev/null')
+      assert result.returncode == 1 and message in result.stderr, (flag, result.stderr[-2000:])
+      assert 'Traceback' not in result.stderr and 'small run' not in result.stdout, flag
 
 
 def test_a_gpu_trace_counts_one_dispatch_and_the_loop_conditions_copies():

@@ -10,7 +10,6 @@ import importlib.util
 import json
 import os
 import re
-import select
 import shutil
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import pytest
 from spsjax import models
 from spsjax.data import tokenizer
 from spsjax.train import checkpoint
-from tests import xla_env
+from tests import binary_launcher, xla_env
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,32 +42,10 @@ def fixture_run_to_error(tmp_path_factory):
   """`_run` for runs that end in an error before any model runs: each binary runs in a child
   forked from one interpreter that has imported what the binaries import (its own code runs in
   the child as in a fresh process), not in a fresh interpreter (~3 s of imports each)."""
-  out_dir = tmp_path_factory.mktemp('launcher')
-  launcher = subprocess.Popen(  # pylint: disable=consider-using-with
-      [sys.executable, os.path.join(_REPO, 'tests', 'binary_launcher.py'),
-       *(f'experiments/{b}.py' for b in _ERROR_BINARIES)],
-      cwd=_REPO, env=xla_env.subprocess_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-      text=True)
-  assert json.loads(launcher.stdout.readline()) == {'ready': True}
-  count = 0
-
-  def run(*args):
-    nonlocal count
-    count += 1
-    paths = [str(out_dir / f'{count}.{stream}') for stream in ('stdout', 'stderr')]
-    launcher.stdin.write(json.dumps(dict(argv=list(args), stdout=paths[0], stderr=paths[1]))
-                         + '\n')
-    launcher.stdin.flush()
-    if not select.select([launcher.stdout], [], [], 300)[0]:
-      launcher.kill()
-      pytest.fail(f'{args}: no end after 300 s')
-    returncode = json.loads(launcher.stdout.readline())['returncode']
-    stdout, stderr = (open(path, encoding='utf-8').read() for path in paths)  # pylint: disable=consider-using-with
-    return subprocess.CompletedProcess(args, returncode, stdout, stderr)
-
-  yield run
-  launcher.stdin.close()
-  launcher.wait(timeout=60)
+  with binary_launcher.started([f'experiments/{b}.py' for b in _ERROR_BINARIES],
+                               tmp_path_factory.mktemp('launcher'), cwd=_REPO,
+                               env=xla_env.subprocess_env()) as run:
+    yield run
 
 
 def test_sample_sps_on_random_models_with_k_auto(tmp_path):
