@@ -26,6 +26,7 @@ import jax
 from spsjax import models, storage
 from spsjax.bench import accelerator, ceiling, decode, sampling_costs, timing, variants
 from spsjax.models import presets
+from spsjax.sampling import dynamic_trees, tree_drafters
 
 _SMALL = flags.DEFINE_bool('small', None, 'Tiny sizes (a smoke run); default: on a CPU only.')
 _OUT = flags.DEFINE_string('out', 'results/accelerator_check.md', 'Where the report goes.')
@@ -39,6 +40,10 @@ _TREES = flags.DEFINE_list('trees', None, 'Trees of drafts whose scoring call is
                            'default 2+2+1+1 (17 nodes and root); small: 2+1; empty: none.')
 _CEILING_KS = flags.DEFINE_list('ceiling_ks', None, 'k of the perfect-draft ceiling (default '
                                 '4, 8; small: 4; empty: no ceiling).')
+_CEILING_TREES = flags.DEFINE_list(
+    'ceiling_trees', [], 'Dynamic trees whose perfect-draft ceiling is measured (and profiled '
+    'with --profile_ceilings) beside the chain\'s, as NODES:WIDTH:K (EAGLE-2\'s sizes: 60:10:6): '
+    'a loop\'s level calls, its score call on the nodes and root, its accept walk.')
 _CEILING_TOP_P = flags.DEFINE_float(
     'ceiling_top_p', 1.0, 'Top-p of the perfect-draft ceilings\' ArS and SpS (temperature 1; 1: '
     'off). Below 1 the calls also pay nucleus sampling, which the formula\'s c and s leave out.')
@@ -59,7 +64,8 @@ _DUMP_DIR = flags.DEFINE_string(
     'traces under DIR/<preset>_ceiling/.')
 _PROFILE_CEILINGS = flags.DEFINE_bool(
     'profile_ceilings', False, 'Profile one SpS call of each perfect-draft ceiling: a loop\'s wall '
-    'time and its op time per phase beside the k c + s steps the formula charges it.')
+    'time and its op time per phase beside the d c + s steps the formula charges it (k c + s '
+    'for a chain).')
 _FUSED = flags.DEFINE_bool(
     'fused', False, 'Time the decode figures and ceilings on models fused for XLA (`models.fuse`: '
     'q, k and v one product, gate and input one); their rows say "fused".')
@@ -89,6 +95,7 @@ class _Plan:
   max_new: int
   compile_threads: int
   trees: tuple[str, ...] = ()  # Branching factors, '2+2+1+1'.
+  ceiling_trees: tuple[tuple[int, int, int], ...] = ()  # Dynamic trees: (nodes, width, k).
 
   @property
   def tree_models(self) -> dict[str, models.TokenTree]:
@@ -100,7 +107,8 @@ class _Plan:
     compiled `extend` programs."""
     return self.prompt_len + self.max_new + max(
         [k + 1 for k in self.ks + self.ceiling_ks]
-        + [t.num_nodes + 1 for t in self.tree_models.values()])
+        + [t.num_nodes + 1 for t in self.tree_models.values()]
+        + [nodes + 1 for nodes, _, _ in self.ceiling_trees])
 
 
 def _plan() -> _Plan:
@@ -146,7 +154,21 @@ def _make_plan(small: bool) -> _Plan:
           2 if small else 7), prompt_len=16 if small else 128, max_new=16 if small else 128,
       compile_threads=_COMPILE_THREADS.value,
       trees=tuple(_TREES.value if _TREES.value is not None else
-                  (['2+1'] if small else ['2+2+1+1'])))
+                  (['2+1'] if small else ['2+2+1+1'])),
+      ceiling_trees=tuple(_dynamic_tree(t) for t in _CEILING_TREES.value))
+
+
+def _dynamic_tree(text: str) -> tuple[int, int, int]:
+  """(nodes, width, k) of a --ceiling_trees entry; a usage error for a bad one."""
+  parts = text.split(':')
+  if len(parts) != 3 or not all(p.isdigit() for p in parts):
+    raise app.UsageError(f'--ceiling_trees takes NODES:WIDTH:K (e.g. 60:10:6), got {text!r}.')
+  nodes, width, k = map(int, parts)
+  try:
+    dynamic_trees.check_sizes(nodes, width, k)
+  except ValueError as e:
+    raise app.UsageError(f'--ceiling_trees={text}: {e}') from e
+  return nodes, width, k
 
 
 def _layout(model):
@@ -164,15 +186,20 @@ def _ceilings(plan, report, name, target, i, write, log):
   with tempfile.TemporaryDirectory(prefix='spsjax-ceiling-') as scratch:
     traces = (None if not _PROFILE_CEILINGS.value else
               f'{_DUMP_DIR.value}/{name}_ceiling' if _DUMP_DIR.value else scratch)
-    for k in plan.ceiling_ks:
-      c = report.attempt(f'{name} perfect-draft ceiling k={k}', lambda: accelerator.ceilings(
+    runs = [(k, None, '') for k in plan.ceiling_ks] + [
+        (k, tree_drafters.DynamicTreeDrafter(nodes, width), f', dynamic tree {nodes} (width {width})')
+        for nodes, width, k in plan.ceiling_trees]
+    for k, drafter, tree in runs:
+      what = f'{name} perfect-draft ceiling k={k}{tree}'
+      c = report.attempt(what, lambda: accelerator.ceilings(
           target, draft, ks=[k], prompt_len=plan.prompt_len, max_new_tokens=plan.max_new,
           repeats=plan.repeats, capacity=plan.capacity, compile_threads=plan.compile_threads,
-          profile_dir=traces, top_p=_CEILING_TOP_P.value)[0])
+          profile_dir=traces and (f'{traces}/tree{drafter.nodes}' if drafter else traces),
+          top_p=_CEILING_TOP_P.value, drafter=drafter)[0])
       if c and c.loop and c.loop.error:
-        report.errors.append(f'{name} perfect-draft ceiling k={k}, its profile: {c.loop.error}')
+        report.errors.append(f'{what}, its profile: {c.loop.error}')
       if c:
-        row = f'{name} / {draft_name}{label}' + (
+        row = f'{name} / {draft_name}{label}{tree}' + (
             f', top-p {c.top_p:g}' if c.top_p < 1 else '')
         report.ceiling_rows.append((row, c))
         log(ceiling.report(c, row)[0])

@@ -44,6 +44,7 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
           f'--dump_dir={tmp_path / "dump"}',
           '--profile_ceilings',  # Its trace goes to the dump too.
           '--ceiling_top_p=0.9',  # Every draft still accepted; the calls pay nucleus sampling.
+          '--ceiling_trees=5:2:2',  # A dynamic tree's ceiling beside the chain's.
           '--fused']  # Decode figures and ceilings on fused models; the variants start plain.
   code = _RUN_WITHOUT.format(absent=set(_ABSENT), argv=argv)
   result = subprocess.run([sys.executable, '-c', code], cwd=_ROOT, capture_output=True, text=True,
@@ -82,10 +83,20 @@ def test_the_check_runs_on_cpu_without_the_packages_an_accelerator_image_lacks(t
   # 16 new tokens: the prefill's, then 3 loops of k + 1; each phase's time and ops a loop.
   assert loop and int(loop[1]) == 3 and all(float(x) > 0 for x in loop.groups()[1:9]), loop
   assert int(loop[5]) > int(loop[9]), loop  # k = 4 draft steps run more ops than accepting.
-  assert ('| perfect draft | k | loops | wall | k c + s steps | draft | score | accept | other |'
+  assert ('| perfect draft | k | loops | wall | d c + s steps | draft | score | accept | other |'
           in report)
-  assert len(list((tmp_path / 'dump' / 'tiny_target_ceiling' / 'k4').glob(
-      'plugins/profile/*/*.xplane.pb'))) == 1
+  # The dynamic tree of 5 nodes at k = 2: every first child accepted, 5 loops of 3 tokens; its
+  # d counts its level calls (1 position, then 2), at least the chain's 2 steps' worth.
+  tree = 'tiny_target / tiny_draft fused, dynamic tree 5 (width 2), top-p 0.9'
+  row = re.search(rf'\| {re.escape(tree)} \| 2 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| '
+                  r'([\d.]+)x \| ([\d.]+)x \| ([\d.]+)x \|', report)
+  assert row and float(row[1]) >= 1.5 and min(map(float, row.groups()[1:])) > 0, report[:3000]
+  assert re.search(rf'\| {re.escape(tree)} \| 2 \| 5 \| [\d.]+ \| [\d.]+ \| [\d.]+ \(\d+ ops\)',
+                   report), report[-3000:]
+  assert "d: a loop's draft calls in one-position draft steps" in report
+  for traces in ('k4', 'tree5/k2'):
+    assert len(list((tmp_path / 'dump' / 'tiny_target_ceiling' / traces).glob(
+        'plugins/profile/*/*.xplane.pb'))) == 1, traces
   found = re.findall(r'\| tiny_target \| 1 \| (\w+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \| (\S+) \|',
                      report.split('Step variants')[-1])
   assert [v[0] for v in found] == ['plain', 'fused', 'scanned'], report[-2500:]
@@ -102,7 +113,8 @@ _BAD_FLAGS = [
     ('--compile_threads=0', 'positive integers'),
     ('--presets=nope', 'nope'), ('--variants=fused,nope', 'Unknown step variants'),
     ('--dump_dir=/tmp/x', 'pass --variants or --profile_ceilings'),
-    ('--ceiling_top_p=0', 'must be in (0, 1]')]
+    ('--ceiling_top_p=0', 'must be in (0, 1]'), ('--ceiling_trees=60:10', 'NODES:WIDTH:K'),
+    ('--ceiling_trees=60:2:3', 'values 10 candidates')]
 
 
 def test_bad_flags_are_usage_errors_before_anything_runs(tmp_path):
@@ -152,7 +164,7 @@ def test_the_gpu_session_script_runs_each_part_and_packs_its_logs(tmp_path):
   """`experiments/accelerator_session.sh`, cut to tiny sizes by flags after each part's own."""
   script = os.path.join(_ROOT, 'experiments', 'accelerator_session.sh')
   env = xla_env.subprocess_env(
-      PYTHON=sys.executable, PRESETS='tiny_target',
+      PYTHON=sys.executable, PRESETS='tiny_target', TREE='3:2:2',
       EXTRA='--small --batches=1 --ks=1 --ceiling_ks= --repeats=1')
   bad = subprocess.run(['bash', script, str(tmp_path / 'bad'), 'nucleus', 'nope'], env=env,
                        capture_output=True, text=True, timeout=60, check=False)
@@ -170,6 +182,7 @@ def test_the_gpu_session_script_runs_each_part_and_packs_its_logs(tmp_path):
   variants_report = (out / 'variants.md').read_text()
   assert '--variants=unpadded,stream,parallel_compile,no_autotune' in variants_report
   assert '| tiny_target | 1 | stream |' in variants_report
+  assert '| tiny_target / tiny_draft, dynamic tree 3 (width 2) | 2 |' in variants_report
   nucleus = (out / 'nucleus.md').read_text()
   assert '--ceiling_top_p=0.95' in nucleus
   # Sampling's cost a call, top-k by search beside lax.top_k (and keeping what it keeps).

@@ -171,8 +171,14 @@ def test_ceiling_decode_speedup_subtracts_prefills_and_refuses_no_decoding():
   loop = ceiling.LoopProfile(loops=25, wall=0.003, phase={'draft': 4e-4, 'score': 2e-3},
                              ops={'draft': 302.0})
   line = ceiling.report(dataclasses.replace(step, loop=loop), 'x')[0]
-  assert line.endswith('; profiled: 25 loops, 3.000 ms a loop (k c + s steps: 2.800 ms), op time '
+  assert line.endswith('; profiled: 25 loops, 3.000 ms a loop (d c + s steps: 2.800 ms), op time '
                        '(ms) draft 0.400 (302 ops), score 2.000'), line
+  # A tree drafter's loop: its draft calls as d one-position steps (here 2.5), not k.
+  tree = dataclasses.replace(step, drafter='DynamicTreeDrafter(nodes=5, width=2)', draft_steps=2.5)
+  assert abs(tree.formula_loop - (2.5 * 0.05 + 1.2) * 0.002) < 1e-15
+  assert abs(tree.predicted - 5 / (2.5 * 0.05 + 1.2)) < 1e-12
+  assert ceiling.report(tree, 'x')[0].startswith(
+      '[x] perfect draft, DynamicTreeDrafter(nodes=5, width=2) (d = 2.5 draft steps a loop), k=4,')
   failed = ceiling.LoopProfile(loops=0, wall=None, phase={}, error='ProfileError: no events')
   line = ceiling.report(dataclasses.replace(step, loop=failed), 'x')[0]
   assert line.endswith('; profile failed: ProfileError: no events'), line

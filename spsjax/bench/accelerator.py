@@ -364,15 +364,16 @@ def decode_figures(model: models.Model, preset: str, *, batch: int, blocks: Sequ
 def ceilings(target: models.Model, draft: models.Model, *, ks: Sequence[int], prompt_len: int,
              max_new_tokens: int, repeats: int, capacity: int | None = None,
              compile_threads: int = 1, profile_dir: str | None = None,
-             top_p: float = 1.0) -> list[ceiling.Ceiling]:
+             top_p: float = 1.0, drafter=None) -> list[ceiling.Ceiling]:
   """The perfect-draft ceiling (zero output layers: every draft accepted) at each k, batch 1,
-  temperature 1 and `top_p`; c and s at a cache of `capacity` slots (`decode_figures`' capacity
-  reuses its programs). With `profile_dir`, one SpS call per k is profiled under
-  `profile_dir/k<k>`."""
+  temperature 1 and `top_p`, of the chain or of a tree `drafter` (`ceiling.measure`); c and s at
+  a cache of `capacity` slots (`decode_figures`' capacity reuses its programs). With
+  `profile_dir`, one SpS call per k is profiled under `profile_dir/k<k>`."""
   pair = ceiling.perfect_pair(target, draft)
   return [ceiling.measure(*pair, k=k, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
                           repeats=repeats, capacity=capacity, compile_threads=compile_threads,
-                          profile_dir=profile_dir and f'{profile_dir}/k{k}', top_p=top_p)
+                          profile_dir=profile_dir and f'{profile_dir}/k{k}', top_p=top_p,
+                          drafter=drafter)
           for k in ks]
 
 
@@ -472,17 +473,21 @@ def markdown(*, device: str, copy: decode.CopyBandwidth | None, checks: Sequence
                        + [f'{r.s_tree[t]:.2f}' if t in r.s_tree else '-' for t in trees]) + ' |')
     lines.append('')
   if ceiling_rows:
-    lines += ['| perfect draft | k | c | s | decoding SpS/ArS | formula (k+1)/(kc+s) | whole calls |',
-              '|---|---|---|---|---|---|---|']
+    lines += ['| perfect draft | k | d | c | s | decoding SpS/ArS | formula (k+1)/(dc+s) | '
+              'whole calls |', '|---|---|---|---|---|---|---|---|']
     for label, c in ceiling_rows:
-      lines.append(f'| {label} | {c.k} | {c.c:.3f} | {c.s:.2f} | {c.decode_speedup:.2f}x | '
-                   f'{c.predicted:.2f}x | {c.speedup:.2f}x |')
+      lines.append(f'| {label} | {c.k} | {c.d:.1f} | {c.c:.3f} | {c.s:.2f} | '
+                   f'{c.decode_speedup:.2f}x | {c.predicted:.2f}x | {c.speedup:.2f}x |')
+    if any(c.drafter for _, c in ceiling_rows):
+      lines += ['', 'd: a loop\'s draft calls in one-position draft steps (k for a chain; a '
+                'dynamic tree\'s level calls, timed); s: the score call on k + 1 positions, or on '
+                'a tree\'s nodes and root.']
     profiled = [(label, c) for label, c in ceiling_rows if c.loop is not None and c.loop.phase]
     if profiled:
       phases = list(profiled[0][1].loop.phase)
       lines += ['', 'Perfect-draft loops profiled (one SpS call; ms a loop; op time per phase, '
                 'with its ops a loop):',
-                '', '| perfect draft | k | loops | wall | k c + s steps | ' + ' | '.join(phases)
+                '', '| perfect draft | k | loops | wall | d c + s steps | ' + ' | '.join(phases)
                 + ' |', '|---|---|---|---|---|' + '---|' * len(phases)]
       for label, c in profiled:
         wall = '-' if c.loop.wall is None else f'{c.loop.wall * 1e3:.3f}'
