@@ -17,7 +17,7 @@ from spsjax.sampling import (SamplingConfig, autoregressive_sample, drafter_conf
                              probabilities, speculative, speculative_sample)
 from spsjax.sampling.feature_drafters import (FeatureDrafter, FeatureDynamicDrafter,
                                               FeatureTreeDrafter, HeadsDrafter,
-                                              HeadsTreeDrafter, MlpDrafter)
+                                              HeadsTreeDrafter, MlpDrafter, MlpTreeDrafter)
 from tests import forwards
 from tests.stats import scaled_model
 from tests.test_drafters import check_unrolled_drafts
@@ -36,7 +36,8 @@ def _drafter(kind: str, variant, k: int):
     assert kind == 'feature'
     return FeatureDynamicDrafter(nodes=k + 2, width=2)
   if variant == 'tree':
-    tree_drafter = FeatureTreeDrafter if kind == 'feature' else HeadsTreeDrafter
+    tree_drafter = {'feature': FeatureTreeDrafter, 'heads': HeadsTreeDrafter,
+                    'mlp': MlpTreeDrafter}[kind]
     return tree_drafter(branching=(2,) * min(k, 2) + (1,) * (k - 2))
   return dataclasses.replace(DRAFTERS[kind], alternatives=variant)
 
@@ -269,7 +270,7 @@ def _reference_laws(target, head, kind, seq, k, sampling):
     ('feature', False, 0), ('feature', True, 0), ('heads', True, 0), ('feature', True, 2),
     ('heads', False, 2), ('feature', True, 'tree'), ('heads', True, 'tree'),
     ('feature', True, 'penalty'), ('feature', False, 'taps'), ('feature', True, 'taps'),
-    ('mlp', False, 2)])
+    ('mlp', False, 2), ('mlp', True, 'tree')])
 def test_each_loops_drafts_come_from_the_head_on_the_targets_features(pair48, kind, packed,
                                                                       variant):
   """Stepping the loop (ragged prompts, 3 loops, k = 3): before each loop, the proposal's laws
@@ -283,7 +284,8 @@ def test_each_loops_drafts_come_from_the_head_on_the_targets_features(pair48, ki
   after a repetition penalty of 1.8, each slot's law reading the committed tokens and the
   drafts before it as present. 'taps': the chain of an EAGLE-3 head reading the target's taps.
   An MLP speculator: slot i from stage i after the last committed token and drafts 0 .. i - 1
-  (with alternatives too: the chain's slots)."""
+  (with alternatives too: the chain's slots); drafting the tree, a node at depth d from stage d
+  - 1 after its path, as the EAGLE head's nodes."""
   target = models.for_decoding(pair48) if packed else pair48
   head = _head(pair48, kind, 1 if kind == 'feature' else 3, 2, scale=3.0,
                taps=TAPS if variant == 'taps' else ())
@@ -297,7 +299,7 @@ def test_each_loops_drafts_come_from_the_head_on_the_targets_features(pair48, ki
   # 7 .. 10 (slots 6 .. 9) after their grandparent (1, 1, 2, 2) and parent (3, 4, 5, 6).
   paths = {1: (0,)} if variant != 'tree' else {2: (0,), 6: (0, 2), 7: (0, 3), 8: (1, 4),
                                                 9: (1, 5)}
-  if kind == 'mlp':
+  if kind == 'mlp' and variant != 'tree':
     paths = {1: (0,), 2: (0, 1)}
   prompts, lengths = _ragged(3)
   loop, args = speculative.prepare(target, head_run, prompts, lengths, k=k, max_new_tokens=20,
@@ -428,7 +430,8 @@ def test_greedy_sps_equals_greedy_ars(tiny_target, kind, k):
   """Ragged prompts, 8 tokens, an eos some rows emit: the same tokens as greedy ArS, with
   drafts accepted (the small vocabulary makes a random head's argmax often right); with 2
   alternatives beside each draft (the head's next best) too, and drafting a tree (the heads': the
-  Cartesian tree of their top tokens), in fewer loops than the chain; and the EAGLE head growing
+  Cartesian tree of their top tokens; the MLP speculator's: each node's top tokens after its
+  path), in fewer loops than the chain; and the EAGLE head growing
   each row's own tree; an EAGLE-3 head (the target's taps) too, its chain and its tree; and one
   drafting from its own output layer over 5 of the 7 tokens (a draft vocabulary)."""
   head = _head(tiny_target, kind, 1 if kind == 'feature' else 4, 6, scale=2.0)
@@ -437,7 +440,7 @@ def test_greedy_sps_equals_greedy_ars(tiny_target, kind, k):
                               max_new_tokens=8, sampling=GREEDY, eos_id=6)
   loops = {}
   dynamic = ('dynamic',) if kind == 'feature' else ()
-  for variant in (0, 2) + (('tree',) + dynamic if k > 1 and kind != 'mlp' else ()):
+  for variant in (0, 2) + (('tree',) + dynamic if k > 1 else ()):
     sps = speculative_sample(
         tiny_target, head, prompts, lengths, jax.random.key(1), k=k, max_new_tokens=8,
         sampling=GREEDY, eos_id=6, drafter=_drafter(kind, variant, k))
@@ -512,9 +515,11 @@ def test_heads_that_do_not_fit_are_refused(pair48):
   with pytest.raises(ValueError, match="MlpDrafter drafts with a 'mlp' head.*got a 'heads' head"):
     run(MlpDrafter(), _head(pair48, 'heads', 2, 0))
   assert drafter_config.build('mlp', alternatives=1) == MlpDrafter(alternatives=1)
-  for bad in (dict(branching='2+1'), dict(tree_nodes=4)):
-    with pytest.raises(ValueError, match='not the mlp drafter'):
-      drafter_config.build('mlp', **bad)
+  with pytest.raises(ValueError, match='not the mlp drafter'):
+    drafter_config.build('mlp', tree_nodes=4)
+  assert drafter_config.build('mlp', branching='2+1') == MlpTreeDrafter(branching=(2, 1))
+  with pytest.raises(ValueError, match=r"k = 3 drafts need k heads \(an MLP speculator's stages"):
+    run(MlpTreeDrafter(branching=(2, 1, 1)), _head(pair48, 'mlp', 2, 0), k=3)
   with pytest.raises(ValueError, match='48 alternatives need a vocabulary'):
     run(HeadsDrafter(alternatives=48), _head(pair48, 'heads', 2, 0))
   with pytest.raises(ValueError, match='alternatives must be an integer'):

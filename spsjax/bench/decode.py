@@ -374,17 +374,20 @@ def measure_costs(target: models.Model, draft: models.Model | None, k: int, batc
 def _head_steps(steps, k, head, target, cache, features_BxTxD, tokens_BxT, lengths_B):
   """`steps` draft steps of a head in one program: an EAGLE head reading T pairs (at the same
   row lengths), parallel heads' one pass of k drafts (from the first pair), or one stage of an
-  MLP speculator (its state reading the step before's output, so that no step is hoisted)."""
+  MLP speculator on T nodes (its states reading the step before's output, so that no step is
+  hoisted)."""
 
   def one(_, carry):
     cache, checksum_B = carry
     if feature_head.kind(head) == 'heads':
       logits_BxKxV, _ = feature_head.parallel_heads(head, target, features_BxTxD[:, 0],
                                                     tokens_BxT[:, 0], num=k)
-    elif feature_head.kind(head) == 'mlp':
-      state_BxD = features_BxTxD[:, 0] + 1e-30 * checksum_B[:, None]
-      logits_BxV, _ = feature_head.speculator_stage(head, target, 0, state_BxD, tokens_BxT[:, 0])
-      logits_BxKxV = logits_BxV[:, None]
+    elif feature_head.kind(head) == 'mlp':  # A stage on T nodes (a tree's level: T > 1).
+      B, T, D = features_BxTxD.shape
+      states_BTxD = (features_BxTxD + 1e-30 * checksum_B[:, None, None]).reshape(B * T, D)
+      logits_BTxV, _ = feature_head.speculator_stage(head, target, 0, states_BTxD,
+                                                     tokens_BxT.reshape(B * T))
+      logits_BxKxV = logits_BTxV.reshape(B, T, -1)
     else:
       logits_BxKxV, _, cache = feature_head.extend_head(
           head, target, cache.with_lengths(lengths_B), features_BxTxD, tokens_BxT)

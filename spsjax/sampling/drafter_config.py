@@ -3,7 +3,7 @@
 from spsjax.sampling.drafters import Drafter, Hybrid, ModelDrafter, PromptLookup
 from spsjax.sampling.feature_drafters import (FeatureDrafter, FeatureDynamicDrafter,
                                               FeatureTreeDrafter, HeadsDrafter, HeadsTreeDrafter,
-                                              MlpDrafter)
+                                              MlpDrafter, MlpTreeDrafter)
 from spsjax.sampling.tree_drafters import DynamicTreeDrafter, TreeDrafter
 
 KINDS = ('model', 'lookup', 'hybrid', 'feature', 'heads', 'mlp', 'tree')
@@ -19,7 +19,8 @@ def build(kind: str = 'model', *, max_ngram: int = 3, min_ngram: int = 1,
   `min_ngram`), `hybrid` (both), `feature` (an EAGLE head), `heads` (parallel heads), `mlp`
   (an MLP speculator: a chain, stage by stage); with
   `alternatives` > 0 all but `lookup` propose a tree, that many other tokens beside each draft;
-  `feature` or `heads` with `branching` drafts a full tree (EAGLE's static tree, Medusa's);
+  `feature`, `heads` or `mlp` with `branching` drafts a full tree (EAGLE's static tree,
+  Medusa's, the MLP speculator's stage by stage);
   or `tree` (the draft
   model drafts a full tree, `branching` children per node at each depth, e.g. '3+2+1' (default
   `TreeDrafter`'s 2+2+1+1): k must be its depth). `tree` or `feature` with `tree_nodes` N > 0
@@ -40,9 +41,9 @@ def build(kind: str = 'model', *, max_ngram: int = 3, min_ngram: int = 1,
   if alternatives and kind not in ('model', 'hybrid') + HEAD_KINDS:
     raise ValueError(f'alternatives={alternatives}: alternatives are drawn from a draft law '
                      f'(drafter model, hybrid, feature or heads), not by the {kind} drafter.')
-  if branching and kind not in ('tree', 'feature', 'heads'):
+  if branching and kind not in ('tree',) + HEAD_KINDS:
     raise ValueError(f'branching={branching!r}: branching factors are the tree drafters\' '
-                     f'(drafter tree, feature or heads), not the {kind} drafter\'s.')
+                     f'(drafter tree, feature, heads or mlp), not the {kind} drafter\'s.')
   if stop_below and kind == 'lookup':
     raise ValueError(f'stop_below={stop_below}: prompt lookup has no draft model whose '
                      f'confidence could stop it; use drafter hybrid or model.')
@@ -59,8 +60,9 @@ def build(kind: str = 'model', *, max_ngram: int = 3, min_ngram: int = 1,
   if kind == 'tree':
     return TreeDrafter(branching_factors(branching)) if branching else TreeDrafter()
   if branching:
-    return (FeatureTreeDrafter if kind == 'feature' else HeadsTreeDrafter)(
-        alternatives=alternatives, branching=branching_factors(branching))
+    tree_drafter = {'feature': FeatureTreeDrafter, 'heads': HeadsTreeDrafter,
+                    'mlp': MlpTreeDrafter}[kind]
+    return tree_drafter(alternatives=alternatives, branching=branching_factors(branching))
   return {'feature': FeatureDrafter, 'heads': HeadsDrafter, 'mlp': MlpDrafter}[kind](
       alternatives=alternatives)
 

@@ -416,6 +416,41 @@ class MlpDrafter(HeadsDrafter):
 
 
 @dataclasses.dataclass(frozen=True)
+class MlpTreeDrafter(_Branched, MlpDrafter):
+  """IBM's MLP speculator drafting a full tree (`models.TokenTree.full(branching)`, k its depth,
+  at most its stages; `tree_drafters.draft_tree`): the root's children from stage 0 after the
+  last committed token, then each level's nodes through stage d at once, node n reading its
+  parent's state and its own token, its next state its children's. Under a greedy draft each
+  node's children are its top tokens. No cache: a level's call is a stage on its C nodes."""
+  branching: tuple[int, ...] = (2, 2, 1, 1)
+
+  def draft_calls(self, k: int) -> tuple[int, ...]:
+    return tree_drafters.level_calls(self.tree(k))
+
+  def propose(self, loop, draft: HeadAndTarget, pending: Pending, committed: Committed,
+              keys_BxK):
+    state_BxD = feature_head.speculator_state(draft.head, pending.newest())
+    logits_BxV, state_BxD = feature_head.speculator_stage(draft.head, draft.target, 0, state_BxD,
+                                                          committed.last(1))
+    carry = {'stage': 0, 'states_BxLxD': state_BxD[:, None]}
+
+    def read(first_child, tokens_BxC):  # Stage d on the level's nodes, after their parents'.
+      del first_child
+      carry['stage'] += 1
+      B, C = tokens_BxC.shape
+      parents_BxLxD = carry['states_BxLxD']
+      D = parents_BxLxD.shape[2]
+      states_BCxD = jnp.repeat(parents_BxLxD, C // parents_BxLxD.shape[1], axis=1).reshape(B * C, D)
+      logits_BCxV, next_BCxD = feature_head.speculator_stage(
+          draft.head, draft.target, carry['stage'], states_BCxD, tokens_BxC.reshape(B * C))
+      carry['states_BxLxD'] = next_BCxD.reshape(B, C, D)
+      return logits_BCxV.reshape(B, C, -1)
+
+    return tree_drafters.draft_tree(loop, self.branching, committed, keys_BxK,
+                                    logits_BxV[:, None], read), pending
+
+
+@dataclasses.dataclass(frozen=True)
 class HeadsTreeDrafter(_Branched, HeadsDrafter):
   """Medusa's tree: parallel heads drafting a full tree (`models.TokenTree.full(branching)`, k
   its depth) from their one pass, every node at depth d drawing its children from head d's law
