@@ -36,7 +36,9 @@ Arguments:
     variation = 1 - the acceptance probability of speculative sampling).
   distill_data: corpus (the training batches, default) | student | teacher (on-policy: each
     batch row's first `prompt_len` tokens continued by the draft being trained, or by the target,
-    sampling at temperature 1).
+    sampling at temperature 1). A head (model=feature, heads or mlp) takes corpus or teacher: it
+    then trains on the target's own samples (IBM's speculator's second phase), the name gaining
+    `_teacher`.
   prompt_len: the on-policy prompts' length in tokens (default 32).
   distill_rows: the divergence on the batch's first rows only (0: all; the LM loss keeps every
     row): bounds the teacher's cost per step to that fraction of a batch.
@@ -132,7 +134,7 @@ def get_config(arg=None):
     c.name += ''.join(part for part, on in (
         (f'_{c.model["num_layers"]}', a.head_layers), (f'_taps{"-".join(map(str, taps))}', taps),
         (f'_hass{a.hass}', a.hass), (f'_decay{a.hass_decay:g}', a.hass_decay != 1.0),
-        (f'_v{a.vocab}', a.vocab)) if on)
+        (f'_v{a.vocab}', a.vocab), (f'_{a.distill_data}', a.distill_data != 'corpus')) if on)
   if a.distill > 0:
     c.name += '_distill' + ''.join(
         f'_{v}' for v, default in ((a.divergence, 'forward_kl'), (a.distill_data, 'corpus'))

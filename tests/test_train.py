@@ -481,6 +481,34 @@ def test_own_step_runs_see_what_drafting_sees(taps):
                                  atol=2e-4, err_msg=f'run {run}, position {s}')
 
 
+def test_a_head_trains_on_the_teachers_samples(finished):
+  """distill_data=teacher for a head (IBM's speculator's second phase): a step's loss is
+  head_losses' on the batch's first distill_rows rows continued by the teacher at temperature 1
+  with the step's key (a resumed run draws the same), the other rows as the corpus gave them;
+  the student's own samples are refused."""
+  finished_dir, _, _ = finished
+  teacher, tok, _ = load.load_model(finished_dir)
+  config = dataclasses.replace(
+      train_helpers.CONFIG, head='mlp', seed=3, distill_data='teacher', distill_prompt_len=8,
+      distill_rows=2, model=models.feature_head.head_config(teacher.config, 3, (), 0))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ('data', 'model'))
+  state = trainer.init_state(config, mesh)
+  batch = jnp.asarray(next(train_helpers.held_out(tok)()))
+  key = jax.random.fold_in(jax.random.key(config.seed), 0)
+  sampled = trainer._on_policy(config, state.params, teacher, batch[:2], key, mesh)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(sampled[:, :8], batch[:2, :8])
+  assert not np.array_equal(sampled[:, 8:], batch[:2, 8:])
+  kl = lambda rows: float(head_losses.head_loss(
+      'mlp', models.Model(config.model, state.params), teacher, rows,
+      feature_weight=config.head_feature_weight)[1]['distill'])
+  want, corpus = kl(jnp.concatenate([sampled, batch[2:]])), kl(batch)
+  _, metrics = trainer.make_train_step(config, mesh)(state, teacher, batch)
+  assert float(metrics['distill']) == pytest.approx(want, rel=1e-5)
+  assert abs(want - corpus) > 1e-3 * corpus  # The samples, not the corpus rows, were trained on.
+  with pytest.raises(ValueError, match='its own samples'):
+    dataclasses.replace(config, distill_data='student')
+
+
 @pytest.mark.parametrize('head,own_steps,taps,vocab', [
     ('feature', 1, False, 0), ('heads', 0, False, 256), ('feature', 1, True, 256),
     ('mlp', 0, False, 0)])

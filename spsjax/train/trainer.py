@@ -53,7 +53,9 @@ class TrainConfig:
   distill_divergence: str = 'forward_kl'  # One of losses.DIVERGENCES.
   # What the divergence is measured on: 'corpus' (the training batch), or on-policy sequences
   # that continue each row's first `distill_prompt_len` tokens, sampled at temperature 1 by the
-  # 'student' (the current parameters) or the 'teacher'.
+  # 'student' (the current parameters) or the 'teacher'. A head trains on 'corpus' rows or on
+  # the 'teacher's own samples (IBM's speculator's second phase: the text the head will draft
+  # for), the first `distill_rows` rows (0: all) continued so.
   distill_data: str = 'corpus'
   distill_prompt_len: int = 32
   # The teacher's cost per step: the divergence covers the batch's first `distill_rows` rows only
@@ -77,6 +79,10 @@ class TrainConfig:
     if self.head and (self.distill_weight or self.init_from_teacher):
       raise ValueError('A head trains on the teacher\'s features and laws (head_losses); '
                        'distill_weight and init_from_teacher apply to transformers only.')
+    if self.head and self.distill_data == 'student':
+      raise ValueError('A head trains on the corpus or on the teacher\'s samples '
+                       '(distill_data=teacher); its own samples (student) are not the text it '
+                       'drafts for.')
     if self.head_own_steps < 0 or self.head_own_steps and self.head != 'feature':
       raise ValueError(f'head_own_steps (HASS runs) must be >= 0 and needs head=feature; '
                        f'got {self.head_own_steps} with head={self.head!r}.')
@@ -250,7 +256,7 @@ def make_train_step(config: TrainConfig, mesh: Mesh | None = None):
   """The jitted step (state, teacher, batch) -> (state, metrics), donating the state. On `mesh` its
   outputs keep `state_shardings` (and the metrics replicated), step after step."""
   tx = optimizer_lib.make(config.optimizer)
-  on_policy = config.distill_weight > 0 and config.distill_data != 'corpus'
+  on_policy = (config.distill_weight > 0 or config.head) and config.distill_data != 'corpus'
 
   def train_step(state: TrainState, teacher, batch_BxL1):
     distill_BxL1 = None
@@ -258,6 +264,9 @@ def make_train_step(config: TrainConfig, mesh: Mesh | None = None):
       key = jax.random.fold_in(jax.random.key(config.seed), state.step)
       rows = config.distill_rows or batch_BxL1.shape[0]
       distill_BxL1 = _on_policy(config, state.params, teacher, batch_BxL1[:rows], key, mesh)
+      if config.head:  # The head's batch: the teacher's samples, then corpus rows.
+        batch_BxL1 = jnp.concatenate([distill_BxL1, batch_BxL1[rows:]], axis=0)
+        distill_BxL1 = None
     trained = _trained(state.params)
     grad_fn = jax.value_and_grad(
         lambda t: _loss(config, _merged(t, state.params), teacher, batch_BxL1, distill_BxL1),
