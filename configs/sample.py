@@ -9,9 +9,10 @@ max_new_tokens, temperature, top_k, top_p, min_p, typical_p, epsilon_cutoff, eta
 repetition_penalty, no_repeat_ngram_size, sequence_bias (token ids joined by _, a colon and a
 bias, pairs joined by +: 5_9:-inf bans 9 after 5), min_new_tokens (the eos token banned at each
 row's first new tokens: the tokenizer's eos ids, or eos_id), seed, data/model_axis (mesh
-axes), runlocal (fewer tokens); drafter (model | lookup | hybrid | feature | heads | mlp:
-`spsjax.sampling.drafter_config`; feature, heads and mlp draft with `draft_name`, a head trained by
-configs/train.py model=feature, heads or mlp, e.g. draft_name=feature), max_ngram, min_ngram
+axes), runlocal (fewer tokens); drafter (model | lookup | hybrid | feature | falcon | heads |
+mlp: `spsjax.sampling.drafter_config`; feature, falcon, heads and mlp draft with `draft_name`, a
+head trained by configs/train.py model=feature, falcon, heads or mlp, e.g. draft_name=feature;
+per_pass: a Falcon head's drafts a pass, 2 by default), max_ngram, min_ngram
 (prompt lookup's n-grams), stop_below (dynamic k: a model draft stops below this confidence),
 alternatives (a tree: that many other tokens beside each draft of the model, hybrid, feature or
 heads drafter), branching (drafter tree, feature or heads: children per node at each depth
@@ -44,6 +45,7 @@ def get_config(arg=None):
                 model_axis=1, runlocal=False,
                 draft_weights='w8a8', drafter='model', max_ngram=3, min_ngram=1,
                 stop_below=0.0, alternatives=0, branching='', tree_nodes=0, tree_width=4,
+                per_pass=2,
                 lenience=1.0, hf_target='',
                 hf_draft='', hf_sampling=False, hf_ignore='')
   c = ml_collections.ConfigDict()
@@ -57,7 +59,8 @@ def get_config(arg=None):
   c.recalibrate = a.recalibrate
   c.drafter = dict(kind=a.drafter, max_ngram=a.max_ngram, min_ngram=a.min_ngram,
                    stop_below=a.stop_below, alternatives=a.alternatives,
-                   branching=a.branching, tree_nodes=a.tree_nodes, tree_width=a.tree_width)
+                   branching=a.branching, tree_nodes=a.tree_nodes, tree_width=a.tree_width,
+                   per_pass=a.per_pass)
   c.lenience = a.lenience  # < 1: LOSSY (Leviathan et al.'s lenience), labelled in the output.
   c.model = presets.get(a.model)
   c.draft = presets.get(a.draft)

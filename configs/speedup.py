@@ -15,8 +15,9 @@ the draft's packed weights: w8a8 by default, int8 weights by inputs quantized to
 integer arithmetic; int8 the same weights in float32 arithmetic; bfloat16 half the bytes of
 float32; SpS stays exact, the target is float32 either way; float32 for the draft as trained);
 drafter (model | lookup |
-hybrid | feature | heads | mlp: `spsjax.sampling.drafter_config`; feature, heads and mlp take a
-head trained by configs/train.py model=feature, heads or mlp as `draft`), max_ngram, min_ngram,
+hybrid | feature | falcon | heads | mlp: `spsjax.sampling.drafter_config`; feature, falcon, heads
+and mlp take a head trained by configs/train.py model=feature, falcon, heads or mlp as `draft`;
+per_pass: a Falcon head's drafts a pass, 2 as trained by default), max_ngram, min_ngram,
 stop_below (dynamic k),
 alternatives (a tree of drafts: that many other tokens beside each), branching (drafter tree,
 feature or heads: children per node at each depth joined by +, k its length), tree_nodes and
@@ -47,7 +48,8 @@ def get_config(arg=None):
                 docstrings=200, code=200, batches='1+8', seed=0, results='', runlocal=False, demo=False,
                 data=1, model_axis=1, draft_weights='w8a8', drafter='model', max_ngram=3,
                 min_ngram=1, stop_below=0.0, alternatives=0, branching='', tree_nodes=0,
-                tree_width=4, lenience=1.0, hf_target='', hf_draft='', recalibrate=False, top_p=-1.0, min_p=0.0,
+                tree_width=4, per_pass=2, lenience=1.0, hf_target='', hf_draft='',
+                recalibrate=False, top_p=-1.0, min_p=0.0,
                 typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0,
                 no_repeat_ngram_size=0)
   if a.demo:
@@ -61,7 +63,8 @@ def get_config(arg=None):
   c.draft_weights = a.draft_weights  # The draft's packed weights (native CPU path).
   c.drafter = dict(kind=a.drafter, max_ngram=a.max_ngram, min_ngram=a.min_ngram,
                    stop_below=a.stop_below, alternatives=a.alternatives,
-                   branching=a.branching, tree_nodes=a.tree_nodes, tree_width=a.tree_width)
+                   branching=a.branching, tree_nodes=a.tree_nodes, tree_width=a.tree_width,
+                   per_pass=a.per_pass)
   c.lenience = a.lenience  # < 1: LOSSY.
   c.k = lookahead(a)
   c.k_max = a.k_max  # k=auto: each row calibrates, then each call runs at k in 0 .. k_max.

@@ -5,7 +5,8 @@ Arguments:
     tests); `demo` is the README's main job (`make demo`: a 5M target of ~6 minutes, whose decode
     step outweighs the fixed costs of a step, and a one-layer draft distilled from it in ~2);
     `reference` is the pair the README's tables are measured on.
-  model: target | draft_wide | draft_mid | draft_deep | draft_trunc | feature | heads | mlp
+  model: target | draft_wide | draft_mid | draft_deep | draft_trunc | feature | falcon | heads |
+    mlp
     (presets `<size>_target`, `<size>_draft`, `<size>_draft_mid`, `<size>_draft_deep`,
     `<size>_draft_trunc`): the wide-shallow draft is ~0.75 of the target's width (0.5 for demo) and 1/4 (tiny), 1/6 (demo)
     or 1/8 (reference) of its depth; the deep draft (4 narrow layers) and the mid one (2 layers)
@@ -18,7 +19,10 @@ Arguments:
     plus `feature_weight` (default 0.1) times a regression to its features (`train.head_losses`);
     `mlp` (an MLP speculator, IBM's: `head_layers` stages, default 6, each a [D, D] product in
     and out of a GELU state) reads them too and trains likewise, stage i on the corpus tokens
-    before its own (teacher forcing).
+    before its own (teacher forcing). `falcon` (a Falcon head: gated cells, then `head_layers`
+    blocks, default 1) drafts `per_pass` tokens a pass (default 2, Falcon's; the name gains
+    `_pass3` for another) and trains likewise, each pair on the features and law `per_pass`
+    positions on.
     `hass=N` adds N runs on the head's own predicted features as drafting feeds them (HASS,
     EAGLE-3's training-time test; feature only).
     `taps=1+3+6` (feature only): the head reads the target's residual stream at those depths
@@ -66,7 +70,7 @@ _PRESET = {'target': 'target', 'draft_wide': 'draft', 'draft_mid': 'draft_mid',
            'draft_deep': 'draft_deep', 'draft_trunc': 'draft_trunc'}
 # Heads over the trained target's features (`models.feature_head`), and their default number of
 # blocks (feature: EAGLE's one decoder layer), heads or stages (one per draft position, k <= 6).
-_HEADS = {'feature': 1, 'heads': 6, 'mlp': 6}
+_HEADS = {'feature': 1, 'falcon': 1, 'heads': 6, 'mlp': 6}
 _FROM_TARGET = ('draft_trunc',)  # Models that start from the trained target's parameters.
 
 # Per size: batch (sequences), sequence length, steps, warm-up, peak learning rate.
@@ -106,7 +110,7 @@ def get_config(arg=None):
   a = parse_arg(arg, size='tiny', model='target', distill=0.0, root='', steps=0, seed=0,
                 data=1, model_axis=1, runlocal=False, divergence='forward_kl',
                 distill_data='corpus', prompt_len=32, distill_rows=0, name='', head_layers=0,
-                hass=0, feature_weight=0.1, taps='', hass_decay=1.0, vocab=0)
+                hass=0, feature_weight=0.1, taps='', hass_decay=1.0, vocab=0, per_pass=2)
   if a.size not in _SIZES:
     raise ValueError(f'size must be one of {sorted(_SIZES)}, got {a.size!r}.')
   if a.model not in _PRESET and a.model not in _HEADS:
@@ -118,6 +122,9 @@ def get_config(arg=None):
   if not head and (a.vocab or a.hass_decay != 1.0):
     raise ValueError(f'vocab and hass_decay are a head\'s (model=feature, heads or mlp); got '
                      f'model={a.model}.')
+  if a.model == 'falcon' and a.per_pass < 2 or a.model != 'falcon' and a.per_pass != 2:
+    raise ValueError(f'per_pass is a Falcon head\'s drafts a pass, >= 2 (model=falcon); got '
+                     f'{a.per_pass} with model={a.model}.')
   if a.hass_decay != 1.0 and not a.hass:
     raise ValueError('hass_decay weighs the own-step runs: it needs hass >= 1.')
   size = _SIZES[a.size]
@@ -125,14 +132,16 @@ def get_config(arg=None):
   taps = _taps(a.taps, a.model, presets.get(f'{a.size}_target')['num_layers'])
   if head:  # The target's shape, its number of layers the head's blocks (or heads).
     c.model = dict(presets.get(f'{a.size}_target'), num_layers=a.head_layers or _HEADS[a.model],
-                   feature_taps=taps, draft_vocab_size=a.vocab)
+                   feature_taps=taps, draft_vocab_size=a.vocab,
+                   drafts_per_pass=a.per_pass if a.model == 'falcon' else 1)
   else:
     c.model = presets.get(f'{a.size}_{_PRESET[a.model]}')
   c.root = a.root or f'checkpoints/{a.size}' + ('_runlocal' if a.runlocal else '')
   c.name = a.model
   if head:  # e.g. feature_hass1, heads_4, feature_taps1-3-6_hass1_decay0.8_v512.
     c.name += ''.join(part for part, on in (
-        (f'_{c.model["num_layers"]}', a.head_layers), (f'_taps{"-".join(map(str, taps))}', taps),
+        (f'_{c.model["num_layers"]}', a.head_layers), (f'_pass{a.per_pass}', a.per_pass != 2),
+        (f'_taps{"-".join(map(str, taps))}', taps),
         (f'_hass{a.hass}', a.hass), (f'_decay{a.hass_decay:g}', a.hass_decay != 1.0),
         (f'_v{a.vocab}', a.vocab), (f'_{a.distill_data}', a.distill_data != 'corpus')) if on)
   if a.distill > 0:

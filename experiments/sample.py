@@ -33,7 +33,10 @@ def _random_models(c, mesh, rng):
   target = models.Model(config, models.init_params(config, rng, mesh=mesh))
   key = jax.random.fold_in(rng, 1)
   if c.drafter.kind in drafter_config.HEAD_KINDS:  # A head over the target's features.
-    head = models.feature_head.head_config(config, 1 if c.drafter.kind == 'feature' else c.k)
+    falcon = c.drafter.kind == 'falcon'  # Two drafts a pass, Falcon's.
+    head = models.feature_head.head_config(
+        config, 1 if c.drafter.kind in ('feature', 'falcon') else c.k,
+        drafts_per_pass=2 if falcon else 1)
     draft = common.place_params(models.Model(
         head, models.feature_head.init_head(c.drafter.kind, head, key)), mesh)
   else:

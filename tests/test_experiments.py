@@ -149,8 +149,8 @@ def _one_line_error(run, *parts):
       'stop_below=0.5'],
      ['stop_below=0.5: prompt lookup has no draft model']),
     (['experiments/sample.py', '--config=configs/sample.py:method=sps,drafter=ngram'],
-     ["Unknown drafter 'ngram'; known: ['model', 'lookup', 'hybrid', 'feature', 'heads', "
-      "'mlp', 'tree']."]),
+     ["Unknown drafter 'ngram'; known: ['model', 'lookup', 'hybrid', 'feature', 'falcon', "
+      "'heads', 'mlp', 'tree']."]),
     (['experiments/sample.py', '--config=configs/sample.py:method=sps,drafter=tree,'
       'branching=2+1'],
      ['branching=2+1 drafts trees of depth 2: pass that as k (got k=4).']),

@@ -15,9 +15,10 @@ from spsjax import models, native, sharding
 from spsjax.models import feature_head
 from spsjax.sampling import (SamplingConfig, autoregressive_sample, drafter_config, drafters,
                              probabilities, speculative, speculative_sample)
-from spsjax.sampling.feature_drafters import (FeatureDrafter, FeatureDynamicDrafter,
-                                              FeatureTreeDrafter, HeadsDrafter,
-                                              HeadsTreeDrafter, MlpDrafter, MlpTreeDrafter)
+from spsjax.sampling.feature_drafters import (FalconDrafter, FeatureDrafter,
+                                              FeatureDynamicDrafter, FeatureTreeDrafter,
+                                              HeadsDrafter, HeadsTreeDrafter, MlpDrafter,
+                                              MlpTreeDrafter)
 from tests import forwards
 from tests.stats import scaled_model
 from tests.test_drafters import check_unrolled_drafts
@@ -25,7 +26,8 @@ from tests.test_speculative import check_interleaved_law, interleaved
 
 GREEDY = SamplingConfig(temperature=0.0)
 P_MIN = 1e-5  # Each G-test fails a correct sampler with this probability.
-DRAFTERS = {'feature': FeatureDrafter(), 'heads': HeadsDrafter(), 'mlp': MlpDrafter()}
+DRAFTERS = {'feature': FeatureDrafter(), 'heads': HeadsDrafter(), 'mlp': MlpDrafter(),
+            'falcon': FalconDrafter()}
 
 
 def _drafter(kind: str, variant, k: int):
@@ -50,12 +52,16 @@ def _head(target: models.Model, kind: str, layers: int, seed: int,
           ) -> models.Model:
   """A random head for `target` (reading its residual stream at `taps`, EAGLE-3's; drafting
   the tokens `vocab` from its own output layer, EAGLE-3's draft vocabulary), its fused input
-  scaled (an MLP speculator: each stage's output product; sharper, less uniform drafts)."""
-  config = feature_head.head_config(target.config, layers, taps, len(vocab))
+  scaled (an MLP speculator: each stage's output product; a Falcon head, of 2 drafts a pass:
+  its first cell's product; sharper, less uniform drafts)."""
+  config = feature_head.head_config(target.config, layers, taps, len(vocab),
+                                    drafts_per_pass=2 if kind == 'falcon' else 1)
   params = feature_head.init_head(kind, config, jax.random.key(seed))
   if kind == 'mlp':
     params = {name: dict(p, out=p['out'] * scale) if name.startswith('stage_') else p
               for name, p in params.items()}
+  elif kind == 'falcon':
+    params = dict(params, cells=dict(params['cells'], cell_0=params['cells']['cell_0'] * scale))
   else:
     params = dict(params, fuse=dict(params['fuse'], fuse=params['fuse']['fuse'] * scale))
   head = models.Model(config, params)
@@ -127,6 +133,44 @@ def test_cached_head_equals_its_full_forward(pair48, packed, taps):
 _head_forward = jax.jit(feature_head.feature_head_forward, static_argnames='in_draft_vocab')
 
 
+@pytest.mark.parametrize('packed', [False, 'float32', 'bfloat16'])
+def test_a_falcon_heads_blocks_see_ahead_and_its_cache_agrees(pair48, packed):
+  """A Falcon head of 2 drafts a pass and 2 layers: over a whole sequence each pair sees its
+  training block's pairs (pair 0 changes with pair 1's token, pair 1 not with pair 2's, pair 2
+  with pair 3's), or with `block_ends`' `ahead` the next pair whatever its block (pairs 1 and 7
+  then change with pairs 2 and 8); `extend_head` in two calls at ragged offsets, each pair
+  told what it sees, gives the whole forward's features and logits (the target and head packed
+  for the native kernels too, whose attention is then XLA's; the bfloat16 head against its
+  rounded weights unpacked)."""
+  target = models.for_decoding(pair48) if packed else pair48
+  head = _head(pair48, 'falcon', 2, 1)
+  head_run = models.for_decoding(head, packed) if packed else head
+  ref_head = models.unpack(head_run) if packed else head
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, 48, size=(3, 9)), jnp.int32)
+  features = jnp.asarray(rng.normal(size=(3, 9, 32)), jnp.float32)
+  _, want = _head_forward(ref_head, pair48, features, tokens)
+  for ahead in (False, True):
+    sees = feature_head.block_ends(9, 2, ahead)
+    _, base = _head_forward(ref_head, pair48, features, tokens, sees_T=sees)
+    for t, moved in ((0, True), (1, ahead), (2, True), (6, True), (7, ahead)):
+      other = tokens.at[:, t + 1].set((tokens[:, t + 1] + 1) % 48)
+      _, changed = _head_forward(ref_head, pair48, features, other, sees_T=sees)
+      assert np.allclose(changed[:, :t + 1], base[:, :t + 1], atol=1e-6) != moved, (t, ahead)
+  sees_BxT = jnp.broadcast_to(feature_head.block_ends(9, 2), (3, 9))
+  cache = models.init_cache(head.config, 3, 14)
+  extend_head = jax.jit(feature_head.extend_head)
+  _, got_a, cache = extend_head(head_run, target, cache, features[:, :4], tokens[:, :4],
+                                sees_BxT=sees_BxT[:, :4])
+  got_logits, got_b, cache = extend_head(
+      head_run, target, cache, features[:, 4:], tokens[:, 4:],
+      logits_at_BxL=jnp.array([[0, 4]] * 3, jnp.int32), sees_BxT=sees_BxT[:, 4:])
+  np.testing.assert_allclose(np.concatenate([got_a, got_b], 1), want, rtol=2e-4, atol=2e-4)
+  want_logits, _ = _head_forward(ref_head, pair48, features, tokens)
+  np.testing.assert_allclose(got_logits, np.asarray(want_logits)[:, [4, 8]], rtol=2e-4,
+                             atol=2e-4)
+
+
 def test_an_mlp_speculator_stage_updates_its_state_as_ibms_does(pair48):
   """Stages by numpy: s_0 = the features RMS-normed; s_{i+1} = GELU(norm(a s_i P_i + b
   norm(e(x_i)))), a = 0.5^(0.5 / n), b = sqrt(1 - a^2) for n = 3 stages; stage i's features
@@ -165,7 +209,7 @@ def test_a_draft_vocabulary_is_drafted_from_the_heads_own_output_layer(pair48, k
   at those tokens, -inf at the others; packed (float32, int8) its cached calls give them (int8:
   its own output layer quantized, no copy of the target's); bad vocabularies are refused."""
   vocab = tuple(int(t) for t in np.sort(np.random.default_rng(1).choice(48, 16, replace=False)))
-  head = _head(pair48, kind, 1 if kind == 'feature' else 2, 1, vocab=vocab)
+  head = _head(pair48, kind, 1 if kind in ('feature', 'falcon') else 2, 1, vocab=vocab)
   rng = np.random.default_rng(2)
   tokens = jnp.asarray(rng.integers(0, 48, size=(2, 5)), jnp.int32)
   features = jnp.asarray(rng.normal(size=(2, 5, 32)), jnp.float32)
@@ -250,6 +294,26 @@ def _reference_laws(target, head, kind, seq, k, sampling):
           head, target, jnp.asarray(features_CxD[None, c - 2]), jnp.asarray(inputs[None]))
       return law(logits[:, len(drafts)], drafts)
     return stage(), stage
+  if kind == 'falcon':  # Slots 0, 1: pairs c - 3, c - 2 (a block seeing c - 2); 2, 3: then
+    # the block of their predictions with drafts 0, 1 at c - 1, c (seeing c).
+    pairs, tokens = _padded(features_CxD[:c - 1]), _padded(seq[1:].astype(np.int32))
+    sees = np.arange(pairs.shape[1], dtype=np.int32)
+    block = [max(c - 3, 0), c - 2]  # One pending pair (a prompt of one token): it twice.
+    sees[block] = c - 2
+    logits, predicted = _head_forward(head, target, pairs, tokens, sees_T=jnp.asarray(sees))
+
+    def falcon(*drafts):  # Slot 1 after no draft; slot 2 after drafts 0 and 1.
+      if not drafts:
+        return law(logits[:, block[1]])
+      pairs_ = np.concatenate([features_CxD[:c - 1], np.asarray(predicted)[0, block]])
+      tokens_ = np.concatenate([seq[1:], drafts]).astype(np.int32)
+      sees_ = np.arange(pairs.shape[1], dtype=np.int32)
+      sees_[block] = c - 2
+      sees_[[c - 1, c]] = c
+      logits_, _ = _head_forward(head, target, _padded(pairs_), _padded(tokens_),
+                                 sees_T=jnp.asarray(sees_))
+      return law(logits_[:, c - 1], drafts)
+    return law(logits[:, block[0]]), falcon
   logits, predicted = _head_forward(head, target, _padded(features_CxD[:c - 1]),
                                     _padded(seq[1:].astype(np.int32)))
 
@@ -270,7 +334,7 @@ def _reference_laws(target, head, kind, seq, k, sampling):
     ('feature', False, 0), ('feature', True, 0), ('heads', True, 0), ('feature', True, 2),
     ('heads', False, 2), ('feature', True, 'tree'), ('heads', True, 'tree'),
     ('feature', True, 'penalty'), ('feature', False, 'taps'), ('feature', True, 'taps'),
-    ('mlp', False, 2), ('mlp', True, 'tree')])
+    ('mlp', False, 2), ('mlp', True, 'tree'), ('falcon', False, 0), ('falcon', True, 0)])
 def test_each_loops_drafts_come_from_the_head_on_the_targets_features(pair48, kind, packed,
                                                                       variant):
   """Stepping the loop (ragged prompts, 3 loops, k = 3): before each loop, the proposal's laws
@@ -285,9 +349,10 @@ def test_each_loops_drafts_come_from_the_head_on_the_targets_features(pair48, ki
   drafts before it as present. 'taps': the chain of an EAGLE-3 head reading the target's taps.
   An MLP speculator: slot i from stage i after the last committed token and drafts 0 .. i - 1
   (with alternatives too: the chain's slots); drafting the tree, a node at depth d from stage d
-  - 1 after its path, as the EAGLE head's nodes."""
+  - 1 after its path, as the EAGLE head's nodes. A Falcon head: slots 0 and 1 from the block of
+  the last two true pairs, slot 2 from the block of their predictions and drafts 0 and 1."""
   target = models.for_decoding(pair48) if packed else pair48
-  head = _head(pair48, kind, 1 if kind == 'feature' else 3, 2, scale=3.0,
+  head = _head(pair48, kind, 1 if kind in ('feature', 'falcon') else 3, 2, scale=3.0,
                taps=TAPS if variant == 'taps' else ())
   head_run = models.for_decoding(head) if packed else head
   k, sampling = 3, SamplingConfig(temperature=0.8)
@@ -301,6 +366,8 @@ def test_each_loops_drafts_come_from_the_head_on_the_targets_features(pair48, ki
                                                 9: (1, 5)}
   if kind == 'mlp' and variant != 'tree':
     paths = {1: (0,), 2: (0, 1)}
+  if kind == 'falcon':
+    paths = {1: (), 2: (0, 1)}
   prompts, lengths = _ragged(3)
   loop, args = speculative.prepare(target, head_run, prompts, lengths, k=k, max_new_tokens=20,
                                    sampling=sampling, drafter=drafter)
@@ -343,7 +410,7 @@ def test_heads_draft_a_chain_under_the_context_rules(pair48, kind):
   committed tokens and the drafts before it), renormalised, and no draft is banned. The
   parallel heads' laws come from one pass, so every slot is set against the same call without
   the rules; the EAGLE head's first slot (its later ones read drafts that differ)."""
-  head = _head(pair48, kind, 1 if kind == 'feature' else 3, 2, scale=3.0)
+  head = _head(pair48, kind, 1 if kind in ('feature', 'falcon') else 3, 2, scale=3.0)
   k, plain = 3, SamplingConfig(temperature=0.8)
   # Every token of the context banned (1-grams: the drafts before a slot too), and a third of
   # the vocabulary at the first three new tokens (the prefill gave the first: slots 0 and 1).
@@ -394,7 +461,7 @@ def tiny_target():
                                                        'dynamic'),
     ('feature', 'top_p_0.8', 2, True, 'taps'), ('feature', 'temperature_1', 3, True, 'vocab'),
     # (The EAGLE chain at temperature 1, k = 3: the 'vocab' row; the heads' there: the tree.)
-    ('mlp', 'top_p_0.8', 3, True, 0)])
+    ('mlp', 'top_p_0.8', 3, True, 0), ('falcon', 'temperature_1', 3, True, 0)])
 def test_output_law_is_target_law(tiny_target, kind, setting, k, packed, variant):
   """5 tokens per row after two prompts of different lengths interleaved in one batch (rows accept
   different numbers of drafts in the same loops; the law covers the bonus token and a second
@@ -402,12 +469,12 @@ def test_output_law_is_target_law(tiny_target, kind, setting, k, packed, variant
   drafting a tree (2, 2), a tree of drafts; the EAGLE head growing each row's own tree (point
   masses); an EAGLE-3 head (reading the target's taps) drafting a chain; a head drafting 4 of
   the 7 tokens (its draft vocabulary: the others never proposed, drawn from the residual only);
-  an MLP speculator's chain.
+  an MLP speculator's chain; a Falcon head's chain of two passes (2 drafts, then 1).
   Power: 50,000 rows per
   prompt detect at 80% any law within total variation 0.035 (temperature 1) or 0.028 (top-p
   0.8) of the target's (`stats.detectable_tv`)."""
   sampling = {'temperature_1': SamplingConfig(), 'top_p_0.8': SamplingConfig(top_p=0.8)}[setting]
-  head = _head(tiny_target, kind, 1 if kind == 'feature' else 3, 4, scale=2.0,
+  head = _head(tiny_target, kind, 1 if kind in ('feature', 'falcon') else 3, 4, scale=2.0,
                taps=TAPS if variant == 'taps' else (),
                vocab=(0, 2, 3, 5) if variant == 'vocab' else ())
   variant = 0 if variant in ('taps', 'vocab') else variant
@@ -425,7 +492,8 @@ def test_output_law_is_target_law(tiny_target, kind, setting, k, packed, variant
                         RAGGED_PROMPTS, NEW_LONG)
 
 
-@pytest.mark.parametrize('kind,k', [('feature', 1), ('feature', 4), ('heads', 4), ('mlp', 4)])
+@pytest.mark.parametrize('kind,k', [('feature', 1), ('feature', 4), ('heads', 4), ('mlp', 4),
+                                    ('falcon', 1), ('falcon', 3)])
 def test_greedy_sps_equals_greedy_ars(tiny_target, kind, k):
   """Ragged prompts, 8 tokens, an eos some rows emit: the same tokens as greedy ArS, with
   drafts accepted (the small vocabulary makes a random head's argmax often right); with 2
@@ -433,14 +501,17 @@ def test_greedy_sps_equals_greedy_ars(tiny_target, kind, k):
   Cartesian tree of their top tokens; the MLP speculator's: each node's top tokens after its
   path), in fewer loops than the chain; and the EAGLE head growing
   each row's own tree; an EAGLE-3 head (the target's taps) too, its chain and its tree; and one
-  drafting from its own output layer over 5 of the 7 tokens (a draft vocabulary)."""
-  head = _head(tiny_target, kind, 1 if kind == 'feature' else 4, 6, scale=2.0)
+  drafting from its own output layer over 5 of the 7 tokens (a draft vocabulary); a Falcon
+  head's chain (k = 3: two passes, the last of one draft), and one of 3 drafts a pass."""
+  seed = 7 if kind == 'falcon' else 6  # A random Falcon head of seed 6 has no draft accepted.
+  head = _head(tiny_target, kind, 1 if kind in ('feature', 'falcon') else 4, seed, scale=2.0)
   prompts, lengths = _ragged(k, batch=8, width=4, vocab=V_SMALL)
   ars = autoregressive_sample(tiny_target, prompts, lengths, jax.random.key(0),
                               max_new_tokens=8, sampling=GREEDY, eos_id=6)
   loops = {}
   dynamic = ('dynamic',) if kind == 'feature' else ()
-  for variant in (0, 2) + (('tree',) + dynamic if k > 1 else ()):
+  variants = (0, 2) + (('tree',) + dynamic if k > 1 else ())
+  for variant in variants if kind != 'falcon' else (0,):  # A Falcon head drafts a chain.
     sps = speculative_sample(
         tiny_target, head, prompts, lengths, jax.random.key(1), k=k, max_new_tokens=8,
         sampling=GREEDY, eos_id=6, drafter=_drafter(kind, variant, k))
@@ -449,6 +520,13 @@ def test_greedy_sps_equals_greedy_ars(tiny_target, kind, k):
     assert int(np.sum(sps.num_accepted)) > 0
     loops[variant] = int(np.sum(sps.num_loops))
   assert all(loops[v] < loops[0] for v in loops if v not in (0, 'dynamic')), loops
+  if kind == 'falcon':  # 3 drafts a pass: at k = 1 its first call reads 3 > k + 1 pairs.
+    config = feature_head.head_config(tiny_target.config, 1, drafts_per_pass=3)
+    head3 = models.Model(config, feature_head.init_head('falcon', config, jax.random.key(3)))
+    sps = speculative_sample(tiny_target, head3, prompts, lengths, jax.random.key(1), k=k,
+                             max_new_tokens=8, sampling=GREEDY, eos_id=6,
+                             drafter=FalconDrafter(per_pass=3))
+    np.testing.assert_array_equal(sps.tokens, ars.tokens)
   if kind == 'feature':
     # Its taps' product on the last output alone: the EAGLE head's drafts, which are accepted.
     head3 = _head(tiny_target, kind, 1, 6, scale=2.0, taps=TAPS)
@@ -473,7 +551,7 @@ def test_greedy_sps_equals_greedy_ars_under_context_rules(tiny_target, kind):
   the same rules, and SpS emits ArS's tokens, with drafts accepted; also with the EAGLE head
   growing each row's own tree (its values ignore the rules, the target's accept step reads them
   along each row's paths)."""
-  head = _head(tiny_target, kind, 1 if kind == 'feature' else 4, 6, scale=2.0)
+  head = _head(tiny_target, kind, 1 if kind in ('feature', 'falcon') else 4, 6, scale=2.0)
   prompts, lengths = _ragged(4, batch=8, width=4, vocab=V_SMALL)
   rules = SamplingConfig(temperature=0.0, no_repeat_ngram_size=2, ban_before_new=(((6,), 3),))
   ars = autoregressive_sample(tiny_target, prompts, lengths, jax.random.key(0),
@@ -532,19 +610,45 @@ def test_heads_that_do_not_fit_are_refused(pair48):
     run(FeatureTreeDrafter(branching=(2, 1)), _head(pair48, 'feature', 1, 0), k=3)
   with pytest.raises(ValueError, match='not alternatives'):
     FeatureTreeDrafter(alternatives=1)
+  falcon = _head(pair48, 'falcon', 1, 0)
+  with pytest.raises(ValueError, match="FalconDrafter drafts with a 'falcon' head.*'feature'"):
+    run(FalconDrafter(), _head(pair48, 'feature', 1, 0))
+  with pytest.raises(ValueError, match="FeatureDrafter drafts with a 'feature' head.*'falcon'"):
+    run(FeatureDrafter(), falcon)
+  with pytest.raises(ValueError, match='drafts 2 tokens a pass; .* per_pass=3'):
+    run(FalconDrafter(per_pass=3), falcon)
+  with pytest.raises(ValueError, match='takes no alternatives'):
+    FalconDrafter(alternatives=1)
+  with pytest.raises(ValueError, match='per_pass >= 2'):
+    FalconDrafter(per_pass=1)
+  assert drafter_config.build('falcon', per_pass=3) == FalconDrafter(per_pass=3)
+  with pytest.raises(ValueError, match='drafts a chain'):
+    drafter_config.build('falcon', branching='2+1')
+  with pytest.raises(ValueError, match='not the model drafter'):
+    drafter_config.build('model', per_pass=3)
+  with pytest.raises(ValueError, match="got kind 'falcon' with drafts_per_pass 1"):
+    feature_head.init_head('falcon', feature_head.head_config(pair48.config), jax.random.key(0))
+  with pytest.raises(ValueError, match="got kind 'feature' with drafts_per_pass 2"):
+    feature_head.init_head('feature', falcon.config, jax.random.key(0))
+  with pytest.raises(ValueError, match='reads a sequence, not a tree'):
+    feature_head.feature_head_forward(falcon, pair48, jnp.zeros((1, 3, 32)),
+                                      jnp.zeros((1, 3), jnp.int32),
+                                      models.TokenTree((0, 0)))
+  with pytest.raises(ValueError, match='drafts_per_pass must be >= 1'):
+    dataclasses.replace(pair48.config, drafts_per_pass=0)
 
 
 def test_a_head_drafts_the_same_tokens_on_a_mesh(pair48):
   """Target and EAGLE head sharded on a 2 x 2 mesh (heads and MLP over `model`, rows over
   `data`): greedy SpS gives the tokens it gives on one device; an EAGLE-3 head (the target's
-  taps, its own output layer over 24 tokens split over `model`) too."""
+  taps, its own output layer over 24 tokens split over `model`) and a Falcon head too."""
   prompts, lengths = _ragged(8, batch=4)
-  for taps in ((), TAPS):
-    head = _head(pair48, 'feature', 1, 3, scale=3.0, taps=taps,
+  for kind, taps in (('feature', ()), ('feature', TAPS), ('falcon', ())):
+    head = _head(pair48, kind, 1, 3, scale=3.0, taps=taps,
                  vocab=tuple(range(0, 48, 2)) if taps else ())
-    run = lambda mesh, head=head: speculative_sample(
+    run = lambda mesh, head=head, kind=kind: speculative_sample(
         pair48, head, prompts, lengths, jax.random.key(0), k=3, max_new_tokens=10,
-        sampling=GREEDY, mesh=mesh, drafter=FeatureDrafter())
+        sampling=GREEDY, mesh=mesh, drafter=DRAFTERS[kind])
     one = run(None)
     sharded = run(sharding.make_mesh(2, 2, jax.devices()[:4]))
     np.testing.assert_array_equal(np.asarray(sharded.tokens), np.asarray(one.tokens))

@@ -442,6 +442,33 @@ def test_an_mlp_speculators_stage_i_trains_on_the_corpus_tokens_before_its_own()
   np.testing.assert_allclose(got['distill'], np.mean(per_stage), rtol=1e-4)
 
 
+def test_a_falcon_heads_pair_t_trains_on_the_law_m_positions_on():
+  """A Falcon head of 3 drafts a pass: pair t (in training's aligned blocks of 3,
+  `feature_head.block_ends`) is scored against the target's law of x_{t+4}, KL(p_{t+3} || q_t),
+  over the pairs where it exists; lm_loss is each such pair's cross-entropy on x_{t+4} (numpy,
+  from the head's own forward)."""
+  config = models.TransformerConfig(vocab_size=40, d_model=16, num_layers=2, num_heads=2,
+                                    d_ff=32, max_seq_len=32)
+  target = models.Model(config, models.init_params(config, jax.random.key(0)))
+  head_config = models.feature_head.head_config(config, 1, drafts_per_pass=3)
+  head = models.Model(head_config, models.feature_head.init_head('falcon', head_config,
+                                                                jax.random.key(1)))
+  batch = np.random.default_rng(0).integers(0, 40, size=(2, 11)).astype(np.int32)
+  got = head_losses.head_loss('falcon', head, target, jnp.asarray(batch), feature_weight=0.0)[1]
+  inputs = jnp.asarray(batch[:, :-1])
+  f = models.features(config, target.params, inputs)
+  log_p = np.asarray(jax.nn.log_softmax(models.logits(config, target.params, inputs)))
+  q, _ = models.feature_head.feature_head_forward(
+      head, target, f[:, :-1], inputs[:, 1:],
+      sees_T=jnp.asarray([2, 2, 2, 5, 5, 5, 8, 8, 8], jnp.int32))
+  log_q = np.asarray(jax.nn.log_softmax(q))[:, :7]  # Pairs t <= 6: p_{t+3} within the batch.
+  p = np.exp(log_p[:, 3:])
+  np.testing.assert_allclose(got['distill'], np.mean(np.sum(p * (log_p[:, 3:] - log_q), -1)),
+                             rtol=1e-5)
+  nll = -np.take_along_axis(log_q, batch[:, 4:, None], -1)
+  np.testing.assert_allclose(got['lm_loss'], nll.mean(), rtol=1e-5)
+
+
 @pytest.mark.parametrize('taps', [(), (0, 1, 2)])
 def test_own_step_runs_see_what_drafting_sees(taps):
   """`head_losses.own_steps_tree`: run j's pair at position s, on the tree of runs 0 .. j, gives
@@ -511,22 +538,24 @@ def test_a_head_trains_on_the_teachers_samples(finished):
 
 @pytest.mark.parametrize('head,own_steps,taps,vocab', [
     ('feature', 1, False, 0), ('heads', 0, False, 256), ('feature', 1, True, 256),
-    ('mlp', 0, False, 0)])
+    ('mlp', 0, False, 0), ('falcon', 0, False, 0)])
 def test_a_head_learns_the_targets_law_and_loads_for_drafting(finished, tmp_path, head,
                                                               own_steps, taps, vocab):
   """A head over the finished run's features (`head_losses`; the EAGLE head with one HASS-style
   run on its own predictions; `taps`: reading the target's embedding and last output side by
   side, EAGLE-3's features; `vocab`: drafting the 256 most frequent tokens of its training
-  batches from its own output layer): 10 steps lower its KL to the target's law on held-out
-  text; its checkpoint says it is a head (of those taps, that vocabulary) and loads as one, and
-  drafts for the target in SpS."""
+  batches from its own output layer; a Falcon head of 2 drafts a pass): 10 steps lower its KL
+  to the target's law on held-out text; its checkpoint says it is a head (of those taps, that
+  vocabulary) and loads as one, and drafts for the target in SpS."""
   finished_dir, _, _ = finished
   teacher, tok, _ = load.load_model(finished_dir)
-  layers = 1 if head == 'feature' else 3  # Parallel heads, or an MLP speculator's stages.
+  # One block (EAGLE's, Falcon's), or 3 parallel heads or MLP speculator stages.
+  layers = 1 if head in ('feature', 'falcon') else 3
   taps = (0, teacher.config.num_layers) if taps else ()
   config = dataclasses.replace(
       train_helpers.CONFIG, head=head, head_own_steps=own_steps, seed=2,
-      model=models.feature_head.head_config(teacher.config, layers, taps, vocab),
+      model=models.feature_head.head_config(teacher.config, layers, taps, vocab,
+                                            2 if head == 'falcon' else 1),
       optimizer=dataclasses.replace(train_helpers.CONFIG.optimizer, total_steps=10))
   batches = experiment.pipeline.PackedBatches(data_helpers.texts('train'), tok,
                                               train_helpers.BATCH, train_helpers.SEQ_LEN)

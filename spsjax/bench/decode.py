@@ -388,9 +388,13 @@ def _head_steps(steps, k, head, target, cache, features_BxTxD, tokens_BxT, lengt
       logits_BTxV, _ = feature_head.speculator_stage(head, target, 0, states_BTxD,
                                                      tokens_BxT.reshape(B * T))
       logits_BxKxV = logits_BTxV.reshape(B, T, -1)
-    else:
+    else:  # A Falcon head's block sees up to its last pair (by XLA's attention: `Attention`).
+      T = tokens_BxT.shape[1]
+      sees_BxT = (jnp.broadcast_to((lengths_B + T - 1)[:, None], tokens_BxT.shape)
+                  if head.config.drafts_per_pass > 1 else None)
       logits_BxKxV, _, cache = feature_head.extend_head(
-          head, target, cache.with_lengths(lengths_B), features_BxTxD, tokens_BxT)
+          head, target, cache.with_lengths(lengths_B), features_BxTxD, tokens_BxT,
+          sees_BxT=sees_BxT)
     return cache, checksum_B + logits_BxKxV[:, -1, 0]
 
   B = tokens_BxT.shape[0]

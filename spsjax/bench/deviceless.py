@@ -145,9 +145,11 @@ def abstract_model(config: models.TransformerConfig, mesh: Mesh,
 def abstract_head(kind: str, target: models.TransformerConfig, mesh: Mesh, *,
                   num_layers: int = 1,
                   rules: sharding.Rules = sharding.DEFAULT_RULES) -> models.Model:
-  """A `feature_head` of `kind` over `target`'s features ('feature': `num_layers` blocks,
-  'heads': `num_layers` heads) whose parameters are shapes laid out on `mesh`."""
-  config = feature_head.head_config(target, num_layers)
+  """A `feature_head` of `kind` over `target`'s features ('feature', 'falcon': `num_layers`
+  blocks, a Falcon head's 2 drafts a pass; 'heads', 'mlp': `num_layers` heads or stages) whose
+  parameters are shapes laid out on `mesh`."""
+  config = feature_head.head_config(target, num_layers,
+                                    drafts_per_pass=2 if kind == 'falcon' else 1)
   return models.Model(config, _placed(feature_head.param_shapes(kind, config),
                                       feature_head.param_shardings(kind, config, mesh, rules)))
 

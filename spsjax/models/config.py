@@ -140,6 +140,10 @@ class TransformerConfig:
   # `draft_vocab`): a final norm and a [D, draft_vocab_size] product, the other tokens never
   # drafted. 0 reads the target's output layer (every token).
   draft_vocab_size: int = 0
+  # A feature head's drafts per pass (Falcon's semi-autoregressive k, `feature_head`): its
+  # queries see the pairs up to their block's end, m - 1 - j ahead of the j-th of a block of m,
+  # and predict the features m positions on. 1: one draft a pass (EAGLE).
+  drafts_per_pass: int = 1
   # What computes the projections and the cached attention: 'xla' (XLA's ops on the parameters
   # `init_params` makes), 'xla_fused' (XLA's ops on weights fused for decoding by `models.fuse`:
   # q, k and v one product, a gated MLP's gate and input one; `models.unfuse` sets 'xla' back) or
@@ -180,6 +184,8 @@ class TransformerConfig:
     if not 0 <= self.draft_vocab_size <= self.vocab_size:
       raise ValueError(f'draft_vocab_size must be in [0, vocab_size={self.vocab_size}] (0: the '
                        f'target\'s output layer), got {self.draft_vocab_size}.')
+    if self.drafts_per_pass < 1:
+      raise ValueError(f'drafts_per_pass must be >= 1, got {self.drafts_per_pass}.')
     if self.sliding_window is not None and self.sliding_window < 1:
       raise ValueError(f'sliding_window must be >= 1 (or None), got {self.sliding_window}.')
     if self.global_layers and (self.sliding_window is None or list(self.global_layers) != sorted(

@@ -23,6 +23,13 @@ to D (`fuse`).
   pair is its residual stream at several depths (`Transformer`'s taps), each RMS-normed and
   projected together to D (`taps`) before the fuse; its own predictions enter as they are, so
   it is trained on them too (`train.head_losses`' own steps, EAGLE-3's training-time test).
+- A Falcon head (Gao et al. 2024; kind 'falcon', `drafts_per_pass` m > 1) is a `FeatureHead`
+  whose pairs enter through two gated cells (`_Cells`, Falcon's LSTM) and whose queries see
+  ahead (`sees`): pair t of a block of m pairs sees up to the block's last, and its output is
+  f^_{t+m}, whose logits are the law of x_{t+m+1}. One pass over a block gives m drafts'
+  laws; drafting then reads the block of its m predictions with the tokens drawn from them.
+  Training reads aligned blocks (`block_ends`); with one layer a pair's keys do not depend on
+  its block, so the cache drafting keeps is the one training implies.
 - `MlpSpeculator` (IBM's MLP speculator, Wertheimer et al. 2024): no fuse; the features RMS-normed
   are a state, and stage i mixes it with a token's embedding into the next state (a product, a
   norm, a GELU) whose product O_i is the predicted features: stage i reads the draft of stage
@@ -55,22 +62,23 @@ from spsjax.models.token_tree import TokenTree
 from spsjax.models.transformer import (Block, Mlp, RMSNorm, _kept_counts, _output, _param,
                                         embed, output_logits, project)
 
-KINDS = ('feature', 'heads', 'mlp')
+KINDS = ('feature', 'heads', 'mlp', 'falcon')
 
 
 def head_config(target: TransformerConfig, num_layers: int = 1,
-                taps: tuple[int, ...] = (), draft_vocab_size: int = 0) -> TransformerConfig:
+                taps: tuple[int, ...] = (), draft_vocab_size: int = 0,
+                drafts_per_pass: int = 1) -> TransformerConfig:
   """A head's config for `target`: its width, heads, MLP and vocabulary, `num_layers` blocks
   (or heads), XLA's kernels, attention over every earlier position (no sliding window), reading
   the target's residual stream at `taps` (`TransformerConfig.feature_taps`; () its last layer's
   output), drafting from its own output layer over `draft_vocab_size` tokens (0: through the
-  target's, every token)."""
+  target's, every token), `drafts_per_pass` a pass (> 1: a Falcon head)."""
   if taps and not all(0 <= t <= target.num_layers for t in taps):
     raise ValueError(f'Feature taps index the target\'s residual stream, 0 .. {target.num_layers}'
                      f' (its last output); got {taps}.')
   return dataclasses.replace(target, num_layers=num_layers, kernels='xla', sliding_window=None,
                              global_layers=(), local_rope_base=None, feature_taps=tuple(taps),
-                             draft_vocab_size=draft_vocab_size)
+                             draft_vocab_size=draft_vocab_size, drafts_per_pass=drafts_per_pass)
 
 
 def reads(head: Model) -> bool | tuple[int, ...]:
@@ -80,16 +88,18 @@ def reads(head: Model) -> bool | tuple[int, ...]:
 
 
 def _normed_product(module: nn.Module, c: TransformerConfig, xs_BxTxD, norms: list[str],
-                    name: str, counts_B):
+                    name: str, counts_B, out: int | None = None):
   """Each of n inputs [B, T, D] RMS-normed (scales `norms`), then one product over their n D
-  entries (weight `name`, [n, D, D]; packed: one kernel call) -> [B, T, D]."""
+  entries (weight `name`, [n, D, E], E = `out` or D; packed: one kernel call) -> [B, T, E]."""
   x_BxTxNxD = jnp.stack([RMSNorm(c, name=norm)(x.astype(c.jnp_dtype))
                          for norm, x in zip(norms, xs_BxTxD)], axis=2)
   B, T, N, D = x_BxTxNxD.shape
   if c.kernels == 'native':  # Packed (`models.pack`): one product over the n D entries.
     return native.matmul(x_BxTxNxD.reshape(B, T, N * D), module.get_variable('params', name),
                          counts=counts_B).astype(c.jnp_dtype)
-  w_NxDxE = _param(module, name, (N, D, D), ('fuse', 'embed', 'embed'), N * D, c.jnp_dtype)
+  E = out or D
+  w_NxDxE = _param(module, name, (N, D, E), ('fuse', 'embed', 'embed' if E == D else None),
+                   N * D, c.jnp_dtype)
   return project(c, 'BTID,IDE->BTE', x_BxTxNxD, w_NxDxE)
 
 
@@ -102,6 +112,35 @@ class _Fuse(nn.Module):
   def __call__(self, features_BxTxD, embedded_BxTxD, counts_B=None):
     return _normed_product(self, self.config, [features_BxTxD, embedded_BxTxD],
                            ['feature_norm', 'token_norm'], 'fuse', counts_B)
+
+
+def _gated_cell(gates_BxTx3D):
+  """An LSTM cell's output from a zero state: gates (in, candidate, out) -> sigmoid(out)
+  tanh(sigmoid(in) tanh(candidate)) (the forget gate multiplies the zero state: absent)."""
+  in_, candidate, out = jnp.split(gates_BxTx3D.astype(jnp.float32), 3, axis=-1)
+  return jax.nn.sigmoid(out) * jnp.tanh(jax.nn.sigmoid(in_) * jnp.tanh(candidate))
+
+
+class _Cells(nn.Module):
+  """Falcon's input: the pair (features, token embedding), both RMS-normed, through two gated
+  cells -> one stream [B, T, D]. Cell 0's gates are one product over the pair's 2D entries, cell
+  1's over cell 0's output, each plus a bias: an LSTM layer's step from a zero state, which is
+  what Falcon's two-layer `nn.LSTM` computes in its published code (no `batch_first`: a [1, T, 2D]
+  input is T sequences of one step). Each pair's stream is its own: no recurrent state to roll
+  back beside the cache."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, features_BxTxD, embedded_BxTxD, counts_B=None):
+    c = self.config
+    D, dt = c.d_model, c.jnp_dtype
+    bias = lambda i: _param(self, f'bias_{i}', (3 * D,), (None,), 1, dt,
+                            zeros=True)[None, None]
+    gates_BxTx3D = _normed_product(self, c, [features_BxTxD, embedded_BxTxD],
+                                   ['feature_norm', 'token_norm'], 'cell_0', counts_B, 3 * D)
+    h_BxTxD = _gated_cell(gates_BxTx3D + bias(0)).astype(dt)
+    gates_BxTx3D = _dense(self, c, h_BxTxD, 'cell_1', counts_B, 3 * D)
+    return _gated_cell(gates_BxTx3D + bias(1)).astype(dt)
 
 
 class _Taps(nn.Module):
@@ -161,20 +200,24 @@ class FeatureHead(nn.Module):
   """EAGLE's head (module docstring): pairs at `positions` -> predicted features [B, T, D] and
   its blocks' (k, v), cached like the transformer's (`cache`: (k, v, lengths) per block). The
   pairs' features are the target's (its taps where the config names several: [B, T, n D]) or
-  the head's own predictions [B, T, D]."""
+  the head's own predictions [B, T, D]. A Falcon head (`drafts_per_pass` > 1) reads its pairs
+  through gated cells (`_Cells`) and its queries see the keys up to `sees` (`Attention`)."""
   config: TransformerConfig
 
   @nn.compact
   def __call__(self, features_BxTxF, embedded_BxTxD, positions_BxT, cache=None, counts_B=None,
-               tree=None):
+               tree=None, sees_BxT=None):
     c = self.config
     features_BxTxD = _stream(c, features_BxTxF, counts_B)
-    x_BxTxD = _Fuse(c, name='fuse')(features_BxTxD, embedded_BxTxD, counts_B)
+    if c.drafts_per_pass > 1:
+      x_BxTxD = _Cells(c, name='cells')(features_BxTxD, embedded_BxTxD, counts_B)
+    else:
+      x_BxTxD = _Fuse(c, name='fuse')(features_BxTxD, embedded_BxTxD, counts_B)
     new_k, new_v = [], []
     for i in range(c.num_layers):
       layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.lengths)
       x_BxTxD, (k, v) = Block(c, name=f'layer_{i}')(x_BxTxD, positions_BxT, layer_cache, None,
-                                                   counts_B, tree=tree)
+                                                   counts_B, tree=tree, sees_BxT=sees_BxT)
       new_k.append(k)
       new_v.append(v)
     return x_BxTxD, (tuple(new_k), tuple(new_v))
@@ -194,12 +237,16 @@ class ParallelHeads(nn.Module):
          for i in range(c.num_layers)], axis=1)
 
 
-def _dense(module: nn.Module, c: TransformerConfig, x_BxTxD, name: str, counts_B=None):
-  """x [B, T, D] through the module's [D, D] product `name` (packed: one kernel call)."""
+def _dense(module: nn.Module, c: TransformerConfig, x_BxTxD, name: str, counts_B=None,
+           out: int | None = None):
+  """x [B, T, D] through the module's [D, E] product `name`, E = `out` or D (packed: one kernel
+  call)."""
   if c.kernels == 'native':
     return native.matmul(x_BxTxD, module.get_variable('params', name),
                          counts=counts_B).astype(c.jnp_dtype)
-  w_DxE = _param(module, name, (c.d_model, c.d_model), ('embed', 'embed'), c.d_model, c.jnp_dtype)
+  E = out or c.d_model
+  w_DxE = _param(module, name, (c.d_model, E), ('embed', 'embed' if E == c.d_model else None),
+                 c.d_model, c.jnp_dtype)
   return project(c, 'BTD,DE->BTE', x_BxTxD, w_DxE)
 
 
@@ -248,16 +295,18 @@ class MlpSpeculator(nn.Module):
 
 def is_head(model: Model) -> bool:
   """Whether `model` is a head of this module (rather than a transformer)."""
-  return 'fuse' in model.params or 'stage_0' in model.params
+  return any(name in model.params for name in ('fuse', 'cells', 'stage_0'))
 
 
 def kind(head: Model) -> str:
-  """'feature' (an EAGLE head: decoder blocks), 'heads' (parallel heads) or 'mlp' (an MLP
-  speculator)."""
+  """'feature' (an EAGLE head: decoder blocks), 'falcon' (a Falcon head: gated cells, then
+  blocks), 'heads' (parallel heads) or 'mlp' (an MLP speculator)."""
   if not is_head(head):
     raise ValueError('Not a feature head (`models.feature_head`): a transformer\'s parameters.')
   if 'stage_0' in head.params:
     return 'mlp'
+  if 'cells' in head.params:
+    return 'falcon'
   return 'heads' if 'head_0' in head.params else 'feature'
 
 
@@ -265,14 +314,20 @@ def _module(kind_: str, config: TransformerConfig) -> nn.Module:
   if kind_ not in KINDS:
     raise ValueError(f'Unknown head kind {kind_!r}; known: {list(KINDS)}.')
   if kind_ != 'feature' and config.feature_taps:
-    raise ValueError(f'Parallel heads and MLP speculators read the target\'s last output; '
-                     f'feature_taps {config.feature_taps} are for an EAGLE head (kind feature).')
-  return {'feature': FeatureHead, 'heads': ParallelHeads, 'mlp': MlpSpeculator}[kind_](config)
+    raise ValueError(f'Parallel heads, MLP speculators and Falcon heads read the target\'s last '
+                     f'output; feature_taps {config.feature_taps} are for an EAGLE head (kind '
+                     f'feature).')
+  if (kind_ == 'falcon') != (config.drafts_per_pass > 1):
+    raise ValueError(f'A Falcon head (kind falcon) drafts more than one token a pass and other '
+                     f'heads one; got kind {kind_!r} with drafts_per_pass '
+                     f'{config.drafts_per_pass}.')
+  return {'feature': FeatureHead, 'falcon': FeatureHead, 'heads': ParallelHeads,
+          'mlp': MlpSpeculator}[kind_](config)
 
 
 def _boxed_init(kind_: str, config: TransformerConfig, rng: jax.Array):
   D = config.d_model
-  if kind_ == 'feature':  # The target's features, all its taps (which the taps' product reads).
+  if kind_ in ('feature', 'falcon'):  # The target's features, all its taps (the taps' product's).
     F = D * max(len(config.feature_taps), 1)
     args = (jnp.zeros((1, 1, F)), jnp.zeros((1, 1, D)), jnp.zeros((1, 1), jnp.int32))
   elif kind_ == 'mlp':
@@ -381,40 +436,62 @@ def _logits_at(head: Model, target: Model, features_BxTxD, logits_at_BxL, counts
 
 def extend_head(head: Model, target: Model, cache: kv_cache.KVCache, features_BxTxD: jax.Array,
                 tokens_BxT: jax.Array, *, logits_at_BxL: jax.Array | None = None,
-                counts_B: jax.Array | None = None, tree=None, first_node: int = 0
+                counts_B: jax.Array | None = None, tree=None, first_node: int = 0,
+                sees_BxT: jax.Array | None = None
                 ) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
   """An EAGLE head on T pairs (features, token) per row at the row's offset `cache.lengths`:
   (float32 logits [B, T, V] (or [B, L, V] at `logits_at`), predicted features [B, T, D], cache
   with lengths + T). As `models.extend`: row b's pairs past counts[b] are padding, their
   outputs unspecified; with a `tree` (`models.TokenTree` or `RowTrees`) the pairs are its nodes
-  first_node .., its root's pair at slot `cache.lengths`, each seeing its ancestors' pairs."""
+  first_node .., its root's pair at slot `cache.lengths`, each seeing its ancestors' pairs. A
+  Falcon head's pair t sees the pairs up to position `sees[:, t]` (default its own)."""
   T = tokens_BxT.shape[1]
   cache, positions_BxT, mask = call_positions(cache, T, tree, first_node)
   embedded_BxTxD = embed(target.config, target.params['embedding'], tokens_BxT)
   predicted_BxTxD, (k, v) = FeatureHead(head.config).apply(
       {'params': head.params}, features_BxTxD, embedded_BxTxD, positions_BxT, cache, counts_B,
-      mask)
+      mask, sees_BxT)
   logits = _logits_at(head, target, predicted_BxTxD, logits_at_BxL, counts_B)
   return logits, predicted_BxTxD, kv_cache.KVCache(k=k, v=v, lengths=cache.lengths + T)
 
 
+def block_ends(T: int, m: int, ahead: bool = False) -> jax.Array:
+  """int32[T]: what each of T pairs of a Falcon head of `m` drafts a pass sees up to in a
+  whole-sequence call: its block's last pair, blocks of m aligned at 0 (training's); with
+  `ahead` the pair m - 1 after it, every pair a block's first (its first draft's law). Both
+  clipped at T - 1."""
+  t_T = jnp.arange(T, dtype=jnp.int32)
+  ends_T = t_T + m - 1 if ahead else (t_T // m + 1) * m - 1
+  return jnp.minimum(ends_T, T - 1)
+
+
 def feature_head_forward(head: Model, target: Model, features_BxTxD: jax.Array,
                          tokens_BxT: jax.Array, tree: TokenTree | None = None,
-                         in_draft_vocab: bool = False) -> tuple[jax.Array, jax.Array]:
+                         in_draft_vocab: bool = False, sees_T: jax.Array | None = None
+                         ) -> tuple[jax.Array, jax.Array]:
   """An EAGLE head over whole sequences, no cache (training, and the reference of
   `extend_head`): pair t = (features[:, t], tokens[:, t]) -> (float32 logits [B, T, V] (a head
   with a draft vocabulary: [B, T, Vd] where `in_draft_vocab`), predicted features [B, T, D]).
   With a `tree` (root and nodes: the T pairs) each pair sits at its depth and sees its
-  ancestors' pairs only (`models.tree_logits`' mask)."""
+  ancestors' pairs only (`models.tree_logits`' mask). A Falcon head's pair t sees the pairs up
+  to `sees_T[t]` (default `block_ends(T, m)`: training's blocks)."""
   T = tokens_BxT.shape[1]
   positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens_BxT.shape)
   mask = None
   if tree is not None:
     mask = tree.mask(0, T)
     positions_BxT = jnp.broadcast_to(mask.depths_xM, tokens_BxT.shape)
+  sees_BxT = None
+  if head.config.drafts_per_pass > 1:
+    if tree is not None:
+      raise ValueError('A Falcon head reads a sequence, not a tree.')
+    if sees_T is None:
+      sees_T = block_ends(T, head.config.drafts_per_pass)
+    sees_BxT = jnp.broadcast_to(sees_T, tokens_BxT.shape)
   embedded_BxTxD = embed(target.config, target.params['embedding'], tokens_BxT)
   predicted_BxTxD, _ = FeatureHead(head.config).apply(
-      {'params': head.params}, features_BxTxD, embedded_BxTxD, positions_BxT, tree=mask)
+      {'params': head.params}, features_BxTxD, embedded_BxTxD, positions_BxT, tree=mask,
+      sees_BxT=sees_BxT)
   return (_logits_at(head, target, predicted_BxTxD, None, None, in_draft_vocab),
           predicted_BxTxD)
 
@@ -481,6 +558,11 @@ def next_token_logits(draft: Model, target: Model, tokens_BxL: jax.Array) -> jax
     return logits(draft.config, draft.params, tokens_BxL)
   f_BxLxD = features(target.config, target.params, tokens_BxL, reads(draft))
   B, L = tokens_BxL.shape
+  if kind(draft) == 'falcon':  # Pair t - m, a block's first, seeing pair t - 1: token t + 1.
+    m = draft.config.drafts_per_pass
+    q_BxTxV, _ = feature_head_forward(draft, target, f_BxLxD[:, :-1], tokens_BxL[:, 1:],
+                                      sees_T=block_ends(L - 1, m, ahead=True))
+    return jnp.pad(q_BxTxV[:, :max(L - m, 0)], ((0, 0), (min(m, L), 0), (0, 0)))
   if kind(draft) == 'feature':
     q_BxTxV, _ = feature_head_forward(draft, target, f_BxLxD[:, :-1], tokens_BxL[:, 1:])
   else:

@@ -98,11 +98,14 @@ def _unpack_layer(config: TransformerConfig, layer: dict) -> dict:
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _pack_head(config: TransformerConfig, dtype: str, params: dict) -> dict:
-  """A feature head's own products (`feature_head`): its fuse, its taps' product, its
-  parallel heads' MLPs, an MLP speculator's stages and its draft vocabulary's output layer (its
-  decoder blocks are layers, packed as a transformer's)."""
+  """A feature head's own products (`feature_head`): its fuse, its taps' product, a Falcon
+  head's cells, its parallel heads' MLPs, an MLP speculator's stages and its draft vocabulary's
+  output layer (its decoder blocks are layers, packed as a transformer's)."""
   pack = functools.partial(native.pack, dtype=dtype)
   params = dict(params)
+  if 'cells' in params:
+    params['cells'] = dict(params['cells'], cell_0=pack(params['cells']['cell_0'], in_dims=2),
+                           cell_1=pack(params['cells']['cell_1']))
   for name in _INPUT_PRODUCTS:
     if name in params:
       params[name] = dict(params[name], **{name: pack(params[name][name], in_dims=2)})
@@ -120,6 +123,9 @@ def _pack_head(config: TransformerConfig, dtype: str, params: dict) -> dict:
 @functools.partial(jax.jit, static_argnums=0)
 def _unpack_head(config: TransformerConfig, params: dict) -> dict:
   params = dict(params)
+  if 'cells' in params:
+    params['cells'] = dict(params['cells'], cell_0=native.unpack(params['cells']['cell_0']),
+                           cell_1=native.unpack(params['cells']['cell_1']))
   for name in _INPUT_PRODUCTS:
     if name in params:
       params[name] = dict(params[name], **{name: native.unpack(params[name][name])})

@@ -188,13 +188,17 @@ class Attention(nn.Module):
   as two) gives the extra ones no keys, values or attention: they get zero attention output.
   Layer `layer`'s window and rotary frequencies are the config's for it; `post_norm` (Gemma 2's)
   norms the output before the residual add.
+  `sees_BxT` (int32, each query's >= its position): query t sees the keys at positions up to
+  sees[t] rather than its own (a semi-autoregressive head's block, `feature_head`), rotated at
+  its own; by XLA's attention on every path.
   """
   config: TransformerConfig
   layer: int = 0
 
   @nn.compact
   def __call__(self, x_BxTxD, norm: RMSNorm, positions_BxT, layer_cache, keep_BxL=None,
-               counts_B=None, post_norm: RMSNorm | None = None, tree: TreeMask | None = None):
+               counts_B=None, post_norm: RMSNorm | None = None, tree: TreeMask | None = None,
+               sees_BxT=None):
     c = self.config
     # The first R dims of each head rotate (`rotary_dims`; none with learned positions).
     freqs_R2 = (rope.frequencies(c, self.layer) if c.position == 'rope'
@@ -236,7 +240,8 @@ class Attention(nn.Module):
     # A packed model's cached call attends by the kernel, on a tree too, but for a windowed
     # layer's: that attends over a whole tree by XLA's ops, as a ring (after the packed product;
     # the cache has the same layout).
-    if packed and layer_cache is not None and (tree is None or options['window'] is None):
+    if packed and layer_cache is not None and sees_BxT is None and (
+        tree is None or options['window'] is None):
       # Rotation, cache writes and attention in one native call that reads only the slots in
       # use (a cached call's positions are starts + t, `api.extend`).
       if c.qk_norm:  # Normed by XLA's ops between the product and the attention kernel.
@@ -248,7 +253,8 @@ class Attention(nn.Module):
           rope_scale=amplitude, **options, **({} if tree is None else _tree_operands(tree, T)))
       out_BxTxKxGxH = out_BxTxKxGxH.astype(dt)
     else:
-      if packed:  # A full pass or a windowed layer's tree: XLA's attention after the product.
+      if packed:  # A full pass, a windowed layer's tree or queries that see ahead (`sees_BxT`):
+        # XLA's attention after the product.
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = jnp.split(qkv_BxTxMxH, [N, N + K], axis=2)
       elif c.kernels == 'xla_fused':
         G = N // K
@@ -296,8 +302,10 @@ class Attention(nn.Module):
         if tree is not None:  # The call's first node is written at starts.
           key_pos_BxS, allowed_BxTxS = native.tree_slots(
               tree.depths_xM, tree.ancestors_xTxM, starts_B - tree.first, keys_BxSxKxH.shape[1])
-      out_BxTxKxGxH = native.attend(q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH, positions_BxT,
-                                    key_pos_BxS, allowed_BxTxS=allowed_BxTxS, **options)
+      out_BxTxKxGxH = native.attend(
+          q_BxTxKxGxH, keys_BxSxKxH, values_BxSxKxH,
+          positions_BxT if sees_BxT is None else sees_BxT, key_pos_BxS,
+          allowed_BxTxS=allowed_BxTxS, **options)
     # One contracting dim of N * H: wo is then only reshaped. With (N, H) contracted as two dims,
     # XLA's CPU layout assignment transposes wo instead of the small activation, a copy of the
     # weight on every call that it does not hoist out of the decode loop.
@@ -413,13 +421,13 @@ or in parallel (`parallel_residual`)."""
 
   @nn.compact
   def __call__(self, x_BxTxD, positions_BxT, layer_cache, keep_BxL=None, counts_B=None,
-               tree: TreeMask | None = None):
+               tree: TreeMask | None = None, sees_BxT=None):
     c = self.config
     post_norm = lambda name: RMSNorm(c, name=name) if c.post_norms else None
     block_in_BxTxD = x_BxTxD
     x_BxTxD, new_kv = Attention(c, self.layer, name='attn')(
         x_BxTxD, RMSNorm(c, name='attn_norm'), positions_BxT, layer_cache, keep_BxL, counts_B,
-        post_norm('attn_post_norm'), tree)
+        post_norm('attn_post_norm'), tree, sees_BxT)
     mlp_counts_B = counts_B if keep_BxL is None else _kept_counts(keep_BxL, counts_B)
     if c.parallel_residual:  # The MLP reads the block's input (at the kept positions).
       if keep_BxL is not None:

@@ -1,23 +1,25 @@
 """The drafter a config names (`drafter=` in the binaries' configs): `build`."""
 
 from spsjax.sampling.drafters import Drafter, Hybrid, ModelDrafter, PromptLookup
-from spsjax.sampling.feature_drafters import (FeatureDrafter, FeatureDynamicDrafter,
-                                              FeatureTreeDrafter, HeadsDrafter, HeadsTreeDrafter,
-                                              MlpDrafter, MlpTreeDrafter)
+from spsjax.sampling.feature_drafters import (FalconDrafter, FeatureDrafter,
+                                              FeatureDynamicDrafter, FeatureTreeDrafter,
+                                              HeadsDrafter, HeadsTreeDrafter, MlpDrafter,
+                                              MlpTreeDrafter)
 from spsjax.sampling.tree_drafters import DynamicTreeDrafter, TreeDrafter
 
-KINDS = ('model', 'lookup', 'hybrid', 'feature', 'heads', 'mlp', 'tree')
+KINDS = ('model', 'lookup', 'hybrid', 'feature', 'falcon', 'heads', 'mlp', 'tree')
 # The kinds whose draft is a head over the target's features (`models.feature_head`), not a
 # transformer: the binaries load their checkpoint as one.
-HEAD_KINDS = ('feature', 'heads', 'mlp')
+HEAD_KINDS = ('feature', 'falcon', 'heads', 'mlp')
 
 
 def build(kind: str = 'model', *, max_ngram: int = 3, min_ngram: int = 1,
           stop_below: float = 0.0, alternatives: int = 0, branching: str = '',
-          tree_nodes: int = 0, tree_width: int = 4) -> Drafter:
+          tree_nodes: int = 0, tree_width: int = 4, per_pass: int = 2) -> Drafter:
   """`model` (with `stop_below` > 0: dynamic k), `lookup` (n-grams from `max_ngram` down to
   `min_ngram`), `hybrid` (both), `feature` (an EAGLE head), `heads` (parallel heads), `mlp`
-  (an MLP speculator: a chain, stage by stage); with
+  (an MLP speculator: a chain, stage by stage), `falcon` (a Falcon head: a chain, `per_pass`
+  drafts a head call); with
   `alternatives` > 0 all but `lookup` propose a tree, that many other tokens beside each draft;
   `feature`, `heads` or `mlp` with `branching` drafts a full tree (EAGLE's static tree,
   Medusa's, the MLP speculator's stage by stage);
@@ -50,6 +52,13 @@ def build(kind: str = 'model', *, max_ngram: int = 3, min_ngram: int = 1,
   if stop_below and kind in HEAD_KINDS + ('tree',):
     raise ValueError(f'stop_below={stop_below}: dynamic k is implemented for draft models '
                      f'(drafter model or hybrid), not for the {kind} drafter.')
+  if kind == 'falcon':
+    if alternatives or branching:
+      raise ValueError('A Falcon drafter drafts a chain: it takes no alternatives or branching.')
+    return FalconDrafter(per_pass=per_pass)
+  if per_pass != 2:
+    raise ValueError(f'per_pass={per_pass} is a Falcon head\'s drafts a pass (drafter falcon), '
+                     f'not the {kind} drafter\'s.')
   if kind == 'model':
     return ModelDrafter(stop_below=stop_below, alternatives=alternatives)
   if kind == 'hybrid':

@@ -1,5 +1,5 @@
-"""Drafters that read the target's hidden states: an EAGLE head, parallel (Medusa/MTP) heads and
-an MLP speculator.
+"""Drafters that read the target's hidden states: an EAGLE head, a Falcon head, parallel
+(Medusa/MTP) heads and an MLP speculator.
 
 Both draft from `models.feature_head` heads, which share the target's embedding and output layer
 (`Drafter.bind` hands them the target inside the program). The target's features reach them from
@@ -54,22 +54,43 @@ class Pending:
   num_B: jax.Array  # int32 m_b in [1, M].
 
   @classmethod
-  def of_prompts(cls, features_BxPxD, prompt_lengths_B, width: int) -> 'Pending':
-    """The prompt's last position's, in a buffer of `width`."""
+  def of_prompts(cls, features_BxPxD, prompt_lengths_B, width: int, keep: int = 1
+                 ) -> 'Pending':
+    """The prompt's last position's (its last `keep`, as many as it has), in a buffer of
+    `width` >= keep."""
     B, _, D = features_BxPxD.shape
-    last_BxD = jnp.take_along_axis(features_BxPxD, (prompt_lengths_B - 1)[:, None, None],
-                                   axis=1)[:, 0]
-    buffer_BxMxD = jnp.zeros((B, width, D), features_BxPxD.dtype).at[:, 0].set(last_BxD)
-    return cls(buffer_BxMxD, jnp.ones((B,), jnp.int32))
+    if keep == 1:
+      last_BxD = jnp.take_along_axis(features_BxPxD, (prompt_lengths_B - 1)[:, None, None],
+                                     axis=1)[:, 0]
+      buffer_BxMxD = jnp.zeros((B, width, D), features_BxPxD.dtype).at[:, 0].set(last_BxD)
+      return cls(buffer_BxMxD, jnp.ones((B,), jnp.int32))
+    num_B = jnp.minimum(prompt_lengths_B, keep).astype(jnp.int32)
+    at_BxM = jnp.clip((prompt_lengths_B - num_B)[:, None] + jnp.arange(width)[None], 0,
+                      features_BxPxD.shape[1] - 1)
+    return cls(jnp.take_along_axis(features_BxPxD, at_BxM[:, :, None], axis=1), num_B)
 
-  def after(self, verdict: Verdict) -> 'Pending':
-    """After a loop: the emitted block's features, base .. target_lengths - 1; rows that emitted
+  def after(self, verdict: Verdict, keep: int = 1) -> 'Pending':
+    """After a loop: the emitted block's features, base .. target_lengths - 1, with the newest
+    ones before it where fewer than `keep` were emitted (as many as there are); rows that emitted
     nothing (idle) keep theirs."""
     emitted_B = verdict.target_lengths_B - verdict.base_B
     fresh_B = emitted_B > 0
-    return Pending(jnp.where(fresh_B[:, None, None], verdict.features_BxKp1xD,
-                             self.features_BxMxD),
-                   jnp.where(fresh_B, emitted_B, self.num_B).astype(jnp.int32))
+    if keep == 1:
+      return Pending(jnp.where(fresh_B[:, None, None], verdict.features_BxKp1xD,
+                               self.features_BxMxD),
+                     jnp.where(fresh_B, emitted_B, self.num_B).astype(jnp.int32))
+    M, Kp1 = self.features_BxMxD.shape[1], verdict.features_BxKp1xD.shape[1]
+    total_B = self.num_B + emitted_B
+    num_B = jnp.minimum(jnp.maximum(emitted_B, keep), total_B)
+    # Slot j holds the (total - num + j)-th of the kept ones followed by the emitted ones.
+    v_BxM = (total_B - num_B)[:, None] + jnp.arange(M)[None]
+    old_BxMxD = jnp.take_along_axis(self.features_BxMxD, jnp.clip(v_BxM, 0, M - 1)[:, :, None],
+                                    axis=1)
+    new_BxMxD = jnp.take_along_axis(verdict.features_BxKp1xD, jnp.clip(
+        v_BxM - self.num_B[:, None], 0, Kp1 - 1)[:, :, None], axis=1)
+    merged_BxMxD = jnp.where((v_BxM < self.num_B[:, None])[:, :, None], old_BxMxD, new_BxMxD)
+    return Pending(jnp.where(fresh_B[:, None, None], merged_BxMxD, self.features_BxMxD),
+                   jnp.where(fresh_B, num_B, self.num_B).astype(jnp.int32))
 
   def newest(self) -> jax.Array:
     """[B, D]: the features of position c_b - 2."""
@@ -147,21 +168,31 @@ class _FeatureDrafterBase(Drafter):
     return HeadAndTarget(head=draft, target=target)
 
 
-def _read_pending(draft: HeadAndTarget, state: '_HeadState', committed: Committed):
-  """The EAGLE head's first call of a loop: it reads the pending pairs of true features (over
-  what it had fed itself there): (the first draft's logits [B, 1, V], the features it predicts
-  after the last committed token [B, D], its cache through the pairs of positions .. c - 2)."""
+def _read_pending(draft: HeadAndTarget, state: '_HeadState', committed: Committed,
+                  block: int = 1):
+  """A head's first call of a loop: it reads the pending pairs of true features (over what it
+  had fed itself there): (the first `block` drafts' logits [B, block, V], the features it
+  predicts at the last `block` pairs [B, block, D], its cache through the pairs of positions ..
+  c - 2). An EAGLE head's block is its last pair; a Falcon head's (`block` > 1) are the last
+  `block`, each seeing up to the last (with fewer pending, the first repeated)."""
   pending = state.pending
   m_B, M = pending.num_B, pending.features_BxMxD.shape[1]
   # The committed tokens after the pending features' positions: c - m .. c - 1.
   tokens_BxM = jnp.stack([committed.last(jnp.maximum(m_B - j, 1)) for j in range(M)], axis=1)
-  cache = state.cache.with_lengths(committed.lengths_B - 1 - m_B)
+  first_B = committed.lengths_B - 1 - m_B
+  cache = state.cache.with_lengths(first_B)
   counts_B = m_B if committed.active_B is None else jnp.where(committed.active_B, m_B, 0)
-  logits_Bx1xV, predicted_BxMxD, cache = feature_head.extend_head(
+  at_BxL = jnp.maximum((m_B - block)[:, None] + jnp.arange(block)[None], 0)
+  sees_BxM = None
+  if block > 1:  # The block sees up to its last pair's position, c - 2; the others their own.
+    t_BxM = jnp.arange(M)[None]
+    sees_BxM = jnp.where(t_BxM >= (m_B - block)[:, None], (committed.lengths_B - 2)[:, None],
+                         first_B[:, None] + t_BxM)
+  logits_BxLxV, predicted_BxMxD, cache = feature_head.extend_head(
       draft.head, draft.target, cache, pending.features_BxMxD, tokens_BxM,
-      logits_at_BxL=(m_B - 1)[:, None], counts_B=counts_B)
-  features_BxD = jnp.take_along_axis(predicted_BxMxD, (m_B - 1)[:, None, None], axis=1)[:, 0]
-  return logits_Bx1xV, features_BxD, cache.with_lengths(committed.lengths_B - 1)
+      logits_at_BxL=at_BxL, counts_B=counts_B, sees_BxT=sees_BxM)
+  features_BxLxD = jnp.take_along_axis(predicted_BxMxD, at_BxL[:, :, None], axis=1)
+  return logits_BxLxV, features_BxLxD, cache.with_lengths(committed.lengths_B - 1)
 
 
 @flax.struct.dataclass
@@ -202,7 +233,8 @@ class FeatureDrafter(_FeatureDrafterBase):
               keys_BxK):
     k, B = loop.k, keys_BxK.shape[0]
     choose = _sampler(loop, keys_BxK, self.alternatives, committed)
-    logits_Bx1xV, features_BxD, cache = _read_pending(draft, state, committed)
+    logits_Bx1xV, features_Bx1xD, cache = _read_pending(draft, state, committed)
+    features_BxD = features_Bx1xD[:, 0]
     tokens_BxK = jnp.zeros((B, k), jnp.int32)
     q_BxV, d_B, alternatives = choose(0, logits_Bx1xV[:, 0], tokens_BxK)
     tokens_BxK = tokens_BxK.at[:, 0].set(d_B)
@@ -270,7 +302,8 @@ class FeatureTreeDrafter(_Branched, FeatureDrafter):
   def propose(self, loop, draft: HeadAndTarget, state: _HeadState, committed: Committed,
               keys_BxK):
     tree = self.tree(loop.k)
-    logits_Bx1xV, features_BxD, cache = _read_pending(draft, state, committed)
+    logits_Bx1xV, features_Bx1xD, cache = _read_pending(draft, state, committed)
+    features_BxD = features_Bx1xD[:, 0]
     root_B = committed.lengths_B - 2  # The root's pair: the last committed token's.
     carry = {'cache': cache, 'features_BxLxD': features_BxD[:, None]}
 
@@ -327,7 +360,8 @@ class FeatureDynamicDrafter(FeatureDrafter):
 
   def propose(self, loop, draft: HeadAndTarget, state: _HeadState, committed: Committed,
               keys_BxK):
-    logits_Bx1xV, features_BxD, cache = _read_pending(draft, state, committed)
+    logits_Bx1xV, features_Bx1xD, cache = _read_pending(draft, state, committed)
+    features_BxD = features_Bx1xD[:, 0]
     root_B = committed.lengths_B - 2  # The root's pair: the last committed token's.
     w = self.width
     carry = {'cache': cache, 'features_BxLxD': jnp.repeat(features_BxD[:, None], w, axis=1)}
@@ -346,6 +380,83 @@ class FeatureDynamicDrafter(FeatureDrafter):
     cache = kv_cache.constrain(carry['cache'].with_lengths(committed.lengths_B - 1), loop.mesh,
                                loop.rules)
     return proposal, state.replace(cache=cache)
+
+
+@dataclasses.dataclass(frozen=True)
+class FalconDrafter(_FeatureDrafterBase):
+  """Falcon (Gao et al. 2024): a head drafting m = `per_pass` tokens a pass (a `feature_head`
+  Falcon head of `drafts_per_pass` m), a chain of k in ceil(k / m) head calls.
+
+  Each loop's first call reads the pending pairs of true features as EAGLE's does (at least the
+  newest m: `Pending.after`'s `keep`), its last m pairs a block that sees up to position c - 2:
+  their predictions give the first m drafts' laws. Each further call reads one block: the m
+  features the call before predicted, each with the draft drawn from its law, at positions
+  c - 1 + .., every pair seeing up to the block's last; its predictions give the next m laws.
+  The m drafts of a pass are drawn in slot order (a context rule reads the drafts before each
+  slot) from laws that do not read each other's draws: q is the law each was drawn from, and
+  speculative sampling stays exact. The head's cache invariant is `FeatureDrafter`'s. A chain:
+  no alternatives, no tree.
+  """
+  per_pass: int = 2
+
+  kind = 'falcon'
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.alternatives:
+      raise ValueError('A Falcon drafter drafts a chain: it takes no alternatives.')
+    if self.per_pass < 2:
+      raise ValueError(f'A Falcon drafter drafts per_pass >= 2 tokens a pass (1 is EAGLE\'s '
+                       f'drafter feature); got {self.per_pass}.')
+
+  def passes(self, k: int) -> int:
+    return -(-k // self.per_pass)
+
+  def draft_steps(self, k: int, proposed_per_loop: float) -> float:
+    del proposed_per_loop
+    return float(self.passes(k))
+
+  def draft_calls(self, k: int) -> tuple[int, ...]:
+    return (self.per_pass,) * self.passes(k)
+
+  def check(self, target: Model, draft) -> None:
+    super().check(target, draft)
+    if draft.config.drafts_per_pass != self.per_pass:
+      raise ValueError(f'The Falcon head drafts {draft.config.drafts_per_pass} tokens a pass; '
+                       f'the drafter was built for per_pass={self.per_pass}.')
+
+  def init(self, loop, draft: HeadAndTarget, prompts_BxP, prompt_lengths_B, capacity,
+           features_BxPxD=None) -> _HeadState:
+    m = self.per_pass  # A first call of max(k + 1, m) pairs: m - k - 1 more slots where m > k + 1.
+    state = FeatureDrafter.init(self, loop, draft, prompts_BxP, prompt_lengths_B,
+                                capacity + max(0, m - loop.k - 1), features_BxPxD)
+    return state.replace(pending=Pending.of_prompts(features_BxPxD, prompt_lengths_B,
+                                                    max(loop.k + 1, m), keep=m))
+
+  def propose(self, loop, draft: HeadAndTarget, state: _HeadState, committed: Committed,
+              keys_BxK):
+    k, m, B = loop.k, self.per_pass, keys_BxK.shape[0]
+    choose = _sampler(loop, keys_BxK, 0, committed)
+    logits_BxMxV, features_BxMxD, cache = _read_pending(draft, state, committed, m)
+    tokens_BxK = jnp.zeros((B, k), jnp.int32)
+    qs = []
+    for p in range(self.passes(k)):
+      if p:  # Block p: the pairs at c - 1 + (p - 1) m .., each seeing up to the block's last.
+        sees_BxM = jnp.broadcast_to((committed.lengths_B - 2 + p * m)[:, None], (B, m))
+        logits_BxMxV, features_BxMxD, cache = feature_head.extend_head(
+            draft.head, draft.target, cache, features_BxMxD, tokens_BxK[:, (p - 1) * m:p * m],
+            counts_B=committed.counts(m), sees_BxT=sees_BxM)
+      for j in range(min(m, k - p * m)):
+        q_BxV, d_B, _ = choose(p * m + j, logits_BxMxV[:, j], tokens_BxK)
+        tokens_BxK = tokens_BxK.at[:, p * m + j].set(d_B)
+        qs.append(q_BxV)
+    cache = kv_cache.constrain(cache.with_lengths(committed.lengths_B - 1), loop.mesh,
+                               loop.rules)
+    return _proposal(tokens_BxK, jnp.stack(qs, axis=1), None), state.replace(cache=cache)
+
+  def rollback(self, loop, state: _HeadState, verdict: Verdict) -> _HeadState:
+    del loop
+    return state.replace(pending=state.pending.after(verdict, keep=self.per_pass))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,11 @@ of token t + 1 (no gradient: the target is frozen). A head reads pairs (f_t, x_{
   are averaged over the runs, run j weighted by `own_step_decay`^j (EAGLE-3: 0.8). A head of
   several taps (EAGLE-3's features, `feature_head`) reads
   the target's taps in run 0 and its own predictions after;
+- a Falcon head (`drafts_per_pass` m) reads the pairs in blocks of m aligned at 0, each pair
+  seeing its block's pairs (`feature_head.block_ends`), and its prediction at pair t is
+  f^_{t+m}: the same KL and regression m positions on, KL(p_{t+m} || q_t) (offset j of a
+  block is the j-th draft of a pass; its drafting passes after the first read its own
+  predictions, which it is not trained on: Falcon's glancing is not built);
 - parallel head i at pair t predicts the law of x_{t+2+i}: KL(p_{t+1+i} || q_{t,i}) and the
   regression to f_{t+1+i}, over the pairs where t + 1 + i is in the batch, averaged over heads;
   an MLP speculator's stage i likewise, reading the corpus tokens x_{t+1} .. x_{t+1+i} (teacher
@@ -21,8 +26,9 @@ A head with a draft vocabulary (`feature_head.DraftVocab`, EAGLE-3) is trained i
 logits over those tokens against the target's law restricted to them, renormalized (the law q
 on the draft vocabulary that accepts most: every min(p, q) is p there).
 Metrics: `lm_loss` is the cross-entropy of the first draft's law on the corpus token it drafts
-(x_{t+2}; with a draft vocabulary, over the tokens in it, and `coverage` the fraction that
-are), `distill` the KL, `feature` the regression.
+(x_{t+2}; a Falcon head's, of each pair's law on its token x_{t+m+1}; with a draft vocabulary,
+over the tokens in it, and `coverage` the fraction that are), `distill` the KL, `feature` the
+regression.
 """
 
 import functools
@@ -135,6 +141,15 @@ def head_loss(kind: str, head: models.Model, target: models.Model, batch_BxL1: j
       streams.append(jax.lax.stop_gradient(predicted_BxTxD[:, :T - run - 1]))
       tokens.append(pairs_x[:, run + 1:])
     kl, regression = _weighted(kls, own_step_decay), _weighted(regressions, own_step_decay)
+  elif kind == 'falcon':
+    m = head.config.drafts_per_pass
+    valid = pairs_x.shape[1] - m + 1  # Pairs t with t + m <= L - 1.
+    q_BxTxV, predicted_BxTxD = feature_head.feature_head_forward(head, target, pairs_f, pairs_x,
+                                                                 in_draft_vocab=own)
+    kl = _kl(q_BxTxV[:, :valid], p_BxLxV[:, m:])
+    regression = _smooth_l1(predicted_BxTxD[:, :valid], f_BxLxD[:, m:])
+    ce = _first_draft_ce(q_BxTxV[:, :valid], batch_BxL1[:, m + 1:], vocab_Vd,
+                         head.config.vocab_size)
   elif kind in ('heads', 'mlp'):
     B, T = pairs_x.shape
     D = f_BxLxD.shape[-1]

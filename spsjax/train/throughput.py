@@ -55,7 +55,7 @@ def head_flops_per_token(kind: str, config: TransformerConfig, seq_len: int,
   per_law = 6 * own if own else 4 * config.vocab_size * config.d_model
   laws = config.num_layers if kind == 'heads' else 1
   attention = (12 * config.num_layers * seq_len * config.num_heads * config.dims_per_head
-               if kind == 'feature' else 0)
+               if kind in ('feature', 'falcon') else 0)
   run = 6.0 * (matrices - taps - own) + laws * per_law + attention
   return 6.0 * taps + (1 + own_steps) * run
 

@@ -66,8 +66,9 @@ class TrainConfig:
   # (`models.truncated_params`) rather than at random: the model must be the teacher's, shorter.
   init_from_teacher: bool = False
   # A draft head over the frozen teacher's features (`models.feature_head`: 'feature', an EAGLE
-  # head; 'heads', parallel heads), trained on `head_losses` instead of the LM loss: `model` is
-  # then the head's config (`feature_head.head_config`). '' trains a transformer.
+  # head; 'falcon', a Falcon head; 'heads', parallel heads; 'mlp', an MLP speculator), trained
+  # on `head_losses` instead of the LM loss: `model` is then the head's config
+  # (`feature_head.head_config`). '' trains a transformer.
   head: str = ''
   head_feature_weight: float = 0.1  # The feature regression's weight beside the KL.
   head_own_steps: int = 0  # Runs on the head's own predictions (HASS; `head_losses`).
