@@ -10,7 +10,8 @@ seed, results, runlocal; ks and thresholds ('+'-separated) for the drafter
 sweep: model, prompt lookup and hybrid drafters at each k, then dynamic k (a model draft that stops
 below each confidence threshold) at the largest k, and the ragged ones (lookup, dynamic k) again
 with `trim_score` (the target scores only the positions proposed). drafter_k: the draft model
-and the head checkpoints named by feature (an EAGLE head) and heads (parallel heads) at each k of
+and the head checkpoints named by feature (an EAGLE head), falcon (a Falcon head, 2 drafts a
+pass), heads (parallel heads) and mlp (an MLP speculator) at each k of
 ks (draft=none: the heads only), with a figure of tokens per loop against k, a line per
 drafter. The k, drafter and drafter_k sweeps end with k = 'auto' points (`bench.auto_k`, up to
 the largest k; auto=0: none), each calibrated on the first batch (cached on disk; recalibrate:
@@ -86,18 +87,18 @@ def get_config(arg=None):
                 max_new_tokens=128, temperature=0.8, seed=0, results='', runlocal=False,
                 drafts='+'.join(DRAFTS), data=1, model_axis=1, draft_weights='w8a8',
                 ks='2+4+6', thresholds='0.1+0.2+0.4', hf_target='', hf_draft='', feature='',
-                heads='', auto=True, recalibrate=False)
+                heads='', falcon='', mlp='', auto=True, recalibrate=False)
   drafts = (a.hf_draft,) if a.hf_draft else tuple(d for d in a.drafts.split('+') if d)
   ks = _values('ks', a.ks, int, lambda k: k >= 1, 'integers >= 1')
   thresholds = _values('thresholds', a.thresholds, float, lambda t: 0 < t <= 1,
                        'numbers in (0, 1]')
   if not drafts:
     raise ValueError('drafts names no checkpoint.')
-  heads = tuple((kind, name) for kind, name in (('feature', a.feature), ('heads', a.heads))
-                if name)
+  heads = tuple((kind, name) for kind, name in (
+      ('feature', a.feature), ('falcon', a.falcon), ('heads', a.heads), ('mlp', a.mlp)) if name)
   if heads and a.sweep != 'drafter_k':
-    raise ValueError(f'feature= and heads= name head checkpoints for sweep=drafter_k, not '
-                     f'sweep={a.sweep}.')
+    raise ValueError(f'feature=, falcon=, heads= and mlp= name head checkpoints for '
+                     f'sweep=drafter_k, not sweep={a.sweep}.')
   c = ml_collections.ConfigDict()
   c.note = default_pair_note(arg, ('root', 'draft', 'drafts', 'hf_target', 'hf_draft'))
   c.root = a.root

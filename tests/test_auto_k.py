@@ -234,5 +234,8 @@ def test_the_sweeps_end_with_auto_points():
                                                                       ('f auto', 5, True)]
   assert labels('sweep=drafter_k,draft=none,heads=h,ks=3') == [('h k=3', 3, False),
                                                                ('h auto', 3, True)]
+  falcon = config.get_config('sweep=drafter_k,draft=none,falcon=f,mlp=m,ks=3').points
+  assert [(p['label'], p['drafter']['kind']) for p in falcon] == [
+      ('f k=3', 'falcon'), ('m k=3', 'mlp'), ('f auto', 'falcon'), ('m auto', 'mlp')]
   assert [l for l, _, auto in labels('sweep=drafter') if auto] == [
       'model auto', 'lookup auto', 'hybrid auto']

@@ -173,7 +173,8 @@ def _one_line_error(run, *parts):
     (['experiments/sweep.py', '--config=configs/sweep.py:sweep=drafter,ks=2+x'],
      ["ks must be '+'-separated integers >= 1, got '2+x'."]),
     (['experiments/sweep.py', '--config=configs/sweep.py:sweep=k,feature=feature'],
-     ['feature= and heads= name head checkpoints for sweep=drafter_k, not sweep=k.']),
+     ['feature=, falcon=, heads= and mlp= name head checkpoints for sweep=drafter_k, not '
+      'sweep=k.']),
     (['experiments/sweep.py', '--config=configs/sweep.py:sweep=k,batch=8,prompts=4'],
      ['batch must be in [1, prompts = 4], got 8.']),
     (['experiments/peer_benchmark.py', '--config=configs/peer.py:hf_target=/nope'],
