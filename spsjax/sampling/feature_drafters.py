@@ -22,7 +22,8 @@ target's features then come from the accepted path's nodes.
 With c_b committed tokens in row b, the target has features for positions 0 .. c_b - 2 (the last
 committed token is scored next loop). Each drafter's state keeps the features of the newest m_b
 of them that it has not yet read, m_b >= 1: the prompt's last at the start, the emitted block's
-(accepted drafts' positions and the one before) after each loop.
+(accepted drafts' positions and the one before) after each loop; a Falcon drafter keeps at least
+the newest m (its block), read or not.
 """
 
 import dataclasses
