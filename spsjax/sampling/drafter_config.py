@@ -30,6 +30,9 @@ def build(kind: str = 'model', *, max_ngram: int = 3, min_ngram: int = 1,
   `sampling.dynamic_trees`; `tree_width` candidates per expanded node)."""
   if kind not in KINDS:
     raise ValueError(f'Unknown drafter {kind!r}; known: {list(KINDS)}.')
+  if per_pass != 2 and kind != 'falcon':
+    raise ValueError(f'per_pass={per_pass} is a Falcon head\'s drafts a pass (drafter falcon), '
+                     f'not the {kind} drafter\'s.')
   if tree_nodes and kind not in ('tree', 'feature'):
     raise ValueError(f'tree_nodes={tree_nodes}: dynamic trees are grown by the draft model '
                      f'(drafter tree) or an EAGLE head (drafter feature), not the {kind} '
@@ -56,9 +59,6 @@ def build(kind: str = 'model', *, max_ngram: int = 3, min_ngram: int = 1,
     if alternatives or branching:
       raise ValueError('A Falcon drafter drafts a chain: it takes no alternatives or branching.')
     return FalconDrafter(per_pass=per_pass)
-  if per_pass != 2:
-    raise ValueError(f'per_pass={per_pass} is a Falcon head\'s drafts a pass (drafter falcon), '
-                     f'not the {kind} drafter\'s.')
   if kind == 'model':
     return ModelDrafter(stop_below=stop_below, alternatives=alternatives)
   if kind == 'hybrid':

@@ -59,12 +59,6 @@ class Pending:
                  ) -> 'Pending':
     """The prompt's last position's (its last `keep`, as many as it has), in a buffer of
     `width` >= keep."""
-    B, _, D = features_BxPxD.shape
-    if keep == 1:
-      last_BxD = jnp.take_along_axis(features_BxPxD, (prompt_lengths_B - 1)[:, None, None],
-                                     axis=1)[:, 0]
-      buffer_BxMxD = jnp.zeros((B, width, D), features_BxPxD.dtype).at[:, 0].set(last_BxD)
-      return cls(buffer_BxMxD, jnp.ones((B,), jnp.int32))
     num_B = jnp.minimum(prompt_lengths_B, keep).astype(jnp.int32)
     at_BxM = jnp.clip((prompt_lengths_B - num_B)[:, None] + jnp.arange(width)[None], 0,
                       features_BxPxD.shape[1] - 1)
@@ -202,6 +196,21 @@ class _HeadState:
   pending: Pending
 
 
+def _head_state(loop, draft: HeadAndTarget, prompts_BxP, prompt_lengths_B, capacity,
+                features_BxPxD, keep: int = 1) -> _HeadState:
+  """A head's cache through the prompt's pairs 0 .. L - 2 (its features, each with the prompt
+  token after it) and the pending features of its last `keep` positions (`Pending.of_prompts`)."""
+  B, P = prompts_BxP.shape
+  cache = init_cache(draft.head.config, B, capacity)
+  if P > 1:
+    _, _, cache = feature_head.extend_head(
+        draft.head, draft.target, cache, features_BxPxD[:, :-1], prompts_BxP[:, 1:],
+        logits_at_BxL=jnp.zeros((B, 1), jnp.int32), counts_B=prompt_lengths_B - 1)
+  cache = kv_cache.constrain(cache.with_lengths(prompt_lengths_B - 1), loop.mesh, loop.rules)
+  return _HeadState(cache, Pending.of_prompts(features_BxPxD, prompt_lengths_B,
+                                              max(loop.k + 1, keep), keep))
+
+
 @dataclasses.dataclass(frozen=True)
 class FeatureDrafter(_FeatureDrafterBase):
   """EAGLE: a head that drafts on its own predicted features (`feature_head.FeatureHead`).
@@ -221,14 +230,7 @@ class FeatureDrafter(_FeatureDrafterBase):
 
   def init(self, loop, draft: HeadAndTarget, prompts_BxP, prompt_lengths_B, capacity,
            features_BxPxD=None) -> _HeadState:
-    B, P = prompts_BxP.shape
-    cache = init_cache(draft.head.config, B, capacity)
-    if P > 1:  # Pairs 0 .. L - 2: the prompt's features, each with the prompt token after it.
-      _, _, cache = feature_head.extend_head(
-          draft.head, draft.target, cache, features_BxPxD[:, :-1], prompts_BxP[:, 1:],
-          logits_at_BxL=jnp.zeros((B, 1), jnp.int32), counts_B=prompt_lengths_B - 1)
-    cache = kv_cache.constrain(cache.with_lengths(prompt_lengths_B - 1), loop.mesh, loop.rules)
-    return _HeadState(cache, Pending.of_prompts(features_BxPxD, prompt_lengths_B, loop.k + 1))
+    return _head_state(loop, draft, prompts_BxP, prompt_lengths_B, capacity, features_BxPxD)
 
   def propose(self, loop, draft: HeadAndTarget, state: _HeadState, committed: Committed,
               keys_BxK):
@@ -429,10 +431,8 @@ class FalconDrafter(_FeatureDrafterBase):
   def init(self, loop, draft: HeadAndTarget, prompts_BxP, prompt_lengths_B, capacity,
            features_BxPxD=None) -> _HeadState:
     m = self.per_pass  # A first call of max(k + 1, m) pairs: m - k - 1 more slots where m > k + 1.
-    state = FeatureDrafter.init(self, loop, draft, prompts_BxP, prompt_lengths_B,
-                                capacity + max(0, m - loop.k - 1), features_BxPxD)
-    return state.replace(pending=Pending.of_prompts(features_BxPxD, prompt_lengths_B,
-                                                    max(loop.k + 1, m), keep=m))
+    return _head_state(loop, draft, prompts_BxP, prompt_lengths_B,
+                       capacity + max(0, m - loop.k - 1), features_BxPxD, keep=m)
 
   def propose(self, loop, draft: HeadAndTarget, state: _HeadState, committed: Committed,
               keys_BxK):
